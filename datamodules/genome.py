@@ -1,0 +1,432 @@
+"""DNA data for decoder language models: FASTA / FASTA.gz -> base tokens.
+
+Token ids: A=0, C=1, G=2, T=3, N=4 (``vocab_size = 5``). Every sample is a
+``torch.LongTensor [context_length + 1]`` of consecutive bases; the LM head shifts it.
+
+Splits are made by *region*: each record is cut into consecutive regions of
+``region_size`` bases and each region goes to train/val/test from a hash of
+(record id, region index, seed). A crop never crosses a region boundary, so the splits
+never share a base. Training crops start at every ``train_stride``-th position where a
+full window fits; val/test use fixed, non-overlapping windows tiled over their regions.
+"""
+import gzip
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger("mixlab.genome")
+
+ALPHABET = "ACGTN"
+N_ID = 4
+IUPAC_CODES = "RYKMSWBDHV"
+SPLITS = ("train", "val", "test")
+DEFAULT_FILES = ("human_chr22_hg38_slice.fa", "human_chr17_hg19_part.fa", "human_chrM_rCRS.fa")
+_BAD, _LOWER, _AMBIG = 255, 254, 253  # lookup-table markers for rejected bytes
+_CACHE_VERSION = 1
+
+
+@lru_cache(maxsize=None)
+def _lookup_table(lowercase: str, iupac: str) -> np.ndarray:
+    lut = np.full(256, _BAD, np.uint8)
+    for i, base in enumerate(ALPHABET):
+        lut[ord(base)] = i
+    for code in IUPAC_CODES:
+        lut[ord(code)] = N_ID if iupac == "n" else _AMBIG
+    for upper in ALPHABET + IUPAC_CODES:
+        lower, folded = ord(upper.lower()), lut[ord(upper)]
+        if lowercase == "error":
+            lut[lower] = _LOWER
+        elif lowercase == "n" and folded != _AMBIG:
+            lut[lower] = N_ID
+        else:
+            lut[lower] = folded
+    lut.flags.writeable = False
+    return lut
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def encode_sequence(seq: str | bytes, lowercase: str = "fold", iupac: str = "n",
+                    where: str = "sequence") -> np.ndarray:
+    """Encode DNA letters to a ``uint8`` array ``[len(seq)]`` of ids (A C G T N -> 0..4).
+
+    Vectorised (one numpy table lookup over the bytes). ``lowercase``: "fold" (upper-case
+    it), "n" (soft-masked -> N) or "error"; ``iupac``: "n" (R Y K M S W B D H V -> N) or
+    "error". Raises ValueError naming ``where``, the character and its 1-based position for
+    non-DNA characters (digits, '*', '-', ...) and for ``"error"`` mode violations.
+    """
+    _check_choice("lowercase", lowercase, ("fold", "n", "error"))
+    _check_choice("iupac", iupac, ("n", "error"))
+    try:
+        raw = seq.encode("latin-1") if isinstance(seq, str) else bytes(seq)
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{where}: invalid character {seq[err.start]!r} at position "
+                         f"{err.start + 1}") from None
+    codes = _lookup_table(lowercase, iupac)[np.frombuffer(raw, np.uint8)]
+    if codes.size and codes.max() >= _AMBIG:
+        pos = int(np.argmax(codes >= _AMBIG))
+        char, kind = chr(raw[pos]), int(codes[pos])
+        if kind == _LOWER:
+            why = "soft-masked lowercase base, but lowercase='error' (use 'fold' or 'n')"
+        elif kind == _AMBIG:
+            why = "IUPAC ambiguity code, but iupac='error' (use 'n')"
+        else:
+            why = f"not a DNA letter (expected {ALPHABET} or IUPAC {IUPAC_CODES}, any case)"
+        raise ValueError(f"{where}: character {char!r} at position {pos + 1} is a {why}")
+    return codes
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"FASTA file not found: {path}")
+    if path.stat().st_size == 0:
+        raise ValueError(f"FASTA file {path} is empty")
+
+
+def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n"
+               ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
+    """Parse one FASTA or FASTA.gz file into ``([(record id, uint8 ids [n_bases])], skipped)``.
+
+    Gzip is detected by magic bytes or a ``.gz`` suffix. Lines are read in text mode with
+    newline translation, so LF, CRLF and bare-CR files parse alike. Records without bases
+    are skipped (WARNING log naming them, returned in ``skipped``). Raises
+    FileNotFoundError (missing file) or ValueError naming the file: empty, not FASTA (first
+    non-empty line is not a '>' header), unreadable gzip, no record with bases, or a bad
+    character (see :func:`encode_sequence`).
+    """
+    path = Path(path)
+    _check_file(path)
+    with open(path, "rb") as fh:
+        gz = fh.read(2) == b"\x1f\x8b" or path.suffix == ".gz"
+    records: list[tuple[str, np.ndarray]] = []
+    skipped: list[str] = []
+    name, chunks = None, []
+
+    def flush() -> None:
+        if name is None:
+            return
+        if not chunks:
+            log.warning("%s: record %r has no bases; skipped", path, name)
+            skipped.append(name)
+            return
+        seq = "".join(chunks)
+        records.append((name, encode_sequence(seq, lowercase, iupac, f"{path}: record {name!r}")))
+
+    opener = gzip.open if gz else open
+    try:
+        with opener(path, "rt", encoding="latin-1") as fh:  # newline=None: universal newlines
+            for line in fh:
+                if line.startswith(">"):
+                    flush()
+                    words = line[1:].split()
+                    name, chunks = (words[0] if words else ""), []
+                    continue
+                line = line.strip()
+                if not line:
+                    continue
+                if name is None:
+                    raise ValueError(f"{path} is not FASTA: the first non-empty line does not "
+                                     f"start with '>' (got {line[:40]!r})")
+                chunks.append(line)
+            flush()
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        raise ValueError(f"cannot read FASTA file {path}: {err}") from err
+    if name is None:
+        raise ValueError(f"FASTA file {path} is empty (no '>' header)")
+    if not records:
+        raise ValueError(f"FASTA file {path}: no record has any bases "
+                         f"({len(skipped)} empty record(s): {skipped[:5]})")
+    return records, skipped
+
+
+def default_fasta() -> list[str]:
+    """Paths of the three embedded human FASTA files (chr22 slice, chr17 part, chrM)."""
+    try:
+        root = Path(str(resources.files("mixlab") / "data"))
+    except (TypeError, NotADirectoryError):  # mixlab imported as a namespace package
+        import mixlab
+        root = next(Path(p) / "data" for p in mixlab.__path__ if (Path(p) / "data").is_dir())
+    return [str(root / name) for name in DEFAULT_FILES]
+
+
+def _region_hash(name: str, index: int, seed: int) -> float:
+    """Uniform number in [0, 1) from (record id, region index, seed); stable across runs."""
+    key = f"{name}\x1f{index}\x1f{seed}".encode("utf-8", "surrogateescape")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 2.0**64
+
+
+@dataclass
+class GenomeRecord:
+    """One FASTA record: ``tokens`` is a uint8 array ``[n_bases]`` of ids 0..4."""
+    name: str
+    path: str
+    tokens: np.ndarray
+
+
+class GenomeCropDataset(Dataset):
+    """Crops of ``context_length + 1`` bases inside regions, every ``stride`` bases.
+
+    Regions are given as arrays (record index, start, length), in bases. Item ``i`` is the
+    crop at the i-th valid start (regions in the order given); returns
+    ``torch.LongTensor [context_length + 1]``. :meth:`locate` gives (record index, start).
+    """
+
+    def __init__(self, sequences: list[np.ndarray], rec: np.ndarray, start: np.ndarray,
+                 length: np.ndarray, context_length: int, stride: int) -> None:
+        self.sequences, self.window, self.stride = sequences, context_length + 1, stride
+        counts = np.where(length >= self.window, (length - self.window) // stride + 1, 0)
+        keep = counts > 0
+        self._rec, self._start = rec[keep].astype(np.int64), start[keep].astype(np.int64)
+        self._cum = np.cumsum(counts[keep].astype(np.int64))
+
+    def __len__(self) -> int:
+        return int(self._cum[-1]) if len(self._cum) else 0
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(record index, start in bases within that record) of item ``i``."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for {len(self)} crops")
+        k = int(np.searchsorted(self._cum, i, side="right"))
+        before = int(self._cum[k - 1]) if k else 0
+        return int(self._rec[k]), int(self._start[k]) + (i - before) * self.stride
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        r, s = self.locate(int(i))
+        return torch.from_numpy(np.asarray(self.sequences[r][s:s + self.window], np.int64))
+
+
+class GenomeTrainDataset(GenomeCropDataset):
+    """Training crops: every ``train_stride``-th start where a full window fits."""
+
+
+class GenomeEvalDataset(GenomeCropDataset):
+    """Val/test: fixed non-overlapping windows tiled over each region (stride = window)."""
+
+    def __init__(self, sequences, rec, start, length, context_length: int) -> None:
+        super().__init__(sequences, rec, start, length, context_length, context_length + 1)
+
+
+class GenomeDataModule(pl.LightningDataModule):
+    """FASTA genome(s) -> batches ``LongTensor [batch, context_length + 1]`` of base ids.
+
+    Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each;
+    None -> the embedded human chr22 slice, chr17 part and chrM); ``context_length`` tokens
+    per input; ``lowercase`` "fold" | "n" | "error"; ``iupac`` "n" | "error";
+    ``region_size``, ``val_fraction``, ``test_fraction``, ``seed`` define the split (at
+    least one val and one test region when there are >= 3 regions and the fraction is > 0);
+    regions with more than ``max_n_fraction`` N are dropped; ``train_stride`` spaces
+    training crop starts (raise it for whole genomes: the sampler permutes all starts);
+    ``cache_dir`` stores encoded files as .npy (keyed by path, mtime, size, settings).
+
+    Raises ValueError naming the argument for invalid arguments; at :meth:`setup`,
+    FileNotFoundError / ValueError naming the file for bad input (see :func:`read_fasta`),
+    and ValueError naming ``context_length``, the split and its largest region when a split
+    has no window.
+    """
+
+    task_name = "genome"
+    token_unit = "base"
+    vocab_size = 5
+    alphabet = ALPHABET
+
+    def __init__(self, fasta: list[str] | str | None = None, context_length: int = 1024,
+                 batch_size: int = 8, eval_batch_size: int | None = None, num_workers: int = 0,
+                 lowercase: Literal["fold", "n", "error"] = "fold",
+                 iupac: Literal["n", "error"] = "n", region_size: int = 8192,
+                 val_fraction: float = 0.05, test_fraction: float = 0.05, seed: int = 0,
+                 max_n_fraction: float = 0.5, train_stride: int = 1,
+                 cache_dir: str | None = None) -> None:
+        super().__init__()
+        checks = [("context_length", context_length >= 1, ">= 1"),
+                  ("batch_size", batch_size >= 1, ">= 1"),
+                  ("eval_batch_size", eval_batch_size is None or eval_batch_size >= 1, ">= 1"),
+                  ("num_workers", num_workers >= 0, ">= 0"),
+                  ("region_size", region_size >= 2, ">= 2"),
+                  ("val_fraction", 0 <= val_fraction < 1, "in [0, 1)"),
+                  ("test_fraction", 0 <= test_fraction < 1, "in [0, 1)"),
+                  ("max_n_fraction", 0 <= max_n_fraction <= 1, "in [0, 1]"),
+                  ("train_stride", train_stride >= 1, ">= 1")]
+        for arg, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{arg} must be {rule}, got {locals()[arg]!r}")
+        if val_fraction + test_fraction >= 1:
+            raise ValueError(f"val_fraction + test_fraction must be < 1, got "
+                             f"{val_fraction} + {test_fraction}")
+        _check_choice("lowercase", lowercase, ("fold", "n", "error"))
+        _check_choice("iupac", iupac, ("n", "error"))
+        files = default_fasta() if fasta is None else [fasta] if isinstance(fasta, str) else fasta
+        if not files:
+            raise ValueError("fasta must name at least one file (or be None for the defaults)")
+        self.save_hyperparameters()
+        self.fasta = [str(Path(f).expanduser()) for f in files]
+        self.context_length, self.batch_size, self.num_workers = context_length, batch_size, num_workers
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.lowercase, self.iupac, self.region_size, self.seed = lowercase, iupac, region_size, seed
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.max_n_fraction, self.train_stride, self.cache_dir = max_n_fraction, train_stride, cache_dir
+        self.records: list[GenomeRecord] = []
+        self.regions: dict[str, np.ndarray] = {}  # rec, start, length, split (-1 = dropped)
+        self.datasets: dict[str, GenomeCropDataset] = {}
+
+    # -- reading ---------------------------------------------------------------------------
+    def _load_file(self, path: Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
+        if not self.cache_dir:
+            return read_fasta(path, self.lowercase, self.iupac)
+        _check_file(path)
+        st = path.stat()
+        key = json.dumps([str(path.resolve()), st.st_mtime_ns, st.st_size, self.lowercase,
+                          self.iupac, _CACHE_VERSION])
+        stem = Path(self.cache_dir).expanduser() / f"genome-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+        npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
+        if not (npy.exists() and meta.exists()):
+            records, skipped = read_fasta(path, self.lowercase, self.iupac)
+            npy.parent.mkdir(parents=True, exist_ok=True)
+            tmp = stem.with_suffix(".tmp.npy")
+            out = np.lib.format.open_memmap(tmp, "w+", np.uint8, (sum(len(t) for _, t in records),))
+            pos = 0
+            for _, tokens in records:
+                out[pos:pos + len(tokens)] = tokens
+                pos += len(tokens)
+            out.flush()
+            names = [(name, len(tokens)) for name, tokens in records]
+            del out, records
+            os.replace(tmp, npy)
+            stem.with_suffix(".tmp.json").write_text(
+                json.dumps({"source": str(path), "names": names, "skipped": skipped}))
+            os.replace(stem.with_suffix(".tmp.json"), meta)
+        info = json.loads(meta.read_text())
+        data = np.load(npy, mmap_mode="r")
+        ends = np.cumsum([n for _, n in info["names"]])
+        return ([(name, data[e - n:e]) for (name, n), e in zip(info["names"], ends)],
+                info["skipped"])
+
+    # -- splitting -------------------------------------------------------------------------
+    def _make_regions(self) -> int:
+        """Cut records into regions, drop N-rich ones, assign splits. Returns #dropped."""
+        rec, start, length, n_count, u = [], [], [], [], []
+        for r, record in enumerate(self.records):
+            starts = np.arange(0, len(record.tokens), self.region_size, dtype=np.int64)
+            rec.append(np.full(len(starts), r, np.int64))
+            start.append(starts)
+            length.append(np.minimum(starts + self.region_size, len(record.tokens)) - starts)
+            n_count.append(np.add.reduceat(record.tokens == N_ID, starts, dtype=np.int64))
+            u.append([_region_hash(record.name, j, self.seed) for j in range(len(starts))])
+        rec, start, length, n_count = map(np.concatenate, (rec, start, length, n_count))
+        u = np.concatenate([np.asarray(x, np.float64) for x in u])
+        split = np.zeros(len(u), np.int64)  # 0 train, 1 val, 2 test, -1 dropped
+        split[u < self.val_fraction + self.test_fraction] = 2
+        split[u < self.val_fraction] = 1
+        dropped = n_count > self.max_n_fraction * length
+        split[dropped] = -1
+        if len(u) - dropped.sum() >= 3:  # guarantee one val and one test region
+            for code, frac in ((1, self.val_fraction), (2, self.test_fraction)):
+                if frac > 0 and not (split == code).any():
+                    donor = int(np.argmax(np.bincount(split[split >= 0], minlength=3)))
+                    pool = np.flatnonzero(split == donor)
+                    full = pool[length[pool] >= self.context_length + 1]
+                    pool = full if len(full) else pool
+                    split[pool[np.argmin(u[pool])]] = code
+        self.regions = {"rec": rec, "start": start, "length": length, "split": split}
+        return int(dropped.sum())
+
+    def _check_windows(self) -> None:
+        length, split, need = self.regions["length"], self.regions["split"], self.context_length + 1
+        kept = length[split >= 0]
+        largest = int(kept.max()) if kept.size else 0
+        hint = "lower context_length or raise region_size (a crop never crosses a region boundary)"
+        if largest < need:
+            raise ValueError(f"context_length={self.context_length} needs {need} bases per sample, "
+                             f"but the largest region of any split holds {largest} bases "
+                             f"(region_size={self.region_size}); {hint}")
+        fractions = (1.0, self.val_fraction, self.test_fraction)
+        for code, name in enumerate(SPLITS):
+            if fractions[code] > 0 and len(self.datasets[name]) == 0:
+                mine = length[split == code]
+                top = int(mine.max()) if mine.size else 0
+                raise ValueError(
+                    f"context_length={self.context_length} leaves the {name} split with no "
+                    f"window of {need} bases: it has {mine.size} region(s), the largest holding "
+                    f"{top} bases (largest region overall: {largest}, {int(kept.size)} regions "
+                    f"kept); {hint}" + ("" if mine.size else
+                    f", or lower region_size / add sequence so there are >= 3 regions"))
+
+    # -- Lightning hooks -------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Nothing to download; files are parsed in :meth:`setup`."""
+
+    def setup(self, stage: str | None = None) -> None:
+        """Parse the FASTA files once (cached on the instance) and build all three datasets."""
+        if self.datasets:
+            return
+        skipped = 0
+        for f in self.fasta:
+            records, empty = self._load_file(Path(f))
+            self.records += [GenomeRecord(name, f, tokens) for name, tokens in records]
+            skipped += len(empty)
+        dropped = self._make_regions()
+        seqs = [r.tokens for r in self.records]
+        rg = self.regions
+        for code, name in enumerate(SPLITS):
+            m = rg["split"] == code
+            args = (seqs, rg["rec"][m], rg["start"][m], rg["length"][m], self.context_length)
+            self.datasets[name] = (GenomeTrainDataset(*args, self.train_stride) if code == 0
+                                   else GenomeEvalDataset(*args))
+        try:
+            self._check_windows()
+        except ValueError:
+            self.datasets = {}
+            raise
+        bases = [int(rg["length"][rg["split"] == c].sum()) for c in range(3)]
+        log.info("genome: %d records from %d file(s), %d bases; train %d bases (%d crops), "
+                 "val %d bases (%d windows), test %d bases (%d windows); %d of %d regions "
+                 "dropped for N > %g; %d records skipped (no bases)", len(self.records),
+                 len(self.fasta), sum(len(s) for s in seqs), bases[0], len(self.train_dataset),
+                 bases[1], len(self.val_dataset), bases[2], len(self.test_dataset), dropped,
+                 len(rg["split"]), self.max_n_fraction, skipped)
+        if len(self.train_dataset) > 2**31:
+            log.warning("genome: %d training crops; the shuffling sampler permutes all of them "
+                        "(8 bytes each) - raise train_stride", len(self.train_dataset))
+
+    @property
+    def train_dataset(self) -> GenomeCropDataset:
+        return self.datasets["train"]
+
+    @property
+    def val_dataset(self) -> GenomeCropDataset:
+        return self.datasets["val"]
+
+    @property
+    def test_dataset(self) -> GenomeCropDataset:
+        return self.datasets["test"]
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        self.setup()
+        return DataLoader(self.datasets[split], batch_size=self.batch_size if train
+                          else self.eval_batch_size, shuffle=train, drop_last=train,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled crops, ``LongTensor [batch_size, context_length + 1]``, drop_last=True."""
+        return self._loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Fixed val windows in order, ``LongTensor [eval_batch_size, context_length + 1]``."""
+        return self._loader("val", False)
+
+    def test_dataloader(self) -> DataLoader:
+        """Fixed test windows in order, ``LongTensor [eval_batch_size, context_length + 1]``."""
+        return self._loader("test", False)

@@ -1,0 +1,4 @@
+from mixlab.cli import main
+
+if __name__ == "__main__":
+    main()

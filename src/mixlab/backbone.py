@@ -1,0 +1,150 @@
+"""Pre-norm residual backbone: ``x + mixer(norm(x))``, ``x + mlp(norm(x))``, per-layer mixer pattern.
+
+Heads own their input embedding (tokens, patches, text + patches) and output layer; the
+backbone maps ``[B, T, D]`` and :class:`~mixlab.coords.Coords` to ``[B, T, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from timm.layers import DropPath, Mlp, SwiGLU
+from torch import Tensor, nn
+
+from mixlab.coords import Coords
+from mixlab.registry import build_mixer, get_mixer_cls
+
+__all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern"]
+
+
+def parse_pattern(pattern: str | list[str], n_layers: int) -> list[str]:
+    """Expand a mixer pattern to one name per layer.
+
+    ``pattern`` is a name (``"goat"``), a comma list (``"kda,kda,kda,mla"``), with
+    optional repeats (``"kda*3,mla"``), or a list of names. A pattern shorter than
+    ``n_layers`` is tiled (``"kda*3,mla"`` over 12 layers is the 3:1 hybrid).
+
+    Raises:
+        ValueError: empty pattern, ``n_layers`` not a multiple of the pattern length,
+            or an unknown mixer name (the message lists the registered ones).
+    """
+    items = pattern.split(",") if isinstance(pattern, str) else list(pattern)
+    names: list[str] = []
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        if "*" in item:
+            name, _, rep = item.partition("*")
+            if not rep.strip().isdigit():
+                raise ValueError(f"mixer pattern item {item!r}: expected 'name*count'")
+            names += [name.strip()] * int(rep)
+        else:
+            names.append(item)
+    if not names:
+        raise ValueError(f"mixer pattern {pattern!r} names no mixer")
+    if n_layers % len(names):
+        raise ValueError(f"mixer pattern {pattern!r} has {len(names)} entries; n_layers={n_layers} is not a multiple")
+    for name in set(names):
+        get_mixer_cls(name)
+    return names * (n_layers // len(names))
+
+
+@dataclass
+class BackboneConfig:
+    """Architecture of the shared backbone (serialisable; used in YAML configs).
+
+    Attributes:
+        d_model: width D.
+        n_layers: number of blocks.
+        n_heads: heads per mixer.
+        mixer: per-layer pattern (see :func:`parse_pattern`).
+        mixer_args: keyword arguments per mixer name, e.g.
+            ``{"goat": {"position_args": {"n_modes": 2}}}``.
+        causal: causal (LMs) or bidirectional (ViT, VQA).
+        mlp: ``"swiglu"`` (timm SwiGLU) or ``"gelu"`` (timm Mlp), hidden ``mlp_ratio * D``
+            (SwiGLU uses ``2/3`` of it per branch to match parameters).
+        mlp_ratio: MLP expansion.
+        norm_eps: RMSNorm epsilon.
+        drop_path: stochastic depth, linearly increasing to this value.
+        bias: biases in MLP linears.
+        init_std: std of the N(0, std) GPT-style init; residual output projections use
+            ``std / sqrt(2 n_layers)``.
+    """
+
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    mixer: str | list[str] = "goat"
+    mixer_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    causal: bool = True
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    mlp_ratio: float = 4.0
+    norm_eps: float = 1e-6
+    drop_path: float = 0.0
+    bias: bool = False
+    init_std: float = 0.02
+
+
+class Block(nn.Module):
+    """``x = x + drop_path(mixer(norm1(x)))``; ``x = x + drop_path(mlp(norm2(x)))``."""
+
+    def __init__(self, cfg: BackboneConfig, mixer_name: str, layer_idx: int, drop_path: float) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.mixer_name = mixer_name
+        self.norm1 = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.mixer = build_mixer(mixer_name, d_model=d, n_heads=cfg.n_heads, causal=cfg.causal,
+                                 layer_idx=layer_idx, n_layers=cfg.n_layers, **cfg.mixer_args.get(mixer_name, {}))
+        self.norm2 = nn.RMSNorm(d, eps=cfg.norm_eps)
+        hidden = int(cfg.mlp_ratio * d)
+        if cfg.mlp == "swiglu":
+            hidden = 8 * math.ceil(2 * hidden / 3 / 8)
+            self.mlp = SwiGLU(d, hidden, bias=cfg.bias)
+        elif cfg.mlp == "gelu":
+            self.mlp = Mlp(d, hidden, bias=cfg.bias)
+        else:
+            raise ValueError(f"BackboneConfig.mlp must be 'swiglu' or 'gelu'; got {cfg.mlp!r}")
+        self.mlp.fc2._is_residual = True  # type: ignore[attr-defined]
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def forward(self, x: Tensor, coords: Coords | None, cache: dict | None = None) -> Tensor:
+        x = x + self.drop_path(self.mixer(self.norm1(x), coords, cache))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class Backbone(nn.Module):
+    """Stack of :class:`Block` with a final RMSNorm.
+
+    Forward: ``x [B, T, D]``, ``coords`` (default 1D positions), optional ``caches``
+    (a list with one dict per layer, filled in place for decoding) -> ``[B, T, D]``.
+    """
+
+    def __init__(self, cfg: BackboneConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.pattern = parse_pattern(cfg.mixer, cfg.n_layers)
+        dpr = [cfg.drop_path * i / max(cfg.n_layers - 1, 1) for i in range(cfg.n_layers)]
+        self.blocks = nn.ModuleList(Block(cfg, name, i, dpr[i]) for i, name in enumerate(self.pattern))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.apply(self._init_linear)
+        for m in self.modules():  # mixer-specific init (gates, priors) after the generic one
+            if type(m).__module__.startswith("mixlab.mixers") and hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+    def _init_linear(self, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            std = self.cfg.init_std
+            if getattr(m, "_is_residual", False):
+                std = std / math.sqrt(2 * self.cfg.n_layers)
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
+        for i, blk in enumerate(self.blocks):
+            x = blk(x, coords, None if caches is None else caches[i])
+        return self.norm(x)

@@ -1,0 +1,49 @@
+"""Callbacks shared by every head."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["ThroughputMemory"]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory in GB: CUDA ``max_memory_allocated`` on GPU, process peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
+    return rss_kb / 1e6
+
+
+class ThroughputMemory(pl.Callback):
+    """Logs ``perf/tokens_per_s`` (training, synced step wall time) and ``perf/peak_mem_gb``.
+
+    Tokens per batch come from the head's ``batch_tokens(batch)`` (falls back to
+    ``batch.numel()``). On CUDA the step is timed between synchronisations.
+    """
+
+    def __init__(self, log_every_n_steps: int = 1) -> None:
+        self.every = log_every_n_steps
+        self._t0 = 0.0
+
+    def _sync(self, pl_module: pl.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._sync(pl_module)
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every:
+            return
+        self._sync(pl_module)
+        dt = time.perf_counter() - self._t0
+        fn = getattr(pl_module, "batch_tokens", None)
+        n = fn(batch) if fn is not None else (batch.numel() if torch.is_tensor(batch) else 0)
+        pl_module.log("perf/tokens_per_s", n * trainer.world_size / max(dt, 1e-9))
+        pl_module.log("perf/peak_mem_gb", peak_memory_gb(pl_module.device))

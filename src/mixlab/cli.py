@@ -1,0 +1,92 @@
+"""``python -m mixlab fit|validate|test|predict --config configs/...yaml`` (LightningCLI).
+
+Extra subcommands (``python -m mixlab <name> --help``) are registered in :data:`COMMANDS`
+and dispatched before LightningCLI parses the arguments.
+
+Defaults added to every run:
+
+* a TensorBoard logger at ``<run_root>/<task>/<run_name>/version_N`` (``task`` from the
+  datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
+  config sets ``trainer.logger``;
+* ModelCheckpoint (``last.ckpt`` + best on ``val/loss``), LearningRateMonitor,
+  :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
+* ``precision: bf16-mixed`` when CUDA is available, else ``32-true``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from mixlab.callbacks import ThroughputMemory
+
+__all__ = ["MixlabCLI", "main", "COMMANDS"]
+
+COMMANDS: dict[str, str] = {}
+"""Extra subcommand name -> ``"module:function"`` taking ``argv: list[str]``."""
+
+
+def register_command(name: str, target: str) -> None:
+    """Register ``python -m mixlab <name>`` to call ``target`` (``"pkg.module:func"``) with argv."""
+    COMMANDS[name] = target
+
+
+class MixlabCLI(LightningCLI):
+    """LightningCLI with mixlab's defaults (logger layout, callbacks, precision)."""
+
+    def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        defaults = {
+            "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
+            "log_every_n_steps": 10,
+            "callbacks": [
+                ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_last=True, save_top_k=1),
+                LearningRateMonitor(logging_interval="step"),
+                ThroughputMemory(),
+            ],
+        }
+        kwargs.setdefault("trainer_defaults", defaults)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(
+            pl.LightningModule,
+            pl.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            **kwargs,
+        )
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument("--run_root", type=str, default="runs",
+                            help="Root directory of TensorBoard runs: <run_root>/<task>/<run_name>/version_N")
+        parser.add_argument("--run_name", type=str | None, default=None,
+                            help="Override the run name (default: the model's mixer pattern)")
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        logger = cfg["trainer"].get("logger")
+        if logger is None or logger is True:
+            task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
+            run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
+            kwargs["logger"] = TensorBoardLogger(cfg.get("run_root", "runs"), name=f"{task}/{run}", default_hp_metric=False)
+        return super().instantiate_trainer(**kwargs)
+
+
+def _resolve(target: str) -> Callable[[list[str]], Any]:
+    module, _, fn = target.partition(":")
+    return getattr(importlib.import_module(module), fn)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in COMMANDS:
+        _resolve(COMMANDS[argv[0]])(argv[1:])
+        return
+    MixlabCLI(args=argv)

@@ -1,0 +1,138 @@
+"""Integer token coordinates shared by every mixer.
+
+Notation (used in all mixlab docstrings):
+
+====  ==========================================================
+B     batch size
+T     sequence length (tokens)
+A     number of coordinate axes (1 for text/DNA, 2 for a patch grid, 3 for
+      a sequence that mixes 1D text with 2D image patches)
+D     model width ``d_model``; H heads; ``d_h`` head dim
+====  ==========================================================
+
+A token's position is a vector of integers, one per axis, plus a mask saying
+which axes the token has at all. A text token in a spatial-VQA sequence has
+only the sequence axis; an image patch has (cell, y, x) but may lack the
+sequence axis; a ViT ``[CLS]`` token has no coordinate on any axis. Position
+schemes treat a missing axis as "no positional interaction on this axis"
+(GOAT zeroes that axis' lanes, RoPE uses the identity rotation there), so
+one coordinate object serves 1D sequences, 2D grids and mixtures of both.
+
+Axis 0 is, by convention, the causal *sequence* axis: it is the coordinate
+that key-linear (ALiBi-like) terms and the first-token bump use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Coords"]
+
+
+@dataclass
+class Coords:
+    """Token coordinates for one batch.
+
+    Attributes:
+        pos: ``[B or 1, T, A]`` int64, integer coordinate per axis (units:
+            tokens for the sequence axis, patches for grid axes).
+        mask: ``[B or 1, T, A]`` bool or ``None`` (``None`` means every token has
+            every axis). ``False`` marks an axis the token does not have; its
+            ``pos`` entry is then ignored (kept at 0).
+
+    A leading dimension of 1 broadcasts over the batch, which is the common
+    case (all sequences share positions) and lets position features be
+    computed once per layer instead of once per sample.
+
+    Raises:
+        ValueError: if ``pos`` is not 3-D integer or ``mask`` has another shape.
+    """
+
+    pos: Tensor
+    mask: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.pos.dim() != 3:
+            raise ValueError(f"Coords.pos must be [B, T, A]; got shape {tuple(self.pos.shape)}")
+        if self.pos.dtype.is_floating_point or self.pos.dtype == torch.bool:
+            raise ValueError(f"Coords.pos must be an integer tensor; got {self.pos.dtype}")
+        if self.mask is not None:
+            if self.mask.shape != self.pos.shape:
+                raise ValueError(
+                    f"Coords.mask shape {tuple(self.mask.shape)} != pos shape {tuple(self.pos.shape)}"
+                )
+            if self.mask.dtype != torch.bool:
+                raise ValueError(f"Coords.mask must be bool; got {self.mask.dtype}")
+            if bool(self.mask.all()):
+                self.mask = None
+
+    # ------------------------------------------------------------------ builders
+    @staticmethod
+    def seq(length: int, offset: int = 0, device: torch.device | str | None = None) -> "Coords":
+        """1D positions ``offset, ..., offset + length - 1`` as ``[1, T, 1]``."""
+        pos = torch.arange(offset, offset + length, device=device, dtype=torch.long)
+        return Coords(pos.view(1, length, 1))
+
+    @staticmethod
+    def grid(height: int, width: int, device: torch.device | str | None = None) -> "Coords":
+        """Row-major 2D patch coordinates ``(y, x)`` as ``[1, h*w, 2]``."""
+        ys, xs = torch.meshgrid(
+            torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
+        )
+        pos = torch.stack([ys.reshape(-1), xs.reshape(-1)], dim=-1).long()
+        return Coords(pos.unsqueeze(0))
+
+    @staticmethod
+    def empty(length: int, axes: int, device: torch.device | str | None = None) -> "Coords":
+        """``length`` tokens with no coordinate on any of ``axes`` axes (e.g. ``[CLS]``)."""
+        pos = torch.zeros(1, length, axes, dtype=torch.long, device=device)
+        return Coords(pos, torch.zeros_like(pos, dtype=torch.bool))
+
+    @staticmethod
+    def cat(parts: list["Coords"]) -> "Coords":
+        """Concatenate along the token axis (all parts must have the same A)."""
+        axes = {p.axes for p in parts}
+        if len(axes) != 1:
+            raise ValueError(f"Coords.cat: parts have different axis counts {sorted(axes)}")
+        batch = max(p.pos.shape[0] for p in parts)
+        pos = torch.cat([p.pos.expand(batch, -1, -1) for p in parts], dim=1)
+        if all(p.mask is None for p in parts):
+            return Coords(pos)
+        mask = torch.cat([p.full_mask().expand(batch, -1, -1) for p in parts], dim=1)
+        return Coords(pos, mask)
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def axes(self) -> int:
+        return self.pos.shape[-1]
+
+    @property
+    def length(self) -> int:
+        return self.pos.shape[1]
+
+    def full_mask(self) -> Tensor:
+        """``[B or 1, T, A]`` bool mask, materialised."""
+        if self.mask is None:
+            return torch.ones_like(self.pos, dtype=torch.bool)
+        return self.mask
+
+    def to(self, device: torch.device | str) -> "Coords":
+        return Coords(self.pos.to(device), None if self.mask is None else self.mask.to(device))
+
+    def slice(self, start: int, stop: int) -> "Coords":
+        """Tokens ``start:stop`` (used for chunked evaluation and decoding)."""
+        return Coords(self.pos[:, start:stop], None if self.mask is None else self.mask[:, start:stop])
+
+    def with_axes(self, axes: int) -> "Coords":
+        """Pad with missing axes up to ``axes`` (a 1D sequence used by a 2-axis prior)."""
+        if axes == self.axes:
+            return self
+        if axes < self.axes:
+            raise ValueError(f"coordinates have {self.axes} axes; the position scheme expects {axes}")
+        b, t, a = self.pos.shape
+        pad = torch.zeros(b, t, axes - a, dtype=self.pos.dtype, device=self.pos.device)
+        mask = torch.cat([self.full_mask(), pad.bool()], dim=-1)
+        return Coords(torch.cat([self.pos, pad], dim=-1), mask)

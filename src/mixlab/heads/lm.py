@@ -1,0 +1,164 @@
+"""Causal language-model head (tokens -> next-token NLL) for DNA, text and synthetic tasks."""
+
+from __future__ import annotations
+
+import math
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import SumMetric
+
+from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.coords import Coords
+from mixlab.optim import OptimConfig, build_optimizer
+
+__all__ = ["CausalLM", "pattern_name"]
+
+
+def pattern_name(mixer: str | list[str]) -> str:
+    """Short run name for a mixer pattern: ``"goat"``, ``"kda*3,mla"`` -> ``"kda*3-mla"``."""
+    items = mixer.split(",") if isinstance(mixer, str) else list(mixer)
+    return "-".join(i.strip() for i in items if i.strip())
+
+
+class CausalLM(pl.LightningModule):
+    """Decoder LM: token embedding -> :class:`~mixlab.backbone.Backbone` -> tied/untied output.
+
+    Batches are ``LongTensor [B, L + 1]`` token ids; inputs are ``[:, :-1]``, targets
+    ``[:, 1:]``. Targets equal to ``ignore_index`` (-100) are not scored.
+
+    Logged (``train/`` per step, ``val/`` and ``test/`` per epoch, exact over all tokens
+    and ranks: sums of NLL, tokens and hits, not means of means):
+    ``loss`` (mean NLL, nats/token), ``ppl`` (exp loss), ``bits_per_token`` (loss/ln 2),
+    ``bits_per_<unit>`` when the datamodule's ``token_unit`` is not ``"token"`` (DNA:
+    ``bits_per_base``), ``acc`` (top-1 next-token accuracy). Throughput and peak memory
+    come from :class:`mixlab.callbacks.ThroughputMemory`.
+
+    Args:
+        vocab_size: number of token ids (DNA: 5). Checked against the datamodule.
+        backbone: :class:`BackboneConfig` (``causal`` is forced to True).
+        optim: :class:`OptimConfig`.
+        tie_embeddings: share the input embedding and output matrix.
+        abs_pos_len: > 0 adds learned absolute position embeddings for up to this many
+            tokens (the "learned absolute" baseline; combine with ``mixer: nope``).
+
+    Raises:
+        ValueError: vocab mismatch with the datamodule; a sequence longer than
+            ``abs_pos_len``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 5,
+        backbone: BackboneConfig | None = None,
+        optim: OptimConfig | None = None,
+        tie_embeddings: bool = True,
+        abs_pos_len: int = 0,
+    ) -> None:
+        super().__init__()
+        backbone = backbone or BackboneConfig()
+        optim = optim or OptimConfig()
+        backbone.causal = True
+        self.save_hyperparameters()
+        self.vocab_size, self.optim_cfg = vocab_size, optim
+        self.embed = nn.Embedding(vocab_size, backbone.d_model)
+        self.abs_pos = nn.Embedding(abs_pos_len, backbone.d_model) if abs_pos_len > 0 else None
+        self.backbone = Backbone(backbone)
+        self.lm_head = nn.Linear(backbone.d_model, vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, 0.0, backbone.init_std)
+        if self.abs_pos is not None:
+            nn.init.normal_(self.abs_pos.weight, 0.0, backbone.init_std)
+        if tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
+        self.run_name = pattern_name(backbone.mixer) + ("-ape" if abs_pos_len > 0 else "")
+        self.token_unit = "token"
+        self.metric_sums = nn.ModuleDict(
+            {f"{s}_{k}": SumMetric() for s in ("val", "test") for k in ("nll", "count", "hits")}
+        )
+
+    # ------------------------------------------------------------------ model
+    def forward(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
+        """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32)."""
+        x = self.embed(tokens)
+        if self.abs_pos is not None:
+            start = 0 if not caches or "v" not in caches[0] else caches[0]["v"].shape[2]
+            end = start + tokens.shape[1]
+            if end > self.abs_pos.num_embeddings:
+                raise ValueError(f"sequence of {end} tokens exceeds abs_pos_len={self.abs_pos.num_embeddings}")
+            x = x + self.abs_pos.weight[start:end]
+        return self.lm_head(self.backbone(x, coords, caches)).float()
+
+    @staticmethod
+    def batch_tokens(batch: Tensor) -> int:
+        """Scored tokens in a batch (for throughput)."""
+        return batch.shape[0] * (batch.shape[1] - 1)
+
+    def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if batch.dim() != 2:
+            raise ValueError(f"CausalLM expects LongTensor [B, L+1] batches; got shape {tuple(batch.shape)}")
+        inp, tgt = batch[:, :-1], batch[:, 1:]
+        logits = self(inp)
+        nll = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none", ignore_index=-100)
+        valid = tgt.flatten() != -100
+        hits = (logits.argmax(-1).flatten() == tgt.flatten()) & valid
+        return nll, valid, hits
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is None:
+            return
+        dm_vocab = getattr(dm, "vocab_size", None)
+        if dm_vocab is not None and dm_vocab > self.vocab_size:
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the datamodule's vocab_size={dm_vocab} "
+                             f"({type(dm).__name__}); set model.init_args.vocab_size: {dm_vocab}")
+        self.token_unit = getattr(dm, "token_unit", "token")
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        nll, valid, hits = self._nll(batch)
+        n = valid.sum().clamp_min(1)
+        loss = nll.sum() / n
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", hits.sum() / n)
+        return loss
+
+    def _eval_step(self, batch: Tensor, stage: str) -> None:
+        nll, valid, hits = self._nll(batch)
+        self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
+        self.metric_sums[f"{stage}_count"].update(valid.sum().double())
+        self.metric_sums[f"{stage}_hits"].update(hits.sum().double())
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        sums = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "hits")}
+        count = sums["count"].compute().clamp_min(1)
+        loss = sums["nll"].compute() / count
+        metrics = {
+            f"{stage}/loss": loss,
+            f"{stage}/ppl": torch.exp(loss.clamp_max(80)),
+            f"{stage}/bits_per_token": loss / math.log(2),
+            f"{stage}/acc": sums["hits"].compute() / count,
+        }
+        if self.token_unit != "token":
+            metrics[f"{stage}/bits_per_{self.token_unit}"] = loss / math.log(2)
+        self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=stage == "val", sync_dist=False)
+        for m in sums.values():
+            m.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def configure_optimizers(self):
+        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))

@@ -1,0 +1,167 @@
+"""Softmax attention mixer with pluggable position schemes (GOAT, RoPE, ALiBi, NoPE).
+
+Notation: B batch, T tokens, H heads, ``d_h`` head dim, ``d_c`` content dims of q/k
+(``d_h`` minus the position scheme's lanes). Values always use all ``d_h`` dims.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixlab.coords import Coords
+from mixlab.mixers.base import Mixer
+from mixlab.mixers.positions import build_position
+from mixlab.registry import register_mixer
+
+__all__ = ["Attention", "causal_mask"]
+
+
+def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
+    """``[t_q, t_k]`` bool mask, lower-right aligned (query i sees keys ``<= t_k - t_q + i``).
+
+    SDPA's ``is_causal`` aligns top-left when ``t_q != t_k`` (pytorch #115111); cached
+    decoding and chunked evaluation need this one.
+    """
+    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
+
+
+@register_mixer("goat", position="goat")
+@register_mixer("rope", position="rope")
+@register_mixer("alibi", position="alibi")
+@register_mixer("nope", position="nope")
+class Attention(Mixer):
+    """Multi-head softmax attention; one ``scaled_dot_product_attention`` call per layer.
+
+    Args:
+        d_model: model width D.
+        n_heads: H; ``head_dim = d_model // n_heads`` unless given.
+        causal: causal (decoder) or bidirectional (encoder) attention.
+        position: ``goat`` | ``rope`` | ``alibi`` | ``nope``.
+        position_args: keyword arguments of the scheme (e.g. GOAT ``n_modes``, ``axes``,
+            ``freq_base``, ``init``; RoPE ``axes``, ``base``).
+        head_dim: per-head dim ``d_h`` (default ``d_model // n_heads``).
+        impl: ``"sdpa"`` (fast path: lanes packed into q/k, flash-eligible, no dense
+            bias) or ``"reference"`` (explicit logits ``content / sqrt(d_c) + log-prior``,
+            materialises ``[B, H, T, T]``; for tests and figures).
+        bias: bias in the q/k/v and output projections.
+        dropout: attention-probability dropout (training only).
+
+    Forward: ``x [B, T, D]``, ``coords`` (default ``Coords.seq(T)``), optional ``cache``
+    dict holding ``k [B, H, T_past, d_h]``, ``v`` and the key ``coords`` -> ``[B, T, D]``.
+
+    Raises:
+        ValueError: ``d_model`` not divisible by ``n_heads``; head dim too small for the
+            scheme's lanes; unknown ``impl``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        causal: bool = True,
+        position: str = "goat",
+        position_args: dict[str, Any] | None = None,
+        head_dim: int | None = None,
+        impl: Literal["sdpa", "reference"] = "sdpa",
+        bias: bool = False,
+        dropout: float = 0.0,
+        layer_idx: int = 0,
+        n_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+            head_dim = d_model // n_heads
+        if impl not in ("sdpa", "reference"):
+            raise ValueError(f"attention impl must be 'sdpa' or 'reference'; got {impl!r}")
+        self.d_model, self.n_heads, self.head_dim, self.causal = d_model, n_heads, head_dim, causal
+        self.impl, self.dropout, self.layer_idx = impl, dropout, layer_idx
+        self.position_name = position
+        self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
+        self.d_c = self.pos.content_dim
+        self.qkv = nn.Linear(d_model, n_heads * (2 * self.d_c + head_dim), bias=bias)
+        self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.proj._is_residual = True  # type: ignore[attr-defined]
+
+    def reset_parameters(self) -> None:
+        if hasattr(self.pos, "reset_parameters"):
+            self.pos.reset_parameters()
+
+    # ------------------------------------------------------------------ pieces
+    def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, t, _ = x.shape
+        h, dc, dh = self.n_heads, self.d_c, self.head_dim
+        q, k, v = self.qkv(x).split([h * dc, h * dc, h * dh], dim=-1)
+        shape = lambda z, d: z.view(b, t, h, d).transpose(1, 2)  # (B, H, T, d)
+        return shape(q, dc), shape(k, dc), shape(v, dh)
+
+    def _pack(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> tuple[Tensor, Tensor]:
+        """Content ``q, k [B, H, T, d_c]`` -> SDPA inputs ``[B, H, T, d_h]``."""
+        if self.pos.n_lanes == 0:
+            return self.pos.rotate(q, cq), self.pos.rotate(k, ck)
+        ql, kl = self.pos.lanes(cq, ck, q.dtype)
+        b = q.shape[0]
+        q = torch.cat([q * self.pos.content_scale, ql.expand(b, -1, -1, -1)], dim=-1)
+        k = torch.cat([k, kl.expand(b, -1, -1, -1)], dim=-1)
+        return q, k
+
+    @staticmethod
+    def _append(cache: dict | None, name: str, new: Tensor) -> Tensor:
+        """Concatenate ``new`` after the cached tensor ``name`` (token dim 2) and store it."""
+        if cache is None:
+            return new
+        if name in cache:
+            new = torch.cat([cache[name], new], dim=2)
+        cache[name] = new
+        return new
+
+    def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = self._split(x)
+        past = cache["v"].shape[2] if cache is not None and "v" in cache else 0
+        cq = coords if coords is not None else Coords.seq(t, offset=past, device=x.device)
+        ck = cq if not past else Coords.cat([cache["coords"], cq])
+        if cache is not None:
+            cache["coords"] = ck
+        v = self._append(cache, "v", v)
+        if self.impl == "reference":
+            p = self._probs(q, self._append(cache, "kc", k), cq, ck)
+            if self.training and self.dropout:
+                p = F.dropout(p, self.dropout)
+            y = p @ v
+        else:
+            qp, kp = self._pack(q, k, cq, cq)
+            kp = self._append(cache, "k", kp)
+            drop = self.dropout if self.training else 0.0
+            if self.causal and past and t > 1:
+                y = F.scaled_dot_product_attention(qp, kp, v, attn_mask=causal_mask(t, kp.shape[2], x.device), dropout_p=drop)
+            else:
+                y = F.scaled_dot_product_attention(qp, kp, v, is_causal=self.causal and not past, dropout_p=drop)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+    def _probs(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> Tensor:
+        """Explicit weights ``softmax(q_c k_c^T / sqrt(d_c) + log-prior)`` ``[B, H, Tq, Tk]``.
+
+        GOAT/ALiBi add the prior from its formula (``PositionScheme.bias``); RoPE rotates
+        content first; causal masking is lower-right aligned.
+        """
+        q, k = self.pos.rotate(q, cq), self.pos.rotate(k, ck)
+        z = q @ k.transpose(-1, -2) / math.sqrt(self.d_c)
+        bias = self.pos.bias(cq, ck, z.dtype)
+        if bias is not None:
+            z = z + bias
+        if self.causal:
+            z = z.masked_fill(~causal_mask(z.shape[-2], z.shape[-1], z.device), float("-inf"))
+        return torch.softmax(z, dim=-1)
+
+    def attention_probs(self, x: Tensor, coords: Coords | None = None) -> Tensor:
+        """``[B, H, T, T]`` attention weights by the reference formula (for figures)."""
+        q, k, _ = self._split(x)
+        c = coords if coords is not None else Coords.seq(x.shape[1], device=x.device)
+        return self._probs(q, k, c, c)

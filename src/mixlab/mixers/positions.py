@@ -1,0 +1,359 @@
+"""Position schemes for attention mixers: GOAT, ALiBi (lane form), RoPE (multi-axis), NoPE.
+
+A scheme turns content queries/keys ``[B, H, T, d]`` plus :class:`~mixlab.coords.Coords`
+into the ``q', k'`` fed to ONE ``scaled_dot_product_attention`` call, and gives the same
+logits explicitly (``bias``/``rotate``) for the reference path.
+
+* Lane schemes (GOAT, ALiBi) take ``n_lanes`` of the head dim for positional lanes;
+  content uses ``d_c = d_h - n_lanes`` dims, pre-scaled by ``sqrt(d_h / d_c)``.
+* RoPE rotates content (``n_lanes = 0``), axis-wise for several axes.
+* NoPE does nothing.
+
+Prior parameters are marked ``_no_weight_decay = True`` (the optimiser reads the marker).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixlab.coords import Coords
+from mixlab.ops import goat as G
+
+__all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPositions", "build_position"]
+
+
+def no_decay(*params: nn.Parameter) -> None:
+    """Mark parameters as excluded from weight decay (read by ``mixlab.optim``)."""
+    for p in params:
+        p._no_weight_decay = True  # type: ignore[attr-defined]
+
+
+class PositionScheme(nn.Module):
+    """Base class. Subclasses set ``n_lanes`` and override the hooks they need."""
+
+    n_lanes: int = 0
+    axes: int = 1
+
+    def __init__(self, n_heads: int, head_dim: int, causal: bool) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.causal = n_heads, head_dim, causal
+
+    @property
+    def content_dim(self) -> int:
+        return self.head_dim - self.n_lanes
+
+    @property
+    def content_scale(self) -> float:
+        """Factor on content queries so SDPA's ``1/sqrt(d_h)`` becomes ``1/sqrt(d_c)``."""
+        return math.sqrt(self.head_dim / self.content_dim)
+
+    def lanes(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``(q_lanes [B|1, H, Tq, L], k_lanes [B|1, H|1, Tk, L])`` with ``L = n_lanes``."""
+        raise NotImplementedError
+
+    def rotate(self, x: Tensor, coords: Coords) -> Tensor:
+        """Rotate ``x [B, H, T, d]`` (RoPE only); identity by default."""
+        return x
+
+    def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor | None:
+        """Explicit additive log-prior ``[B|1, H, Tq, Tk]`` for the reference path, or None."""
+        return None
+
+
+class NoPositions(PositionScheme):
+    """NoPE: content-only attention (causal masking still orders tokens)."""
+
+
+class GoatPrior(PositionScheme):
+    """GOAT learned log-prior (paper Sec. 4, Eqs. 11-27), for any number of coordinate axes.
+
+    Args:
+        n_heads, head_dim: attention geometry; ``head_dim >= 2 * n_modes + 2 + 1``.
+        causal: causal attention (enables the key-linear term by default).
+        n_modes: ``R``, total Fourier modes over all axes (paper ablates 1, 2, 4, 8).
+        axes: number of coordinate axes ``A`` the prior reads (1 for sequences, 2 for
+            patch grids, 3 for text + 2D patches).
+        modes_per_axis: modes assigned to each axis; default splits ``R`` evenly. Each
+            axis gets the same geometric grid of its size (isotropic allocation, unlike
+            the reference code, which gives x only the lowest frequencies).
+        freq_base: grid ``w_r = base^(-r/(R_a - 1))`` (paper: 1k / 10k / 100k).
+        learned_freqs: learn ``log w_r`` (paper Table 4, "Learned").
+        key_linear: include ``lambda_h * j`` (default: ``causal``).
+        key_mlp_hidden: hidden width of the per-head SiLU MLP ``g_h``; 0 disables ``g``.
+        key_mlp_freqs: sinusoid count per axis in ``phi_abs``.
+        abs_scale: fixed length normalising the ``j / scale`` feature of ``phi_abs``.
+        bos_bias: include ``b_h 1{j = 0}`` (sequence axis coordinate 0).
+        default_bias: learned ``u`` for tokens without any coordinate (ViT ``[CLS]``).
+        init: ``"zero"`` (all prior terms 0), ``"random"`` (amplitudes N(0, 1/R), random
+            ``g``) or ``"alibi"`` (``lambda`` = ALiBi slopes: a recency warm start).
+
+    Raises:
+        ValueError: head_dim too small for ``2R + 2`` lanes plus one content dim; ``R``
+            not divisible over the axes; bad ``init`` name.
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        head_dim: int,
+        causal: bool = True,
+        n_modes: int = 4,
+        axes: int = 1,
+        modes_per_axis: list[int] | None = None,
+        freq_base: float = 10000.0,
+        learned_freqs: bool = False,
+        key_linear: bool | None = None,
+        key_mlp_hidden: int = 32,
+        key_mlp_freqs: int = 8,
+        abs_scale: float = 1024.0,
+        bos_bias: bool | None = None,
+        default_bias: bool = False,
+        init: Literal["zero", "random", "alibi"] = "zero",
+        learn_slope: bool = True,
+    ) -> None:
+        super().__init__(n_heads, head_dim, causal)
+        if n_modes < 0:
+            raise ValueError(f"n_modes must be >= 0; got {n_modes}")
+        self.n_modes, self.axes = n_modes, axes
+        self.n_lanes = 2 * n_modes + 2
+        if head_dim < self.n_lanes + 1:
+            raise ValueError(
+                f"head_dim={head_dim} is too small for GOAT with n_modes={n_modes}: "
+                f"needs 2R+2={self.n_lanes} positional lanes plus at least one content dim"
+            )
+        if modes_per_axis is None:
+            if n_modes % axes:
+                raise ValueError(f"n_modes={n_modes} does not split evenly over axes={axes}; pass modes_per_axis")
+            modes_per_axis = [n_modes // axes] * axes
+        if len(modes_per_axis) != axes or sum(modes_per_axis) != n_modes:
+            raise ValueError(f"modes_per_axis={modes_per_axis} must have {axes} entries summing to n_modes={n_modes}")
+        if init not in ("zero", "random", "alibi"):
+            raise ValueError(f"GOAT init must be 'zero', 'random' or 'alibi'; got {init!r}")
+        self.modes_per_axis = list(modes_per_axis)
+        self.key_linear = causal if key_linear is None else key_linear
+        self.use_bos = causal if bos_bias is None else bos_bias
+        self.use_default = default_bias
+        self.key_mlp_freqs, self.abs_scale = key_mlp_freqs, float(abs_scale)
+        self.init_name = init
+
+        freqs = torch.cat([G.geometric_frequencies(m, freq_base) for m in modes_per_axis]) if n_modes else torch.zeros(0, dtype=torch.float64)
+        mode_axis = torch.cat([torch.full((m,), a, dtype=torch.long) for a, m in enumerate(modes_per_axis)]) if n_modes else torch.zeros(0, dtype=torch.long)
+        self.register_buffer("mode_axis", mode_axis, persistent=False)
+        if learned_freqs:
+            self.log_freqs = nn.Parameter(freqs.log().float())
+            no_decay(self.log_freqs)
+        else:
+            self.register_buffer("freqs_fixed", freqs.float(), persistent=False)
+            self.log_freqs = None
+        if n_modes:
+            self.alpha = nn.Parameter(torch.zeros(n_heads, n_modes))
+            self.beta = nn.Parameter(torch.zeros(n_heads, n_modes))
+            no_decay(self.alpha, self.beta)
+        else:  # no Fourier lanes (ALiBi): keep empty buffers so no parameter goes unused under DDP
+            self.register_buffer("alpha", torch.zeros(n_heads, 0), persistent=False)
+            self.register_buffer("beta", torch.zeros(n_heads, 0), persistent=False)
+        if self.key_linear and learn_slope:
+            self.slope = nn.Parameter(torch.zeros(n_heads))
+            no_decay(self.slope)
+        elif self.key_linear:  # fixed slopes (ALiBi) are a buffer, saved with the model
+            self.register_buffer("slope", torch.zeros(n_heads))
+        if self.use_bos:
+            self.bos = nn.Parameter(torch.zeros(n_heads))
+            no_decay(self.bos)
+        if self.use_default:
+            self.default = nn.Parameter(torch.zeros(n_heads))
+            no_decay(self.default)
+        self.key_mlp_hidden = key_mlp_hidden
+        if key_mlp_hidden > 0:
+            n_feat = axes * (2 * key_mlp_freqs + 2)
+            self.mlp_w1 = nn.Parameter(torch.empty(n_heads, n_feat, key_mlp_hidden))
+            self.mlp_b1 = nn.Parameter(torch.zeros(n_heads, key_mlp_hidden))
+            self.mlp_w2 = nn.Parameter(torch.zeros(n_heads, key_mlp_hidden))
+            no_decay(self.mlp_w1, self.mlp_b1, self.mlp_w2)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Apply ``init`` (called by the backbone after its generic GPT init)."""
+        with torch.no_grad():
+            if self.init_name == "random":
+                std = 1.0 / math.sqrt(max(self.n_modes, 1))
+                self.alpha.normal_(0, std)
+                self.beta.normal_(0, std)
+            else:
+                self.alpha.zero_()
+                self.beta.zero_()
+            if self.key_linear:
+                if self.init_name == "alibi":
+                    self.slope.copy_(G.alibi_slopes(self.n_heads).float())
+                else:
+                    self.slope.zero_()
+            if self.use_bos:
+                self.bos.zero_()
+            if self.use_default:
+                self.default.zero_()
+            if self.key_mlp_hidden > 0:
+                nn.init.normal_(self.mlp_w1, 0.0, 1.0 / math.sqrt(self.mlp_w1.shape[1]))
+                self.mlp_b1.zero_()
+                if self.init_name == "random":
+                    self.mlp_w2.normal_(0.0, 1.0 / math.sqrt(self.key_mlp_hidden))
+                else:
+                    self.mlp_w2.zero_()
+
+    # ------------------------------------------------------------------ pieces
+    def freqs(self) -> Tensor:
+        """``[R]`` float64 angular frequencies (radians per coordinate unit)."""
+        return self.log_freqs.double().exp() if self.log_freqs is not None else self.freqs_fixed.double()
+
+    def _coords(self, coords: Coords) -> Coords:
+        return coords.with_axes(self.axes)
+
+    def key_mlp(self, coords: Coords, dtype: torch.dtype) -> Tensor:
+        """``g_h(phi_abs(j))`` as ``[B|1, H, T]``."""
+        if self.key_mlp_hidden <= 0:
+            return torch.zeros(1, self.n_heads, coords.length, dtype=dtype, device=coords.pos.device)
+        f = G.abs_features(coords.pos, coords.mask, self.key_mlp_freqs, self.abs_scale, dtype)  # [B, T, F]
+        h = F.silu(torch.einsum("btf,hfd->bhtd", f, self.mlp_w1.to(dtype)) + self.mlp_b1.to(dtype)[None, :, None])
+        return torch.einsum("bhtd,hd->bht", h, self.mlp_w2.to(dtype))
+
+    def key_only(self, coords: Coords, dtype: torch.dtype = torch.float64, split: bool = False):
+        """``u_h(j)`` as ``[B|1, H, T]`` computed directly (``lambda j`` unsplit).
+
+        With ``split=True`` returns ``(u_rest, j_hi)`` for lane packing, where
+        ``u = u_rest + lambda * c * j_hi``.
+        """
+        coords = self._coords(coords)
+        u = self.key_mlp(coords, dtype)
+        seq = coords.pos[..., 0]
+        has_seq = coords.full_mask()[..., 0]
+        j_hi = None
+        if self.key_linear:
+            j = torch.where(has_seq, seq, torch.zeros_like(seq))
+            if split:
+                j_hi, j_lo = G.split_key_linear(j)
+                u = u + self.slope.to(dtype)[None, :, None] * j_lo.to(dtype).unsqueeze(1)
+            else:
+                u = u + self.slope.to(dtype)[None, :, None] * j.to(dtype).unsqueeze(1)
+        if self.use_bos:
+            u = u + self.bos.to(dtype)[None, :, None] * ((seq == 0) & has_seq).to(dtype).unsqueeze(1)
+        if self.use_default:
+            none = ~coords.full_mask().any(-1)
+            u = u + self.default.to(dtype)[None, :, None] * none.to(dtype).unsqueeze(1)
+        return (u, j_hi) if split else u
+
+    # ------------------------------------------------------------------ scheme API
+    def lanes(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cq, ck = self._coords(coords_q), self._coords(coords_k)
+        sd = math.sqrt(self.head_dim)
+        calc = torch.float64 if dtype == torch.float64 else torch.float32
+        freqs = self.freqs().to(cq.pos.device)
+        ang_q, pres_q = G.fourier_angles(cq.pos, cq.mask, freqs, self.mode_axis)
+        ang_k, pres_k = G.fourier_angles(ck.pos, ck.mask, freqs, self.mode_axis)
+        q_rel = G.fourier_query_lanes(ang_q.to(calc), pres_q.to(calc), self.alpha.to(calc), self.beta.to(calc))
+        k_rel = G.fourier_key_lanes(ang_k.to(calc), pres_k.to(calc)).unsqueeze(1)  # [B, 1, Tk, 2R]
+        u_rest, j_hi = self.key_only(ck, calc, split=True)  # [B, H, Tk]
+        bq, tq = q_rel.shape[0], q_rel.shape[2]
+        ones = torch.ones(bq, self.n_heads, tq, 1, dtype=calc, device=q_rel.device)
+        if self.key_linear:
+            lam = (self.slope.to(calc) * G.KEY_LINEAR_BLOCK)[None, :, None, None] * ones
+            k_hi = j_hi.to(calc).unsqueeze(1).expand(-1, self.n_heads, -1).unsqueeze(-1)
+        else:
+            lam = torch.zeros_like(ones)
+            k_hi = torch.zeros_like(u_rest).unsqueeze(-1)
+        q_l = torch.cat([sd * q_rel, sd * lam, sd * ones], dim=-1)
+        k_rel = k_rel.expand(-1, self.n_heads, -1, -1)
+        bk = max(k_rel.shape[0], u_rest.shape[0])
+        k_l = torch.cat([k_rel.expand(bk, -1, -1, -1), k_hi.expand(bk, -1, -1, -1), u_rest.unsqueeze(-1).expand(bk, -1, -1, -1)], dim=-1)
+        return q_l.to(dtype), k_l.to(dtype)
+
+    def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
+        return self.prior_terms(coords_q, coords_k, dtype)["total"]
+
+    def prior_terms(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype = torch.float64) -> dict[str, Tensor]:
+        """The log-prior split into ``relative``, ``key_only`` and ``total``, each ``[B|1, H, Tq, Tk]``.
+
+        Computed from the formula (coordinate differences, unsplit ``lambda j``), independent
+        of the lane packing: the reference path and the prior figures use it.
+        """
+        cq, ck = self._coords(coords_q), self._coords(coords_k)
+        rel = G.relative_logits(cq.pos, cq.mask, ck.pos, ck.mask, self.freqs().to(cq.pos.device).to(dtype),
+                                self.mode_axis, self.alpha.to(dtype), self.beta.to(dtype))
+        u = self.key_only(ck, dtype).unsqueeze(2)  # [B, H, 1, Tk]
+        u = u.expand(-1, -1, cq.length, -1)
+        return {"relative": rel, "key_only": u, "total": rel + u}
+
+
+class AlibiPrior(GoatPrior):
+    """ALiBi (Press et al. 2022) in GOAT's key-linear lanes: ``-m_h (i - j) == m_h j - m_h i``.
+
+    For causal attention the row constant ``-m_h i`` cancels in softmax, so the fixed slope
+    as a key-only term gives ALiBi's weights with one flash-eligible SDPA call (2 lanes,
+    ``d_c = d_h - 2``). Uses the same two-lane split, so no bf16 staircase.
+
+    Raises:
+        ValueError: for bidirectional attention (ALiBi's ``|i - j|`` is not key-only).
+    """
+
+    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, **_: object) -> None:
+        if not causal:
+            raise ValueError("position='alibi' needs causal attention: the bidirectional |i-j| bias is not key-only; "
+                             "use goat, rope or nope for bidirectional mixers")
+        super().__init__(n_heads, head_dim, causal=True, n_modes=0, key_linear=True, key_mlp_hidden=0,
+                         bos_bias=False, init="alibi", learn_slope=False)
+
+
+class RotaryPositions(PositionScheme):
+    """RoPE (Su et al. 2021), axis-wise for several axes (2D axial RoPE for patches).
+
+    The head dim is split into ``axes`` equal even parts; part ``a`` rotates with axis
+    ``a``'s coordinate using frequencies ``base^(-2i/d_a)`` (GPT-NeoX half-rotation
+    layout). Missing axes rotate by angle 0 (identity).
+
+    Raises:
+        ValueError: if ``head_dim`` is not divisible into even parts per axis.
+    """
+
+    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0, **_: object) -> None:
+        super().__init__(n_heads, head_dim, causal)
+        if head_dim % (2 * axes):
+            raise ValueError(f"RoPE needs head_dim divisible by 2*axes; got head_dim={head_dim}, axes={axes}")
+        self.axes, self.base = axes, base
+        d_a = head_dim // axes
+        inv = base ** (-torch.arange(0, d_a, 2, dtype=torch.float64) / d_a)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def angles(self, coords: Coords) -> Tensor:
+        """``[B|1, T, head_dim/2]`` float64 rotation angles (per axis block)."""
+        c = coords.with_axes(self.axes)
+        pos = c.pos.double() * c.full_mask().double()
+        return (pos.unsqueeze(-1) * self.inv_freq).flatten(-2)
+
+    def rotate(self, x: Tensor, coords: Coords) -> Tensor:
+        ang = self.angles(coords).unsqueeze(1)  # [B, 1, T, d/2]
+        cos, sin = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
+        # pair i of axis block a is (x[a-block i], x[a-block i + d_a/2])
+        d_a = x.shape[-1] // self.axes
+        xs = x.unflatten(-1, (self.axes, 2, d_a // 2))  # [B, H, T, A, 2, d_a/2]
+        cos = cos.unflatten(-1, (self.axes, 1, d_a // 2))
+        sin = sin.unflatten(-1, (self.axes, 1, d_a // 2))
+        x1, x2 = xs[..., 0:1, :], xs[..., 1:2, :]
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-2)
+        return out.flatten(-3)
+
+
+_SCHEMES = {"goat": GoatPrior, "alibi": AlibiPrior, "rope": RotaryPositions, "nope": NoPositions}
+
+
+def build_position(name: str, n_heads: int, head_dim: int, causal: bool, **kwargs) -> PositionScheme:
+    """Position scheme by name: ``goat``, ``alibi``, ``rope``, ``nope``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in _SCHEMES:
+        raise ValueError(f"unknown position scheme {name!r}; choose from {sorted(_SCHEMES)}")
+    return _SCHEMES[name](n_heads=n_heads, head_dim=head_dim, causal=causal, **kwargs)

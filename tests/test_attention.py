@@ -1,0 +1,197 @@
+"""Attention mixers: the SDPA fast path against explicit formulas computed here in float64."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixlab.coords import Coords
+from mixlab.mixers.attention import Attention
+from mixlab.ops.goat import alibi_slopes
+from mixlab.registry import build_mixer
+
+D, H = 48, 3  # head_dim 16
+
+
+def _randomise(m: Attention, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.pos.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _phi(c: torch.Tensor, present: torch.Tensor, n_freqs: int, scale: float) -> torch.Tensor:
+    """phi_abs written out independently: per axis [sin(c v), cos(c v), c/scale, 1] * present."""
+    v = torch.tensor([10000.0 ** (-m / (n_freqs - 1)) for m in range(n_freqs)], dtype=torch.float64)
+    feats = []
+    for a in range(c.shape[-1]):
+        ca, pa = c[:, a : a + 1].double(), present[:, a : a + 1].double()
+        f = torch.cat([torch.sin(ca * v), torch.cos(ca * v), ca / scale, torch.ones_like(ca)], dim=-1) * pa
+        feats.append(f)
+    return torch.cat(feats, dim=-1)
+
+
+@torch.no_grad()
+def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """z_ij = q_c.k_c/sqrt(d_c) + sum_r [alpha cos(w d) + beta sin(w d)] + u(j), by loops (batch 1)."""
+    p = m.pos
+    T = x.shape[1]
+    dc, dh = m.d_c, m.head_dim
+    qc, kc, v = m.qkv(x)[0].split([H * dc, H * dc, H * dh], dim=-1)
+    qc, kc, v = qc.view(T, H, dc), kc.view(T, H, dc), v.view(T, H, dh)
+    w = p.freqs()
+    axis = p.mode_axis.tolist()
+    phi = _phi(pos, present, p.key_mlp_freqs, p.abs_scale)  # [T, F]
+    z = torch.empty(H, T, T, dtype=torch.float64)
+    for h in range(H):
+        g = F.silu(phi @ p.mlp_w1[h] + p.mlp_b1[h]) @ p.mlp_w2[h] if p.key_mlp_hidden else torch.zeros(T, dtype=torch.float64)
+        for i in range(T):
+            for j in range(T):
+                content = float((qc[i, h] @ kc[j, h]).detach()) / math.sqrt(dc)
+                rel = 0.0
+                for r, a in enumerate(axis):
+                    if present[i, a] and present[j, a]:
+                        d = float(pos[i, a] - pos[j, a])
+                        rel += float(p.alpha[h, r]) * math.cos(float(w[r]) * d) + float(p.beta[h, r]) * math.sin(float(w[r]) * d)
+                u = float(g[j])
+                if p.key_linear and present[j, 0]:
+                    u += float(p.slope[h]) * float(pos[j, 0])
+                if p.use_bos and present[j, 0] and pos[j, 0] == 0:
+                    u += float(p.bos[h])
+                if p.use_default and not present[j].any():
+                    u += float(p.default[h])
+                z[h, i, j] = content + rel + u
+    if m.causal:
+        z = z.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    o = torch.softmax(z, -1) @ v.transpose(0, 1)  # [H, T, dh]
+    return m.proj(o.transpose(0, 1).reshape(1, T, H * dh))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("T", [1, 7, 37], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("cfg", [
+    dict(n_modes=2),
+    dict(n_modes=3, learned_freqs=True, freq_base=1000.0),
+    dict(n_modes=1, key_mlp_hidden=0, init="alibi"),
+], ids=["R2", "R3-learned", "R1-nomlp"])
+def test_goat_sdpa_equals_explicit_formula(causal, T, cfg):
+    torch.manual_seed(T)
+    m = Attention(D, H, causal=causal, position="goat", position_args=cfg).double()
+    _randomise(m, seed=T)
+    x = torch.randn(1, T, D, dtype=torch.float64)
+    offset = 5 if T > 1 else 0  # exercise j = 0 and j > 0 starts
+    coords = Coords.seq(T, offset=0)
+    pos = coords.pos[0]
+    want = goat_explicit(m, x, pos, torch.ones_like(pos, dtype=torch.bool))
+    torch.testing.assert_close(m(x, coords), want, rtol=1e-10, atol=1e-10)
+    # a shifted window (positions offset..offset+T-1): the prior is not translation-invariant (u(j))
+    c2 = Coords.seq(T, offset=offset)
+    want2 = goat_explicit(m, x, c2.pos[0], torch.ones_like(c2.pos[0], dtype=torch.bool))
+    torch.testing.assert_close(m(x, c2), want2, rtol=1e-10, atol=1e-10)
+    m.impl = "reference"
+    torch.testing.assert_close(m(x, c2), want2, rtol=1e-10, atol=1e-10)
+
+
+def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula():
+    """Text tokens (sequence axis only), image patches (y, x only), a token with no axes."""
+    torch.manual_seed(1)
+    m = Attention(D, H, causal=False, position="goat",
+                  position_args=dict(n_modes=3, axes=3, key_linear=True, bos_bias=True, default_bias=True)).double()
+    _randomise(m, seed=3)
+    text = Coords(torch.tensor([[[0, 0, 0], [1, 0, 0], [2, 0, 0]]]), torch.tensor([[[1, 0, 0]] * 3], dtype=torch.bool))
+    patches = Coords(torch.tensor([[[0, y, x] for y in range(2) for x in range(3)]]),
+                     torch.tensor([[[0, 1, 1]] * 6], dtype=torch.bool))
+    cls = Coords.empty(1, 3)
+    coords = Coords.cat([cls, text, patches])
+    x = torch.randn(1, coords.length, D, dtype=torch.float64)
+    want = goat_explicit(m, x, coords.pos[0], coords.full_mask()[0])
+    torch.testing.assert_close(m(x, coords), want, rtol=1e-10, atol=1e-10)
+
+
+def test_alibi_lane_equals_dense_alibi_bias():
+    torch.manual_seed(0)
+    T = 29
+    m = Attention(D, H, causal=True, position="alibi").double()
+    x = torch.randn(2, T, D, dtype=torch.float64)
+    dc, dh = m.d_c, m.head_dim
+    q, k, v = m.qkv(x).split([H * dc, H * dc, H * dh], dim=-1)
+    q, k, v = (t.view(2, T, H, -1).transpose(1, 2) for t in (q, k, v))
+    i = torch.arange(T)
+    bias = -alibi_slopes(H)[:, None, None] * (i[:, None] - i[None, :]).double()  # [H, T, T]
+    bias = bias.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    z = q @ k.transpose(-1, -2) / math.sqrt(dc) + bias
+    want = m.proj((torch.softmax(z, -1) @ v).transpose(1, 2).reshape(2, T, -1))
+    torch.testing.assert_close(m(x), want, rtol=1e-10, atol=1e-10)
+    assert len(list(m.pos.parameters())) == 0  # fixed slopes: buffers, nothing unused under DDP
+
+
+def test_recency_prior_is_monotone_in_bf16_up_to_32k():
+    """Pure recency prior (lambda > 0, nothing else): lanes in bf16, fp32 accumulation as in the kernel."""
+    T = 32768
+    p = build_mixer("goat", d_model=64, n_heads=1, causal=True,
+                    position_args=dict(n_modes=1, key_mlp_hidden=0, bos_bias=False)).pos
+    with torch.no_grad():
+        p.slope.fill_(0.0137)
+    c = Coords.seq(T)
+    ql, kl = p.lanes(c.slice(T - 1, T), c, torch.bfloat16)
+    logits = (ql.float() * kl.float()).sum(-1)[0, 0] / 8.0  # [T]; sqrt(d_h) = 8
+    diffs = logits.diff()
+    assert bool((diffs > 0).all()), f"staircase: {(diffs <= 0).sum()} non-increasing steps"
+    # the slope itself is rounded to bf16 once (same for every key): relative error < 2^-7
+    assert abs(float(logits[-1] - logits[0]) / (T - 1) / 0.0137 - 1) < 2**-7
+    # the single-lane layout (u = lambda * j stored in bf16) is a staircase: the test can fail
+    naive = (0.0137 * torch.arange(T, dtype=torch.float32)).bfloat16().float()
+    assert (naive.diff() <= 0).sum() > T // 2
+
+
+@pytest.mark.parametrize("name", ["goat", "rope", "alibi", "nope"])
+def test_cached_decoding_equals_parallel_forward(name):
+    torch.manual_seed(0)
+    m = build_mixer(name, d_model=D, n_heads=H, causal=True).double()
+    _randomise(m, seed=1)
+    x = torch.randn(2, 11, D, dtype=torch.float64)
+    full = m(x)
+    cache: dict = {}
+    parts = [m(x[:, :4], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(4, 9)] + [m(x[:, 9:], cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
+
+
+def test_rope_2d_axial_depends_only_on_coordinate_differences():
+    torch.manual_seed(0)
+    m = Attention(D, H, causal=False, position="rope", position_args=dict(axes=2)).double()
+    x = torch.randn(1, 12, D, dtype=torch.float64)
+    g = Coords.grid(3, 4)
+    shifted = Coords(g.pos + torch.tensor([7, -3]))
+    torch.testing.assert_close(m(x, g), m(x, shifted), rtol=1e-10, atol=1e-10)
+    swapped = Coords(g.pos.flip(-1))  # y and x exchanged: different output (axes are distinct)
+    assert (m(x, g) - m(x, swapped)).abs().max() > 1e-3
+    m.impl = "reference"
+    torch.testing.assert_close(m(x, g), m(x, shifted), rtol=1e-10, atol=1e-10)
+
+
+def test_goat_fast_path_runs_one_sdpa_call_without_mask(monkeypatch):
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        calls.append((attn_mask, q.shape, k.shape))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    m = build_mixer("goat", d_model=64, n_heads=4, causal=True, position_args=dict(n_modes=4))
+    m(torch.randn(2, 10, 64))
+    assert len(calls) == 1 and calls[0][0] is None and calls[0][1][-1] == 16  # lanes inside d_h
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="head_dim=8 is too small.*n_modes=4"):
+        build_mixer("goat", d_model=16, n_heads=2, causal=True, position_args=dict(n_modes=4))
+    with pytest.raises(ValueError, match="unknown mixer 'gaot'"):
+        build_mixer("gaot", d_model=16, n_heads=2, causal=True)
+    with pytest.raises(ValueError, match="alibi.*causal"):
+        build_mixer("alibi", d_model=16, n_heads=2, causal=False)
+    with pytest.raises(ValueError, match="n_modes=3 does not split evenly over axes=2"):
+        build_mixer("goat", d_model=64, n_heads=2, causal=False, position_args=dict(n_modes=3, axes=2))
