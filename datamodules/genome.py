@@ -81,12 +81,12 @@ def encode_sequence(seq: str | bytes, lowercase: str = "fold", iupac: str = "n",
         pos = int(np.argmax(codes >= _AMBIG))
         char, kind = chr(raw[pos]), int(codes[pos])
         if kind == _LOWER:
-            why = "soft-masked lowercase base, but lowercase='error' (use 'fold' or 'n')"
+            why = "a soft-masked lowercase base, but lowercase='error' (use 'fold' or 'n')"
         elif kind == _AMBIG:
-            why = "IUPAC ambiguity code, but iupac='error' (use 'n')"
+            why = "an IUPAC ambiguity code, but iupac='error' (use 'n')"
         else:
             why = f"not a DNA letter (expected {ALPHABET} or IUPAC {IUPAC_CODES}, any case)"
-        raise ValueError(f"{where}: character {char!r} at position {pos + 1} is a {why}")
+        raise ValueError(f"{where}: character {char!r} at position {pos + 1} is {why}")
     return codes
 
 
@@ -226,8 +226,8 @@ class GenomeDataModule(pl.LightningDataModule):
     Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each;
     None -> the embedded human chr22 slice, chr17 part and chrM); ``context_length`` tokens
     per input; ``lowercase`` "fold" | "n" | "error"; ``iupac`` "n" | "error";
-    ``region_size``, ``val_fraction``, ``test_fraction``, ``seed`` define the split (at
-    least one val and one test region when there are >= 3 regions and the fraction is > 0);
+    ``region_size``, ``val_fraction``, ``test_fraction``, ``seed`` define the split (each
+    split with a fraction > 0 gets a region that fits a window when >= 3 regions do);
     regions with more than ``max_n_fraction`` N are dropped; ``train_stride`` spaces
     training crop starts (raise it for whole genomes: the sampler permutes all starts);
     ``cache_dir`` stores encoded files as .npy (keyed by path, mtime, size, settings).
@@ -273,42 +273,50 @@ class GenomeDataModule(pl.LightningDataModule):
             raise ValueError("fasta must name at least one file (or be None for the defaults)")
         self.save_hyperparameters()
         self.fasta = [str(Path(f).expanduser()) for f in files]
-        self.context_length, self.batch_size, self.num_workers = context_length, batch_size, num_workers
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.lowercase, self.iupac, self.region_size, self.seed = lowercase, iupac, region_size, seed
+        self.context_length, self.region_size, self.seed = context_length, region_size, seed
+        self.batch_size, self.eval_batch_size = batch_size, eval_batch_size or batch_size
+        self.num_workers, self.lowercase, self.iupac = num_workers, lowercase, iupac
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
-        self.max_n_fraction, self.train_stride, self.cache_dir = max_n_fraction, train_stride, cache_dir
+        self.max_n_fraction, self.train_stride = max_n_fraction, train_stride
+        self.cache_dir = cache_dir
         self.records: list[GenomeRecord] = []
         self.regions: dict[str, np.ndarray] = {}  # rec, start, length, split (-1 = dropped)
         self.datasets: dict[str, GenomeCropDataset] = {}
 
     # -- reading ---------------------------------------------------------------------------
     def _load_file(self, path: Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
+        """read_fasta, or with ``cache_dir`` a memory-mapped .npy of the encoded file."""
         if not self.cache_dir:
             return read_fasta(path, self.lowercase, self.iupac)
         _check_file(path)
         st = path.stat()
         key = json.dumps([str(path.resolve()), st.st_mtime_ns, st.st_size, self.lowercase,
                           self.iupac, _CACHE_VERSION])
-        stem = Path(self.cache_dir).expanduser() / f"genome-{hashlib.sha256(key.encode()).hexdigest()[:20]}"
+        digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+        stem = Path(self.cache_dir).expanduser() / f"genome-{digest}"
         npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
-        if not (npy.exists() and meta.exists()):
+        if npy.exists() and meta.exists():
+            info = json.loads(meta.read_text())
+            log.info("%s: using cached encoding %s", path, npy)
+            for name in info["skipped"]:
+                log.warning("%s: record %r has no bases; skipped (cached)", path, name)
+        else:
             records, skipped = read_fasta(path, self.lowercase, self.iupac)
+            info = {"source": str(path), "skipped": skipped,
+                    "names": [(name, len(tokens)) for name, tokens in records]}
             npy.parent.mkdir(parents=True, exist_ok=True)
-            tmp = stem.with_suffix(".tmp.npy")
-            out = np.lib.format.open_memmap(tmp, "w+", np.uint8, (sum(len(t) for _, t in records),))
+            tmp = stem.with_suffix(".tmp.npy")  # written in place: no second copy in memory
+            total = sum(n for _, n in info["names"])
+            out = np.lib.format.open_memmap(tmp, "w+", np.uint8, (total,))
             pos = 0
             for _, tokens in records:
                 out[pos:pos + len(tokens)] = tokens
                 pos += len(tokens)
             out.flush()
-            names = [(name, len(tokens)) for name, tokens in records]
             del out, records
             os.replace(tmp, npy)
-            stem.with_suffix(".tmp.json").write_text(
-                json.dumps({"source": str(path), "names": names, "skipped": skipped}))
+            stem.with_suffix(".tmp.json").write_text(json.dumps(info))
             os.replace(stem.with_suffix(".tmp.json"), meta)
-        info = json.loads(meta.read_text())
         data = np.load(npy, mmap_mode="r")
         ends = np.cumsum([n for _, n in info["names"]])
         return ([(name, data[e - n:e]) for (name, n), e in zip(info["names"], ends)],
@@ -332,13 +340,14 @@ class GenomeDataModule(pl.LightningDataModule):
         split[u < self.val_fraction] = 1
         dropped = n_count > self.max_n_fraction * length
         split[dropped] = -1
-        if len(u) - dropped.sum() >= 3:  # guarantee one val and one test region
-            for code, frac in ((1, self.val_fraction), (2, self.test_fraction)):
-                if frac > 0 and not (split == code).any():
-                    donor = int(np.argmax(np.bincount(split[split >= 0], minlength=3)))
-                    pool = np.flatnonzero(split == donor)
-                    full = pool[length[pool] >= self.context_length + 1]
-                    pool = full if len(full) else pool
+        # Guarantee every split one region that can hold a window (when >= 3 regions can):
+        # move the lowest-hash usable region of the split with the most usable regions.
+        usable = (split >= 0) & (length >= self.context_length + 1)
+        if usable.sum() >= 3:
+            for code, frac in enumerate((1.0, self.val_fraction, self.test_fraction)):
+                if frac > 0 and not (usable & (split == code)).any():
+                    donor = int(np.argmax(np.bincount(split[usable], minlength=3)))
+                    pool = np.flatnonzero(usable & (split == donor))
                     split[pool[np.argmin(u[pool])]] = code
         self.regions = {"rec": rec, "start": start, "length": length, "split": split}
         return int(dropped.sum())
@@ -347,22 +356,21 @@ class GenomeDataModule(pl.LightningDataModule):
         length, split, need = self.regions["length"], self.regions["split"], self.context_length + 1
         kept = length[split >= 0]
         largest = int(kept.max()) if kept.size else 0
+        head = f"context_length={self.context_length} needs {need} bases per sample"
         hint = "lower context_length or raise region_size (a crop never crosses a region boundary)"
         if largest < need:
-            raise ValueError(f"context_length={self.context_length} needs {need} bases per sample, "
-                             f"but the largest region of any split holds {largest} bases "
-                             f"(region_size={self.region_size}); {hint}")
-        fractions = (1.0, self.val_fraction, self.test_fraction)
-        for code, name in enumerate(SPLITS):
-            if fractions[code] > 0 and len(self.datasets[name]) == 0:
+            raise ValueError(f"{head}, but the largest region of any split holds {largest} "
+                             f"bases (region_size={self.region_size}); {hint}")
+        for code, (name, frac) in enumerate(zip(SPLITS, (1.0, self.val_fraction,
+                                                         self.test_fraction))):
+            if frac > 0 and len(self.datasets[name]) == 0:
                 mine = length[split == code]
-                top = int(mine.max()) if mine.size else 0
-                raise ValueError(
-                    f"context_length={self.context_length} leaves the {name} split with no "
-                    f"window of {need} bases: it has {mine.size} region(s), the largest holding "
-                    f"{top} bases (largest region overall: {largest}, {int(kept.size)} regions "
-                    f"kept); {hint}" + ("" if mine.size else
-                    f", or lower region_size / add sequence so there are >= 3 regions"))
+                got = (f"its {mine.size} region(s) hold at most {int(mine.max())} bases"
+                       if mine.size else "it got no region")
+                usable = int((kept >= need).sum())
+                raise ValueError(f"{head}, but the {name} split has no window: {got} (largest "
+                                 f"region overall: {largest} bases; {usable} region(s) fit a "
+                                 f"window, 3 are needed for a guaranteed split); {hint}")
 
     # -- Lightning hooks -------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -372,7 +380,7 @@ class GenomeDataModule(pl.LightningDataModule):
         """Parse the FASTA files once (cached on the instance) and build all three datasets."""
         if self.datasets:
             return
-        skipped = 0
+        self.records, skipped = [], 0
         for f in self.fasta:
             records, empty = self._load_file(Path(f))
             self.records += [GenomeRecord(name, f, tokens) for name, tokens in records]
@@ -397,21 +405,13 @@ class GenomeDataModule(pl.LightningDataModule):
                  len(self.fasta), sum(len(s) for s in seqs), bases[0], len(self.train_dataset),
                  bases[1], len(self.val_dataset), bases[2], len(self.test_dataset), dropped,
                  len(rg["split"]), self.max_n_fraction, skipped)
-        if len(self.train_dataset) > 2**31:
+        if len(self.train_dataset) > 2**28:
             log.warning("genome: %d training crops; the shuffling sampler permutes all of them "
                         "(8 bytes each) - raise train_stride", len(self.train_dataset))
 
-    @property
-    def train_dataset(self) -> GenomeCropDataset:
-        return self.datasets["train"]
-
-    @property
-    def val_dataset(self) -> GenomeCropDataset:
-        return self.datasets["val"]
-
-    @property
-    def test_dataset(self) -> GenomeCropDataset:
-        return self.datasets["test"]
+    train_dataset = property(lambda self: self.datasets["train"], doc="GenomeTrainDataset")
+    val_dataset = property(lambda self: self.datasets["val"], doc="GenomeEvalDataset")
+    test_dataset = property(lambda self: self.datasets["test"], doc="GenomeEvalDataset")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         self.setup()

@@ -40,8 +40,7 @@ def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: tor
     p = m.pos
     T = x.shape[1]
     dc, dh = m.d_c, m.head_dim
-    qc, kc, v = m.qkv(x)[0].split([H * dc, H * dc, H * dh], dim=-1)
-    qc, kc, v = qc.view(T, H, dc), kc.view(T, H, dc), v.view(T, H, dh)
+    qc, kc, v = (z[0].transpose(0, 1) for z in m._split(x))  # [T, H, d]
     w = p.freqs()
     axis = p.mode_axis.tolist()
     phi = _phi(pos, present, p.key_mlp_freqs, p.abs_scale)  # [T, F]
@@ -117,8 +116,7 @@ def test_alibi_lane_equals_dense_alibi_bias():
     m = Attention(D, H, causal=True, position="alibi").double()
     x = torch.randn(2, T, D, dtype=torch.float64)
     dc, dh = m.d_c, m.head_dim
-    q, k, v = m.qkv(x).split([H * dc, H * dc, H * dh], dim=-1)
-    q, k, v = (t.view(2, T, H, -1).transpose(1, 2) for t in (q, k, v))
+    q, k, v = m._split(x)  # [B, H, T, d]
     i = torch.arange(T)
     bias = -alibi_slopes(H)[:, None, None] * (i[:, None] - i[None, :]).double()  # [H, T, T]
     bias = bias.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
@@ -137,7 +135,7 @@ def test_recency_prior_is_monotone_in_bf16_up_to_32k():
         p.slope.fill_(0.0137)
     c = Coords.seq(T)
     ql, kl = p.lanes(c.slice(T - 1, T), c, torch.bfloat16)
-    logits = (ql.float() * kl.float()).sum(-1)[0, 0] / 8.0  # [T]; sqrt(d_h) = 8
+    logits = (ql.float() * kl.float()).sum(-1)[0, 0] / p.lane_scale  # [T]; SDPA scale 1/sqrt(d_c)
     diffs = logits.diff()
     assert bool((diffs > 0).all()), f"staircase: {(diffs <= 0).sum()} non-increasing steps"
     # the slope itself is rounded to bf16 once (same for every key): relative error < 2^-7
@@ -195,3 +193,49 @@ def test_bad_arguments_are_named():
         build_mixer("alibi", d_model=16, n_heads=2, causal=False)
     with pytest.raises(ValueError, match="n_modes=3 does not split evenly over axes=2"):
         build_mixer("goat", d_model=64, n_heads=2, causal=False, position_args=dict(n_modes=3, axes=2))
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["1d", "mixed-axes"])
+def test_goat_lane_gradients_equal_autograd_through_explicit_prior(mixed):
+    """GoatLanes' analytic backward vs autograd through prior_terms (float64, learned freqs)."""
+    torch.manual_seed(2)
+    axes = 3 if mixed else 1
+    args = dict(n_modes=3, axes=axes, learned_freqs=True, key_linear=True, bos_bias=True, default_bias=mixed)
+    m = Attention(D, H, causal=True, position="goat", position_args=args).double()
+    _randomise(m, seed=5)
+    with torch.no_grad():
+        m.pos.log_freqs.copy_(torch.linspace(0.0, -3.0, 3, dtype=torch.float64))
+    if mixed:
+        c = Coords.cat([Coords.empty(1, 3), Coords(torch.tensor([[[0, 0, 0], [1, 0, 0]]]), torch.tensor([[[1, 0, 0]] * 2], dtype=torch.bool)),
+                        Coords(torch.tensor([[[0, y, x] for y in range(2) for x in range(2)]]), torch.tensor([[[0, 1, 1]] * 4], dtype=torch.bool))])
+    else:
+        c = Coords.seq(300, offset=3)  # j spans several key-linear blocks (c = 128)
+    W = torch.randn(1, H, c.length, c.length, dtype=torch.float64)
+    params = [p for p in m.pos.parameters()]
+    ql, kl = m.pos.lanes(c, c, torch.float64)
+    lane = (W * (ql @ kl.transpose(-1, -2)) / m.pos.lane_scale).sum()
+    g_lane = torch.autograd.grad(lane, params)
+    ref = (W * m.pos.prior_terms(c, c)["total"]).sum()
+    g_ref = torch.autograd.grad(ref, params)
+    torch.testing.assert_close(lane, ref, rtol=1e-10, atol=1e-8)
+    for (name, _), a, b in zip(m.pos.named_parameters(), g_lane, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-8, msg=lambda s: f"{name}: {s}")
+
+
+def test_goat_lanes_gradcheck():
+    from mixlab.ops.goat import GoatLanes
+
+    torch.manual_seed(0)
+    B, T, R, H, Fd, Hd = 1, 5, 2, 2, 3, 4
+    d = dict(dtype=torch.float64)
+    ang = torch.randn(B, T, R, **d)
+    cos, sin = ang.cos().requires_grad_(), ang.sin().requires_grad_()
+    pres = torch.ones(B, T, R, **d)
+    phi = torch.randn(B, T, Fd, **d)
+    j = torch.arange(T, **d).view(1, T)
+    params = [torch.randn(H, R, **d), torch.randn(H, R, **d), torch.randn(H, **d), torch.randn(H, **d), torch.randn(H, **d),
+              torch.randn(H, Fd, Hd, **d), torch.randn(H, Hd, **d), torch.randn(H, Hd, **d)]
+    params = [p.requires_grad_() for p in params]
+    fn = lambda cs, sn, *ps: GoatLanes.apply(cs, sn, pres, cs, sn, pres, phi, j // 2, j % 2, (j == 0).double(),
+                                             torch.zeros_like(j), *ps, 1.7, torch.float64)
+    assert torch.autograd.gradcheck(fn, (cos, sin, *params))

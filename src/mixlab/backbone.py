@@ -79,7 +79,7 @@ class BackboneConfig:
     n_layers: int = 4
     n_heads: int = 4
     mixer: str | list[str] = "goat"
-    mixer_args: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mixer_args: dict[str, Any] = field(default_factory=dict)
     causal: bool = True
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     mlp_ratio: float = 4.0

@@ -8,7 +8,7 @@ import time
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["ThroughputMemory"]
+__all__ = ["ThroughputMemory", "MixerMetrics"]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -47,3 +47,30 @@ class ThroughputMemory(pl.Callback):
         n = fn(batch) if fn is not None else (batch.numel() if torch.is_tensor(batch) else 0)
         pl_module.log("perf/tokens_per_s", n * trainer.world_size / max(dt, 1e-9))
         pl_module.log("perf/peak_mem_gb", peak_memory_gb(pl_module.device))
+
+
+class MixerMetrics(pl.Callback):
+    """Logs every mixer's :meth:`~mixlab.mixers.base.Mixer.extra_metrics` (e.g. Mesa's mean
+    CG iterations per head) as ``<stage>/mixer/layer<i>/<key>``: per step in training
+    (``train/``), as the mean over batches in validation and test."""
+
+    def _log(self, pl_module: pl.LightningModule, stage: str) -> None:
+        from mixlab.mixers.base import Mixer
+
+        for name, mod in pl_module.named_modules():
+            if not isinstance(mod, Mixer):
+                continue
+            metrics = mod.extra_metrics()
+            layer = getattr(mod, "layer_idx", name)
+            for key, value in metrics.items():
+                pl_module.log(f"{stage}/mixer/layer{layer}/{key}", value.float(), on_step=stage == "train",
+                              on_epoch=stage != "train", batch_size=1)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._log(pl_module, "train")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._log(pl_module, "val")
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._log(pl_module, "test")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -25,7 +26,7 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from mixlab.callbacks import ThroughputMemory
+from mixlab.callbacks import MixerMetrics, ThroughputMemory
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
 
@@ -49,6 +50,7 @@ class MixlabCLI(LightningCLI):
                 ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_last=True, save_top_k=1),
                 LearningRateMonitor(logging_interval="step"),
                 ThroughputMemory(),
+                MixerMetrics(),
             ],
         }
         kwargs.setdefault("trainer_defaults", defaults)
@@ -74,8 +76,24 @@ class MixlabCLI(LightningCLI):
         if logger is None or logger is True:
             task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
             run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
-            kwargs["logger"] = TensorBoardLogger(cfg.get("run_root", "runs"), name=f"{task}/{run}", default_hp_metric=False)
+            root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
+            kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
+                                                 version=_run_version(cfg.get("ckpt_path"), root / name))
         return super().instantiate_trainer(**kwargs)
+
+
+def _run_version(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """``version_N`` of ``run_dir`` holding ``ckpt_path`` (``.../version_N/checkpoints/x.ckpt``), else None.
+
+    Resuming, validating or testing from a run's own checkpoint then logs into that same
+    TensorBoard run instead of a new version.
+    """
+    if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
+        return None
+    version_dir = Path(ckpt_path).resolve().parent.parent
+    if Path(ckpt_path).resolve().parent.name == "checkpoints" and version_dir.parent == run_dir.resolve():
+        return version_dir.name
+    return None
 
 
 def _resolve(target: str) -> Callable[[list[str]], Any]:
@@ -90,3 +108,9 @@ def main(argv: list[str] | None = None) -> None:
         _resolve(COMMANDS[argv[0]])(argv[1:])
         return
     MixlabCLI(args=argv)
+
+register_command("length-extrapolation", "mixlab.eval.length:main")
+register_command("passkey", "mixlab.eval.retrieval:passkey_main")
+register_command("niah", "mixlab.eval.retrieval:niah_main")
+register_command("copy-prior", "mixlab.eval.prior:main")
+register_command("resolution", "mixlab.eval.resolution:main")

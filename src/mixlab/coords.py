@@ -53,6 +53,9 @@ class Coords:
 
     pos: Tensor
     mask: Tensor | None = None
+    key: tuple | None = None
+    """Hashable description for coordinates made by a builder (``("seq", T, offset)``);
+    position schemes cache their parameter-free features under it. ``None``: no caching."""
 
     def __post_init__(self) -> None:
         if self.pos.dim() != 3:
@@ -74,7 +77,7 @@ class Coords:
     def seq(length: int, offset: int = 0, device: torch.device | str | None = None) -> "Coords":
         """1D positions ``offset, ..., offset + length - 1`` as ``[1, T, 1]``."""
         pos = torch.arange(offset, offset + length, device=device, dtype=torch.long)
-        return Coords(pos.view(1, length, 1))
+        return Coords(pos.view(1, length, 1), key=("seq", length, offset))
 
     @staticmethod
     def grid(height: int, width: int, device: torch.device | str | None = None) -> "Coords":
@@ -83,13 +86,13 @@ class Coords:
             torch.arange(height, device=device), torch.arange(width, device=device), indexing="ij"
         )
         pos = torch.stack([ys.reshape(-1), xs.reshape(-1)], dim=-1).long()
-        return Coords(pos.unsqueeze(0))
+        return Coords(pos.unsqueeze(0), key=("grid", height, width))
 
     @staticmethod
     def empty(length: int, axes: int, device: torch.device | str | None = None) -> "Coords":
         """``length`` tokens with no coordinate on any of ``axes`` axes (e.g. ``[CLS]``)."""
         pos = torch.zeros(1, length, axes, dtype=torch.long, device=device)
-        return Coords(pos, torch.zeros_like(pos, dtype=torch.bool))
+        return Coords(pos, torch.zeros_like(pos, dtype=torch.bool), key=("empty", length, axes))
 
     @staticmethod
     def cat(parts: list["Coords"]) -> "Coords":
@@ -99,10 +102,11 @@ class Coords:
             raise ValueError(f"Coords.cat: parts have different axis counts {sorted(axes)}")
         batch = max(p.pos.shape[0] for p in parts)
         pos = torch.cat([p.pos.expand(batch, -1, -1) for p in parts], dim=1)
+        key = ("cat",) + tuple(p.key for p in parts) if all(p.key is not None for p in parts) else None
         if all(p.mask is None for p in parts):
-            return Coords(pos)
+            return Coords(pos, key=key)
         mask = torch.cat([p.full_mask().expand(batch, -1, -1) for p in parts], dim=1)
-        return Coords(pos, mask)
+        return Coords(pos, mask, key=key)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -120,11 +124,12 @@ class Coords:
         return self.mask
 
     def to(self, device: torch.device | str) -> "Coords":
-        return Coords(self.pos.to(device), None if self.mask is None else self.mask.to(device))
+        return Coords(self.pos.to(device), None if self.mask is None else self.mask.to(device), self.key)
 
     def slice(self, start: int, stop: int) -> "Coords":
         """Tokens ``start:stop`` (used for chunked evaluation and decoding)."""
-        return Coords(self.pos[:, start:stop], None if self.mask is None else self.mask[:, start:stop])
+        key = None if self.key is None else ("slice", self.key, start, stop)
+        return Coords(self.pos[:, start:stop], None if self.mask is None else self.mask[:, start:stop], key)
 
     def with_axes(self, axes: int) -> "Coords":
         """Pad with missing axes up to ``axes`` (a 1D sequence used by a 2-axis prior)."""
@@ -135,4 +140,5 @@ class Coords:
         b, t, a = self.pos.shape
         pad = torch.zeros(b, t, axes - a, dtype=self.pos.dtype, device=self.pos.device)
         mask = torch.cat([self.full_mask(), pad.bool()], dim=-1)
-        return Coords(torch.cat([self.pos, pad], dim=-1), mask)
+        key = None if self.key is None else ("axes", self.key, axes)
+        return Coords(torch.cat([self.pos, pad], dim=-1), mask, key)

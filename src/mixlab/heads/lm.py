@@ -12,6 +12,7 @@ from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig
 from mixlab.coords import Coords
+from mixlab.heads.common import as_config, plain_hparams
 from mixlab.optim import OptimConfig, build_optimizer
 
 __all__ = ["CausalLM", "pattern_name"]
@@ -58,10 +59,10 @@ class CausalLM(pl.LightningModule):
         abs_pos_len: int = 0,
     ) -> None:
         super().__init__()
-        backbone = backbone or BackboneConfig()
-        optim = optim or OptimConfig()
-        backbone.causal = True
         self.save_hyperparameters()
+        plain_hparams(self)
+        backbone, optim = as_config(BackboneConfig, backbone), as_config(OptimConfig, optim)
+        backbone.causal = True
         self.vocab_size, self.optim_cfg = vocab_size, optim
         self.embed = nn.Embedding(vocab_size, backbone.d_model)
         self.abs_pos = nn.Embedding(abs_pos_len, backbone.d_model) if abs_pos_len > 0 else None

@@ -85,7 +85,10 @@ class Attention(Mixer):
         self.position_name = position
         self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
         self.d_c = self.pos.content_dim
-        self.qkv = nn.Linear(d_model, n_heads * (2 * self.d_c + head_dim), bias=bias)
+        # q/k content and v are separate projections: with lanes appended, q' and k' are new
+        # tensors and the q/k buffer is freed, so saved activations match a plain layer's.
+        self.qk = nn.Linear(d_model, 2 * n_heads * self.d_c, bias=bias)
+        self.v = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.proj._is_residual = True  # type: ignore[attr-defined]
 
@@ -95,21 +98,19 @@ class Attention(Mixer):
 
     # ------------------------------------------------------------------ pieces
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``x [B, T, D]`` -> content ``q, k [B, H, T, d_c]`` and ``v [B, H, T, d_h]``."""
         b, t, _ = x.shape
-        h, dc, dh = self.n_heads, self.d_c, self.head_dim
-        q, k, v = self.qkv(x).split([h * dc, h * dc, h * dh], dim=-1)
-        shape = lambda z, d: z.view(b, t, h, d).transpose(1, 2)  # (B, H, T, d)
-        return shape(q, dc), shape(k, dc), shape(v, dh)
+        h = self.n_heads
+        q, k = self.qk(x).view(b, t, 2, h, self.d_c).permute(2, 0, 3, 1, 4)
+        return q, k, self.v(x).view(b, t, h, self.head_dim).transpose(1, 2)
 
     def _pack(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> tuple[Tensor, Tensor]:
-        """Content ``q, k [B, H, T, d_c]`` -> SDPA inputs ``[B, H, T, d_h]``."""
+        """Content ``q, k [B, H, T, d_c]`` -> SDPA inputs ``[B, H, T, d_h]`` (lanes appended or RoPE)."""
         if self.pos.n_lanes == 0:
             return self.pos.rotate(q, cq), self.pos.rotate(k, ck)
         ql, kl = self.pos.lanes(cq, ck, q.dtype)
         b = q.shape[0]
-        q = torch.cat([q * self.pos.content_scale, ql.expand(b, -1, -1, -1)], dim=-1)
-        k = torch.cat([k, kl.expand(b, -1, -1, -1)], dim=-1)
-        return q, k
+        return torch.cat([q, ql.expand(b, -1, -1, -1)], dim=-1), torch.cat([k, kl.expand(b, -1, -1, -1)], dim=-1)
 
     @staticmethod
     def _append(cache: dict | None, name: str, new: Tensor) -> Tensor:
@@ -139,10 +140,12 @@ class Attention(Mixer):
             qp, kp = self._pack(q, k, cq, cq)
             kp = self._append(cache, "k", kp)
             drop = self.dropout if self.training else 0.0
+            scale = 1.0 / math.sqrt(self.d_c)  # content logits / sqrt(d_c); lanes carry sqrt(d_c)
             if self.causal and past and t > 1:
-                y = F.scaled_dot_product_attention(qp, kp, v, attn_mask=causal_mask(t, kp.shape[2], x.device), dropout_p=drop)
+                y = F.scaled_dot_product_attention(qp, kp, v, attn_mask=causal_mask(t, kp.shape[2], x.device),
+                                                   dropout_p=drop, scale=scale)
             else:
-                y = F.scaled_dot_product_attention(qp, kp, v, is_causal=self.causal and not past, dropout_p=drop)
+                y = F.scaled_dot_product_attention(qp, kp, v, is_causal=self.causal and not past, dropout_p=drop, scale=scale)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _probs(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> Tensor:

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.ops import goat as G
+from mixlab.ops.compile import cuda_compiled
 
 __all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPositions", "build_position"]
 
@@ -48,9 +49,12 @@ class PositionScheme(nn.Module):
         return self.head_dim - self.n_lanes
 
     @property
-    def content_scale(self) -> float:
-        """Factor on content queries so SDPA's ``1/sqrt(d_h)`` becomes ``1/sqrt(d_c)``."""
-        return math.sqrt(self.head_dim / self.content_dim)
+    def lane_scale(self) -> float:
+        """``sqrt(d_c)``: attention calls SDPA with ``scale = 1/sqrt(d_c)`` and lanes carry
+        ``sqrt(d_c)`` on the query side. Identical logits to the paper's ``sqrt(d_h/d_c) q_c``
+        and ``sqrt(d_h)`` lanes under SDPA's default ``1/sqrt(d_h)`` (Eqs. 23-27), with one
+        elementwise pass over q less."""
+        return math.sqrt(self.content_dim)
 
     def lanes(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``(q_lanes [B|1, H, Tq, L], k_lanes [B|1, H|1, Tk, L])`` with ``L = n_lanes``."""
@@ -212,63 +216,85 @@ class GoatPrior(PositionScheme):
     def _coords(self, coords: Coords) -> Coords:
         return coords.with_axes(self.axes)
 
-    def key_mlp(self, coords: Coords, dtype: torch.dtype) -> Tensor:
-        """``g_h(phi_abs(j))`` as ``[B|1, H, T]``."""
-        if self.key_mlp_hidden <= 0:
-            return torch.zeros(1, self.n_heads, coords.length, dtype=dtype, device=coords.pos.device)
-        f = G.abs_features(coords.pos, coords.mask, self.key_mlp_freqs, self.abs_scale, dtype)  # [B, T, F]
-        h = F.silu(torch.einsum("btf,hfd->bhtd", f, self.mlp_w1.to(dtype)) + self.mlp_b1.to(dtype)[None, :, None])
-        return torch.einsum("bhtd,hd->bht", h, self.mlp_w2.to(dtype))
+    def _features(self, coords: Coords, calc: torch.dtype) -> dict[str, Tensor]:
+        """Parameter-free position features of ``coords`` (cached under ``coords.key``).
 
-    def key_only(self, coords: Coords, dtype: torch.dtype = torch.float64, split: bool = False):
-        """``u_h(j)`` as ``[B|1, H, T]`` computed directly (``lambda j`` unsplit).
-
-        With ``split=True`` returns ``(u_rest, j_hi)`` for lane packing, where
-        ``u = u_rest + lambda * c * j_hi``.
+        ``pos_r``/``present`` ``[B, T, R]`` (coordinate read by each mode), ``cos``/``sin``
+        (fixed frequencies only), ``phi`` ``[B, T, F]``, ``j_hi``/``j_lo``/``is_bos``/
+        ``is_none`` ``[B, T]``, all in ``calc`` dtype except ``pos_r`` (float64).
         """
-        coords = self._coords(coords)
-        u = self.key_mlp(coords, dtype)
-        seq = coords.pos[..., 0]
-        has_seq = coords.full_mask()[..., 0]
-        j_hi = None
-        if self.key_linear:
-            j = torch.where(has_seq, seq, torch.zeros_like(seq))
-            if split:
-                j_hi, j_lo = G.split_key_linear(j)
-                u = u + self.slope.to(dtype)[None, :, None] * j_lo.to(dtype).unsqueeze(1)
-            else:
-                u = u + self.slope.to(dtype)[None, :, None] * j.to(dtype).unsqueeze(1)
-        if self.use_bos:
-            u = u + self.bos.to(dtype)[None, :, None] * ((seq == 0) & has_seq).to(dtype).unsqueeze(1)
-        if self.use_default:
-            none = ~coords.full_mask().any(-1)
-            u = u + self.default.to(dtype)[None, :, None] * none.to(dtype).unsqueeze(1)
-        return (u, j_hi) if split else u
+        key = None if coords.key is None else (coords.key, coords.pos.device, calc)
+        cache = self.__dict__.setdefault("_feature_cache", {})
+        if key is not None and key in cache:
+            return cache[key]
+        c = self._coords(coords)
+        mask = c.full_mask()
+        unit = torch.ones(self.n_modes, dtype=torch.float64, device=c.pos.device)
+        pos_r, present = G.fourier_angles(c.pos, c.mask, unit, self.mode_axis)
+        f = {"pos_r": pos_r, "present": present.to(calc)}
+        if self.log_freqs is None:
+            ang = pos_r * self.freqs().to(pos_r.device)
+            f["cos"], f["sin"] = torch.cos(ang).to(calc), torch.sin(ang).to(calc)
+        if self.key_mlp_hidden > 0:
+            f["phi"] = G.abs_features(c.pos, c.mask, self.key_mlp_freqs, self.abs_scale, calc)
+        seq, has_seq = c.pos[..., 0], mask[..., 0]
+        j_hi, j_lo = G.split_key_linear(torch.where(has_seq, seq, torch.zeros_like(seq)))
+        f.update(j_hi=j_hi.to(calc), j_lo=j_lo.to(calc), is_bos=((seq == 0) & has_seq).to(calc),
+                 is_none=(~mask.any(-1)).to(calc))
+        if key is not None:
+            if len(cache) >= 16:
+                cache.pop(next(iter(cache)))
+            cache[key] = f
+        return f
+
+    def _cos_sin(self, f: dict[str, Tensor], calc: torch.dtype) -> tuple[Tensor, Tensor]:
+        if "cos" in f:
+            return f["cos"], f["sin"]
+        ang = f["pos_r"] * self.freqs().to(f["pos_r"].device)  # learned frequencies: differentiable
+        return torch.cos(ang).to(calc), torch.sin(ang).to(calc)
+
+    def _params(self, calc: torch.dtype) -> dict[str, Tensor | None]:
+        get = lambda name: getattr(self, name).to(calc) if hasattr(self, name) else None
+        return {
+            "alpha": self.alpha.to(calc), "beta": self.beta.to(calc),
+            "slope": get("slope") if self.key_linear else None,
+            "bos": get("bos") if self.use_bos else None,
+            "default": get("default") if self.use_default else None,
+            "w1": get("mlp_w1"), "b1": get("mlp_b1"), "w2": get("mlp_w2"),
+        }
+
+    def key_only(self, coords: Coords, dtype: torch.dtype = torch.float64) -> Tensor:
+        """``u_h(j) = lambda_h j + g_h(phi_abs(j)) + b_h 1{j=0} (+ default if no axes)``, ``[B|1, H, T]``.
+
+        Computed directly (unsplit ``lambda j``) in ``dtype``; used by the reference path
+        and the prior figures.
+        """
+        c = self._coords(coords)
+        p = self._params(dtype)
+        seq, mask = c.pos[..., 0], c.full_mask()
+        u = torch.zeros(1, self.n_heads, c.length, dtype=dtype, device=c.pos.device)
+        if p["w1"] is not None:
+            phi = G.abs_features(c.pos, c.mask, self.key_mlp_freqs, self.abs_scale, dtype)
+            u = u + G.key_mlp(phi, p["w1"], p["b1"], p["w2"])
+        if p["slope"] is not None:
+            u = u + p["slope"][None, :, None] * torch.where(mask[..., 0], seq, 0).to(dtype).unsqueeze(1)
+        if p["bos"] is not None:
+            u = u + p["bos"][None, :, None] * ((seq == 0) & mask[..., 0]).to(dtype).unsqueeze(1)
+        if p["default"] is not None:
+            u = u + p["default"][None, :, None] * (~mask.any(-1)).to(dtype).unsqueeze(1)
+        return u
 
     # ------------------------------------------------------------------ scheme API
     def lanes(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        cq, ck = self._coords(coords_q), self._coords(coords_k)
-        sd = math.sqrt(self.head_dim)
         calc = torch.float64 if dtype == torch.float64 else torch.float32
-        freqs = self.freqs().to(cq.pos.device)
-        ang_q, pres_q = G.fourier_angles(cq.pos, cq.mask, freqs, self.mode_axis)
-        ang_k, pres_k = G.fourier_angles(ck.pos, ck.mask, freqs, self.mode_axis)
-        q_rel = G.fourier_query_lanes(ang_q.to(calc), pres_q.to(calc), self.alpha.to(calc), self.beta.to(calc))
-        k_rel = G.fourier_key_lanes(ang_k.to(calc), pres_k.to(calc)).unsqueeze(1)  # [B, 1, Tk, 2R]
-        u_rest, j_hi = self.key_only(ck, calc, split=True)  # [B, H, Tk]
-        bq, tq = q_rel.shape[0], q_rel.shape[2]
-        ones = torch.ones(bq, self.n_heads, tq, 1, dtype=calc, device=q_rel.device)
-        if self.key_linear:
-            lam = (self.slope.to(calc) * G.KEY_LINEAR_BLOCK)[None, :, None, None] * ones
-            k_hi = j_hi.to(calc).unsqueeze(1).expand(-1, self.n_heads, -1).unsqueeze(-1)
-        else:
-            lam = torch.zeros_like(ones)
-            k_hi = torch.zeros_like(u_rest).unsqueeze(-1)
-        q_l = torch.cat([sd * q_rel, sd * lam, sd * ones], dim=-1)
-        k_rel = k_rel.expand(-1, self.n_heads, -1, -1)
-        bk = max(k_rel.shape[0], u_rest.shape[0])
-        k_l = torch.cat([k_rel.expand(bk, -1, -1, -1), k_hi.expand(bk, -1, -1, -1), u_rest.unsqueeze(-1).expand(bk, -1, -1, -1)], dim=-1)
-        return q_l.to(dtype), k_l.to(dtype)
+        fq = self._features(coords_q, calc)
+        fk = fq if coords_k is coords_q else self._features(coords_k, calc)
+        cos_q, sin_q = self._cos_sin(fq, calc)
+        cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
+        p = self._params(calc)
+        return G.GoatLanes.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
+                                 fk["j_hi"], fk["j_lo"], fk["is_bos"], fk["is_none"], p["alpha"], p["beta"],
+                                 p["slope"], p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, dtype)
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
         return self.prior_terms(coords_q, coords_k, dtype)["total"]
@@ -332,17 +358,33 @@ class RotaryPositions(PositionScheme):
         pos = c.pos.double() * c.full_mask().double()
         return (pos.unsqueeze(-1) * self.inv_freq).flatten(-2)
 
-    def rotate(self, x: Tensor, coords: Coords) -> Tensor:
+    def _cos_sin(self, coords: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        key = None if coords.key is None else (coords.key, coords.pos.device, dtype)
+        cache = self.__dict__.setdefault("_feature_cache", {})
+        if key is not None and key in cache:
+            return cache[key]
         ang = self.angles(coords).unsqueeze(1)  # [B, 1, T, d/2]
-        cos, sin = torch.cos(ang).to(x.dtype), torch.sin(ang).to(x.dtype)
-        # pair i of axis block a is (x[a-block i], x[a-block i + d_a/2])
-        d_a = x.shape[-1] // self.axes
-        xs = x.unflatten(-1, (self.axes, 2, d_a // 2))  # [B, H, T, A, 2, d_a/2]
-        cos = cos.unflatten(-1, (self.axes, 1, d_a // 2))
-        sin = sin.unflatten(-1, (self.axes, 1, d_a // 2))
-        x1, x2 = xs[..., 0:1, :], xs[..., 1:2, :]
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-2)
-        return out.flatten(-3)
+        out = (torch.cos(ang).to(dtype), torch.sin(ang).to(dtype))
+        if key is not None:
+            if len(cache) >= 16:
+                cache.pop(next(iter(cache)))
+            cache[key] = out
+        return out
+
+    def rotate(self, x: Tensor, coords: Coords) -> Tensor:
+        cos, sin = self._cos_sin(coords, x.dtype)
+        return _rope_rotate(x, cos, sin, self.axes)
+
+
+@cuda_compiled
+def _rope_rotate(x: Tensor, cos: Tensor, sin: Tensor, axes: int) -> Tensor:
+    """Rotate ``x [B, H, T, d]``: in axis block ``a``, pair ``(x_i, x_{i + d_a/2})`` by ``cos/sin [B, 1, T, d/2]``."""
+    d_a = x.shape[-1] // axes
+    xs = x.unflatten(-1, (axes, 2, d_a // 2))  # [B, H, T, A, 2, d_a/2]
+    cos = cos.unflatten(-1, (axes, 1, d_a // 2))
+    sin = sin.unflatten(-1, (axes, 1, d_a // 2))
+    x1, x2 = xs[..., 0:1, :], xs[..., 1:2, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-2).flatten(-3)
 
 
 _SCHEMES = {"goat": GoatPrior, "alibi": AlibiPrior, "rope": RotaryPositions, "nope": NoPositions}

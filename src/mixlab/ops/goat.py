@@ -37,6 +37,7 @@ __all__ = [
     "fourier_angles",
     "fourier_key_lanes",
     "fourier_query_lanes",
+    "key_mlp",
     "relative_logits",
     "split_key_linear",
     "abs_features",
@@ -95,25 +96,38 @@ def fourier_angles(pos: Tensor, mask: Tensor | None, freqs: Tensor, mode_axis: T
     return c * freqs, present
 
 
-def fourier_key_lanes(angles: Tensor, present: Tensor) -> Tensor:
-    """``k_rel(j) = [cos w_r j, sin w_r j]_r`` as ``[B, T, 2R]`` (pairs interleaved per mode)."""
-    lanes = torch.stack([torch.cos(angles), torch.sin(angles)], dim=-1) * present.unsqueeze(-1)
-    return lanes.flatten(-2)
-
-
-def fourier_query_lanes(angles: Tensor, present: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
-    """``q_rel(i)`` as ``[B, H, T, 2R]``; ``q_rel . k_rel = sum_r alpha cos(w d) + beta sin(w d)``.
+def fourier_key_lanes(cos: Tensor, sin: Tensor, present: Tensor) -> Tensor:
+    """``k_rel(j) = [cos w_r j, sin w_r j]_r`` as ``[B, 1, T, 2R]`` (pairs interleaved per mode).
 
     Args:
-        angles, present: ``[B, T, R]`` from :func:`fourier_angles`.
+        cos, sin, present: ``[B, T, R]`` of the key angles (:func:`fourier_angles`).
+    """
+    return (torch.stack([cos, sin], dim=-1) * present.unsqueeze(-1)).flatten(-2).unsqueeze(1)
+
+
+def fourier_query_lanes(cos: Tensor, sin: Tensor, present: Tensor, alpha: Tensor, beta: Tensor) -> Tensor:
+    """``q_rel(i)`` as ``[B, H, T, 2R]``; ``q_rel . k_rel = sum_r alpha cos(w d) + beta sin(w d)``.
+
+    ``q_rel = [alpha cos(w i) + beta sin(w i), alpha sin(w i) - beta cos(w i)]`` (paper Eq. 17).
+
+    Args:
+        cos, sin, present: ``[B, T, R]`` of the query angles.
         alpha, beta: ``[H, R]`` signed amplitudes (paper Eq. 13).
     """
-    cos, sin = torch.cos(angles).unsqueeze(1), torch.sin(angles).unsqueeze(1)  # [B, 1, T, R]
-    a, b = alpha[None, :, None, :].to(cos.dtype), beta[None, :, None, :].to(cos.dtype)
-    q0 = a * cos + b * sin
-    q1 = a * sin - b * cos
-    lanes = torch.stack([q0, q1], dim=-1) * present.unsqueeze(1).unsqueeze(-1)
-    return lanes.flatten(-2)
+    cos, sin, present = cos.unsqueeze(1), sin.unsqueeze(1), present.unsqueeze(1)  # [B, 1, T, R]
+    a, b = alpha[None, :, None, :], beta[None, :, None, :]
+    return (torch.stack([a * cos + b * sin, a * sin - b * cos], dim=-1) * present.unsqueeze(-1)).flatten(-2)
+
+
+def key_mlp(phi: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+    """Per-head SiLU MLP ``g_h(phi) = w2_h . silu(phi W1_h + b1_h)`` -> ``[B, H, T]``.
+
+    Args:
+        phi: ``[B, T, F]`` absolute-position features (:func:`abs_features`).
+        w1: ``[H, F, hidden]``; b1: ``[H, hidden]``; w2: ``[H, hidden]``.
+    """
+    h = torch.nn.functional.silu(phi.unsqueeze(1) @ w1.unsqueeze(0) + b1[None, :, None])  # [B, H, T, d]
+    return (h @ w2[None, :, :, None]).squeeze(-1)
 
 
 def relative_logits(
@@ -157,3 +171,107 @@ def abs_features(pos: Tensor, mask: Tensor | None, n_freqs: int, scale: float, d
     feats = torch.cat([torch.sin(ang), torch.cos(ang), (c / scale).unsqueeze(-1), present.unsqueeze(-1)], dim=-1)
     feats = feats * present.unsqueeze(-1)
     return feats.flatten(-2).to(dtype)
+
+
+class GoatLanes(torch.autograd.Function):
+    """Build GOAT's ``2R + 2`` query/key lanes in one autograd node (analytic backward).
+
+    Forward inputs (``B`` may be 1 and broadcast):
+        cos_q, sin_q, pres_q: ``[B, Tq, R]`` query angles' cos/sin and axis presence.
+        cos_k, sin_k, pres_k: ``[B, Tk, R]`` the same for keys.
+        phi: ``[B, Tk, F]`` absolute features or None; j_hi, j_lo, is_bos, is_none: ``[B, Tk]``.
+        alpha, beta: ``[H, R]``; slope, bos, default: ``[H]`` or None; w1 ``[H, F, d]``,
+        b1 ``[H, d]``, w2 ``[H, d]`` or None (no key MLP).
+        scale: ``sqrt(d_c)``; out_dtype: dtype of the returned lanes.
+
+    Returns:
+        q_lanes ``[B, H, Tq, 2R+2]`` = ``scale * [q_rel(i), lambda c, 1]`` and
+        k_lanes ``[B, H, Tk, 2R+2]`` = ``[k_rel(j), j_hi, u_rest(j)]`` with
+        ``u_rest = g(phi) + lambda j_lo + b 1{j=0} + default 1{no axes}``, so that
+        ``q_lanes . k_lanes / scale = K_rel(i, j) + u(j)`` (paper Eqs. 17-27).
+
+    Eagerly the same math is ~25 small autograd ops per layer, whose launch and
+    bookkeeping cost dominates a short attention layer on a fast GPU; here it is one
+    forward and one backward node. Gradients are checked against autograd through the
+    explicit formula in tests/test_attention.py.
+    """
+
+    @staticmethod
+    def forward(ctx, cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos, is_none,
+                alpha, beta, slope, bos, default, w1, b1, w2, scale, out_dtype):
+        with torch.autocast(cos_q.device.type, enabled=False):  # lanes are built in fp32/fp64
+            return GoatLanes._forward(ctx, cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos,
+                                      is_none, alpha, beta, slope, bos, default, w1, b1, w2, scale, out_dtype)
+
+    @staticmethod
+    def _forward(ctx, cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos, is_none,
+                 alpha, beta, slope, bos, default, w1, b1, w2, scale, out_dtype):
+        H, R = alpha.shape
+        pq = pres_q.unsqueeze(1)
+        cq, sq = cos_q.unsqueeze(1) * pq, sin_q.unsqueeze(1) * pq  # [B, 1, Tq, R]
+        a, b = alpha[None, :, None, :], beta[None, :, None, :]
+        bq, tq = cq.shape[0], cq.shape[2]
+        q_l = cq.new_empty(bq, H, tq, 2 * R + 2)
+        q_l[..., 0 : 2 * R : 2] = (a * cq + b * sq) * scale
+        q_l[..., 1 : 2 * R : 2] = (a * sq - b * cq) * scale
+        q_l[..., 2 * R] = 0.0 if slope is None else (slope * (KEY_LINEAR_BLOCK * scale))[None, :, None]
+        q_l[..., 2 * R + 1] = scale
+
+        bk, tk = cos_k.shape[0], cos_k.shape[1]
+        u = cos_k.new_zeros(bk, H, tk)
+        h_pre = None
+        if w1 is not None:
+            h_pre = phi.unsqueeze(1) @ w1.unsqueeze(0) + b1[None, :, None]  # [B, H, Tk, d]
+            u = u + (torch.nn.functional.silu(h_pre) @ w2[None, :, :, None]).squeeze(-1)
+        if slope is not None:
+            u = u + slope[None, :, None] * j_lo.unsqueeze(1)
+        if bos is not None:
+            u = u + bos[None, :, None] * is_bos.unsqueeze(1)
+        if default is not None:
+            u = u + default[None, :, None] * is_none.unsqueeze(1)
+        k_l = cos_k.new_empty(bk, H, tk, 2 * R + 2)
+        k_l[..., 0 : 2 * R : 2] = (cos_k * pres_k).unsqueeze(1)
+        k_l[..., 1 : 2 * R : 2] = (sin_k * pres_k).unsqueeze(1)
+        k_l[..., 2 * R] = 0.0 if slope is None else j_hi.unsqueeze(1)
+        k_l[..., 2 * R + 1] = u
+
+        ctx.save_for_backward(cq, sq, pq, pres_k, phi, h_pre, j_lo, is_bos, is_none, alpha, beta, w1, w2)
+        ctx.flags = (slope is not None, bos is not None, default is not None, w1 is not None)
+        ctx.scale = scale
+        return q_l.to(out_dtype), k_l.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dq_l, dk_l):
+        cq, sq, pq, pres_k, phi, h_pre, j_lo, is_bos, is_none, alpha, beta, w1, w2 = ctx.saved_tensors
+        has_slope, has_bos, has_default, has_mlp = ctx.flags
+        scale, R = ctx.scale, alpha.shape[1]
+        dq_l, dk_l = dq_l.to(cq.dtype), dk_l.to(cq.dtype)
+        dq0, dq1 = dq_l[..., 0 : 2 * R : 2] * scale, dq_l[..., 1 : 2 * R : 2] * scale  # [B, H, Tq, R]
+        d_alpha = (dq0 * cq + dq1 * sq).sum((0, 2))
+        d_beta = (dq0 * sq - dq1 * cq).sum((0, 2))
+        du = dk_l[..., 2 * R + 1]  # [B, H, Tk]
+        d_slope = d_bos = d_default = d_w1 = d_b1 = d_w2 = None
+        if has_slope:
+            d_slope = dq_l[..., 2 * R].sum((0, 2)) * (KEY_LINEAR_BLOCK * scale) + (du * j_lo.unsqueeze(1)).sum((0, 2))
+        if has_bos:
+            d_bos = (du * is_bos.unsqueeze(1)).sum((0, 2))
+        if has_default:
+            d_default = (du * is_none.unsqueeze(1)).sum((0, 2))
+        if has_mlp:
+            sig = torch.sigmoid(h_pre)
+            act = h_pre * sig
+            d_w2 = (du.unsqueeze(-2) @ act).sum(0).squeeze(-2)  # [H, d]
+            dh = du.unsqueeze(-1) * w2[None, :, None, :] * (sig * (1 + h_pre * (1 - sig)))
+            d_w1 = (phi.transpose(-1, -2).unsqueeze(1) @ dh).sum(0)  # [H, F, d]
+            d_b1 = dh.sum((0, 2))
+        d_cos_q = d_sin_q = d_cos_k = d_sin_k = None
+        need = ctx.needs_input_grad
+        if need[0] or need[1]:
+            a, b = alpha[None, :, None, :], beta[None, :, None, :]
+            d_cos_q = ((dq0 * a - dq1 * b) * pq).sum(1)
+            d_sin_q = ((dq0 * b + dq1 * a) * pq).sum(1)
+        if need[3] or need[4]:
+            d_cos_k = (dk_l[..., 0 : 2 * R : 2].sum(1) * pres_k)
+            d_sin_k = (dk_l[..., 1 : 2 * R : 2].sum(1) * pres_k)
+        return (d_cos_q, d_sin_q, None, d_cos_k, d_sin_k, None, None, None, None, None, None,
+                d_alpha, d_beta, d_slope, d_bos, d_default, d_w1, d_b1, d_w2, None, None)

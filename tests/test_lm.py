@@ -1,0 +1,167 @@
+"""CausalLM head, backbone, optimiser groups, CLI: training reduces loss, resume continues, configs parse."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from mixlab.backbone import Backbone, BackboneConfig, parse_pattern
+from mixlab.cli import main
+from mixlab.datamodules.genome import GenomeDataModule
+from mixlab.heads.lm import CausalLM
+from mixlab.optim import OptimConfig, param_groups, warmup_cosine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fasta(tmp_path: Path) -> str:
+    """A learnable genome: a repeated 37-base motif with a few random substitutions."""
+    g = torch.Generator().manual_seed(0)
+    motif = "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (37,), generator=g))
+    seq = list(motif * 400)
+    for i in torch.randint(0, len(seq), (200,), generator=g).tolist():
+        seq[i] = "ACGT"[i % 4]
+    p = tmp_path / "toy.fa"
+    p.write_text(">toy\n" + "\n".join("".join(seq[i : i + 60]) for i in range(0, len(seq), 60)) + "\n")
+    return str(p)
+
+
+def _tiny_model(mixer: str = "goat", **kw) -> CausalLM:
+    cfg = BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer=mixer,
+                         mixer_args={"goat": {"position_args": {"n_modes": 2}}})
+    return CausalLM(vocab_size=5, backbone=cfg, optim=OptimConfig(lr=3e-3, warmup_steps=2), **kw)
+
+
+def _trainer(tmp_path: Path, **kw) -> pl.Trainer:
+    args = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                num_sanity_val_steps=0, limit_val_batches=2, default_root_dir=str(tmp_path))
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+def _eval_loss(model: CausalLM, batch: torch.Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        logits = model(batch[:, :-1])
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()))
+
+
+@pytest.mark.parametrize("mixer", ["goat", "rope"])
+def test_fit_steps_reduce_loss(tmp_path, mixer):
+    pl.seed_everything(0)
+    dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=64, batch_size=8, region_size=2048)
+    dm.setup("fit")
+    batch = torch.stack([dm.val_dataset[i] for i in range(4)])
+    model = _tiny_model(mixer)
+    before = _eval_loss(model, batch)
+    assert abs(before - math.log(5)) < 0.2  # near-uniform at init
+    _trainer(tmp_path, max_steps=40, enable_checkpointing=False, limit_val_batches=0).fit(model, dm)
+    after = _eval_loss(model, batch)
+    assert after < before - 0.3, (before, after)
+
+
+def test_metrics_are_exact_sums(tmp_path):
+    """val/loss equals the NLL summed over every token of every batch / token count (not a mean of means)."""
+    pl.seed_everything(0)
+    dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=48, batch_size=8, eval_batch_size=3, region_size=1024)
+    model = _tiny_model()
+    trainer = _trainer(tmp_path, limit_val_batches=None)
+    out = trainer.validate(model, dm, verbose=False)[0]
+    nll, n, hits = 0.0, 0, 0
+    model.eval()
+    with torch.no_grad():
+        for b in dm.val_dataloader():  # last batch is smaller: a mean of means would differ
+            logits = model(b[:, :-1])
+            nll += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), b[:, 1:].flatten(), reduction="sum"))
+            hits += int((logits.argmax(-1) == b[:, 1:]).sum())
+            n += b[:, 1:].numel()
+    assert out["val/loss"] == pytest.approx(nll / n, rel=1e-5)
+    assert out["val/bits_per_base"] == pytest.approx(nll / n / math.log(2), rel=1e-5)
+    assert out["val/ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert out["val/acc"] == pytest.approx(hits / n, rel=1e-6)
+
+
+def test_save_and_resume_continues_from_same_step(tmp_path):
+    pl.seed_everything(0)
+    dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=32, batch_size=4, region_size=1024)
+    model = _tiny_model()
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    t1 = _trainer(tmp_path, max_steps=6, callbacks=[ckpt], limit_val_batches=0)
+    t1.fit(model, dm)
+    last = tmp_path / "ck" / "last.ckpt"
+    state = torch.load(last, weights_only=False)
+    assert state["global_step"] == 6
+    resumed = _tiny_model()
+    t2 = _trainer(tmp_path, max_steps=9, limit_val_batches=0, enable_checkpointing=False)
+    t2.fit(resumed, dm, ckpt_path=str(last))
+    assert t2.global_step == 9
+    # the LR schedule resumed at step 6, not from warmup again
+    lr = t2.optimizers[0].param_groups[0]["lr"]
+    want = 3e-3 * warmup_cosine(9, 2, int(t2.estimated_stepping_batches), 0.1)
+    assert lr == pytest.approx(want, rel=1e-6)
+
+
+def test_param_groups_exclude_norms_biases_embeddings_and_priors():
+    model = _tiny_model()
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "embed.weight" in no_decay_names  # tied with lm_head
+    assert any("pos.alpha" in n for n in no_decay_names) and any("pos.mlp_w1" in n for n in no_decay_names)
+    assert any("norm1.weight" in n for n in no_decay_names)
+    assert all(("pos." not in n) and ("norm" not in n) for n in decay_names)
+    assert any(n.endswith("qk.weight") for n in decay_names) and any("mlp.fc2.weight" in n for n in decay_names)
+    assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
+
+
+def test_pattern_parsing_and_residual_init():
+    assert parse_pattern("alibi*3, goat", 8) == ["alibi", "alibi", "alibi", "goat"] * 2
+    assert parse_pattern(["rope", "goat"], 4) == ["rope", "goat", "rope", "goat"]
+    with pytest.raises(ValueError, match="n_layers=3 is not a multiple"):
+        parse_pattern("rope,goat", 3)
+    with pytest.raises(ValueError, match="unknown mixer 'nop'"):
+        parse_pattern("rope,nop", 2)
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig(d_model=256, n_layers=8, n_heads=4, mixer="rope"))
+    std_proj = bb.blocks[0].mixer.proj.weight.std().item()
+    std_qk = bb.blocks[0].mixer.qk.weight.std().item()
+    assert std_qk == pytest.approx(0.02, rel=0.05)
+    assert std_proj == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+def test_vocab_mismatch_is_a_clear_error(tmp_path):
+    dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=32, batch_size=4, region_size=1024)
+    model = CausalLM(vocab_size=4, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="nope"))
+    with pytest.raises(ValueError, match="model.vocab_size=4 .* vocab_size=5"):
+        _trainer(tmp_path, max_steps=1).fit(model, dm)
+
+
+def test_cli_fit_then_test_writes_tensorboard_run(tmp_path, capsys):
+    fasta = _fasta(tmp_path)
+    common = ["--config", str(ROOT / "configs/genome/goat.yaml"), f"--data.init_args.fasta={fasta}",
+              "--data.init_args.context_length=32", "--data.init_args.region_size=1024",
+              "--model.init_args.backbone.d_model=32", "--model.init_args.backbone.n_layers=1",
+              f"--run_root={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false"]
+    main(["fit", *common, "--trainer.max_steps=3", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2"])
+    run = tmp_path / "runs" / "genome" / "goat" / "version_0"
+    assert list(run.glob("events.out.tfevents.*")), list(run.rglob("*"))
+    last = run / "checkpoints" / "last.ckpt"
+    assert last.exists() and (run / "config.yaml").exists()
+    main(["test", *common, f"--ckpt_path={last}", "--trainer.limit_test_batches=2"])
+    out = capsys.readouterr().out
+    assert "test/bits_per_base" in out
+    assert not (tmp_path / "runs" / "genome" / "goat" / "version_1").exists()  # tested into the same run
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2
+
+
+@pytest.mark.parametrize("cfg", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").rglob("*.yaml")
+                                       if "trainer" not in p.parent.name))
+def test_every_shipped_config_parses(cfg):
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--config", str(ROOT / cfg), "--print_config"])
+    assert e.value.code in (0, None)
