@@ -152,7 +152,7 @@ def test_cli_fit_then_test_writes_tensorboard_run(tmp_path, capsys):
     assert list(run.glob("events.out.tfevents.*")), list(run.rglob("*"))
     last = run / "checkpoints" / "last.ckpt"
     assert last.exists() and (run / "config.yaml").exists()
-    main(["test", *common, f"--ckpt_path={last}", "--trainer.limit_test_batches=2"])
+    main(["test", *common, "--ckpt_path=last", "--trainer.limit_test_batches=2"])
     out = capsys.readouterr().out
     assert "test/bits_per_base" in out
     assert not (tmp_path / "runs" / "genome" / "goat" / "version_1").exists()  # tested into the same run

@@ -10,7 +10,10 @@ Defaults added to every run:
   config sets ``trainer.logger``;
 * ModelCheckpoint (``last.ckpt`` + best on ``val/loss``), LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
-* ``precision: bf16-mixed`` when CUDA is available, else ``32-true``.
+* ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
+* ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
+  run resumed, validated or tested from its own checkpoint logs into the same
+  TensorBoard run directory.
 """
 
 from __future__ import annotations
@@ -73,13 +76,29 @@ class MixlabCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
         logger = cfg["trainer"].get("logger")
+        task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
+        run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
+        root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
+        if cfg.get("ckpt_path") == "last":
+            cfg["ckpt_path"] = _latest_checkpoint(root / name)
         if logger is None or logger is True:
-            task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
-            run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
-            root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
         return super().instantiate_trainer(**kwargs)
+
+
+def _latest_checkpoint(run_dir: Path) -> str:
+    """``<run_dir>/version_N/checkpoints/last.ckpt`` of the highest N (``--ckpt_path last``).
+
+    Raises:
+        FileNotFoundError: no run of this task and mixer has a ``last.ckpt`` yet.
+    """
+    found = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"),
+                   key=lambda p: int(p.parent.parent.name.split("_")[-1]) if p.parent.parent.name.split("_")[-1].isdigit() else -1)
+    if not found:
+        raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train first "
+                                f"(fit) or pass the checkpoint file")
+    return str(found[-1])
 
 
 def _run_version(ckpt_path: str | None, run_dir: Path) -> str | None:
