@@ -44,8 +44,24 @@ class PlainAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
-def time_fwd_bwd(fn, x, iters: int = 30, warmup: int = 10) -> tuple[float, float]:
-    """Median ms of fwd+bwd and peak MB above the pre-call allocation."""
+def kernel_ms(fn, x, g, iters: int = 10) -> float:
+    """Sum of GPU kernel time per fwd+bwd (torch.profiler), in ms: what the layer costs the GPU,
+    independent of host-side launch overhead (which dominates small layers on a fast GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            x.grad = None
+            fn(x).backward(g)
+        torch.cuda.synchronize()
+    total = 0.0
+    for e in prof.key_averages():
+        total += getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+    return total / 1e3 / iters
+
+
+def time_fwd_bwd(fn, x, iters: int = 30, warmup: int = 10) -> tuple[float, float, float]:
+    """Median wall ms of fwd+bwd, GPU kernel ms, and peak MB above the pre-call allocation."""
     g = torch.randn_like(x)
     for _ in range(warmup):
         x.grad = None
@@ -66,7 +82,7 @@ def time_fwd_bwd(fn, x, iters: int = 30, warmup: int = 10) -> tuple[float, float
     fn(x).backward(g)
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    return statistics.median(times), peak
+    return statistics.median(times), kernel_ms(fn, x, g), peak
 
 
 def layer_bench(args) -> list[tuple[str, float, float]]:
@@ -78,9 +94,14 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
     rows = []
     plain = PlainAttention(D, H).to(dev, torch.bfloat16)
     rows.append(("plain qkv+SDPA+proj (anchor)", *time_fwd_bwd(plain, x)))
-    for name, pa in [("goat", dict(n_modes=4)), ("rope", None), ("alibi", None), ("nope", None)]:
+    del plain
+    for name, pa in [("goat", dict(n_modes=4)), ("goat", dict(n_modes=4, lane_impl="torch")),
+                     ("rope", None), ("alibi", None), ("nope", None)]:
         m = build_mixer(name, d_model=D, n_heads=H, causal=True, position_args=pa).to(dev, torch.bfloat16)
-        rows.append((f"mixlab {name}" + (" R=4" if name == "goat" else ""), *time_fwd_bwd(m, x)))
+        label = f"mixlab {name}" + (" R=4" if name == "goat" else "") + (" (torch lanes)" if pa and "lane_impl" in pa else "")
+        rows.append((label, *time_fwd_bwd(m, x)))
+        if pa and "lane_impl" in pa:
+            continue
         if name == "goat":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -96,7 +117,7 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
         rows.append(("goat-attention 0.1.1 GoatAttention",
                      *time_fwd_bwd(lambda z: ref(z, z, z, is_causal=True, need_weights=False)[0], x)))
     except Exception as e:  # noqa: BLE001 - optional comparison
-        rows.append((f"goat-attention 0.1.1 unavailable ({type(e).__name__}: {e})"[:120], float("nan"), float("nan")))
+        rows.append((f"goat-attention 0.1.1 unavailable ({type(e).__name__}: {e})"[:120], float("nan"), float("nan"), float("nan")))
     return rows
 
 
@@ -176,11 +197,12 @@ def main() -> None:
         return
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
              "### Attention layer fwd+bwd, B8 T2048 d_model 768 H12 bf16 causal", "",
-             "| layer | ms | x plain | peak MB | x plain |", "|---|---|---|---|---|"]
+             "| layer | wall ms | x plain | GPU kernel ms | x plain | peak MB | x plain |",
+             "|---|---|---|---|---|---|---|"]
     rows = layer_bench(args)
-    t0, m0 = rows[0][1], rows[0][2]
-    for name, ms, mb in rows:
-        lines.append(f"| {name} | {ms:.3f} | {ms / t0:.3f} | {mb:.0f} | {mb / m0:.3f} |")
+    t0, k0, m0 = rows[0][1], rows[0][2], rows[0][3]
+    for name, ms, kms, mb in rows:
+        lines.append(f"| {name} | {ms:.3f} | {ms / t0:.3f} | {kms:.3f} | {kms / k0:.3f} | {mb:.0f} | {mb / m0:.3f} |")
     print("\n".join(lines), flush=True)
     if not args.skip_lm:
         lm = lm_bench(args)

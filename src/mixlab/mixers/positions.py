@@ -119,6 +119,7 @@ class GoatPrior(PositionScheme):
         default_bias: bool = False,
         init: Literal["zero", "random", "alibi"] = "zero",
         learn_slope: bool = True,
+        lane_impl: Literal["auto", "torch", "triton"] = "auto",
     ) -> None:
         super().__init__(n_heads, head_dim, causal)
         if n_modes < 0:
@@ -144,6 +145,9 @@ class GoatPrior(PositionScheme):
         self.use_default = default_bias
         self.key_mlp_freqs, self.abs_scale = key_mlp_freqs, float(abs_scale)
         self.init_name = init
+        if lane_impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"GOAT lane_impl must be 'auto', 'torch' or 'triton'; got {lane_impl!r}")
+        self.lane_impl = lane_impl
 
         freqs = torch.cat([G.geometric_frequencies(m, freq_base) for m in modes_per_axis]) if n_modes else torch.zeros(0, dtype=torch.float64)
         mode_axis = torch.cat([torch.full((m,), a, dtype=torch.long) for a, m in enumerate(modes_per_axis)]) if n_modes else torch.zeros(0, dtype=torch.long)
@@ -292,7 +296,11 @@ class GoatPrior(PositionScheme):
         cos_q, sin_q = self._cos_sin(fq, calc)
         cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
         p = self._params(calc)
-        return G.GoatLanes.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
+        fn = G.GoatLanes
+        if self.lane_impl == "triton" or (self.lane_impl == "auto" and cos_q.is_cuda and calc == torch.float32
+                                          and self.log_freqs is None):
+            from mixlab.ops.goat_triton import GoatLanesTriton as fn  # one kernel forward, one backward
+        return fn.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
                                  fk["j_hi"], fk["j_lo"], fk["is_bos"], fk["is_none"], p["alpha"], p["beta"],
                                  p["slope"], p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, dtype)
 
