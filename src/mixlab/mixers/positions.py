@@ -156,7 +156,8 @@ class GoatPrior(PositionScheme):
             self.log_freqs = nn.Parameter(freqs.log().float())
             no_decay(self.log_freqs)
         else:
-            self.register_buffer("freqs_fixed", freqs.float(), persistent=False)
+            # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
+            self._freqs_fixed = freqs
             self.log_freqs = None
         if n_modes:
             self.alpha = nn.Parameter(torch.zeros(n_heads, n_modes))
@@ -215,7 +216,9 @@ class GoatPrior(PositionScheme):
     # ------------------------------------------------------------------ pieces
     def freqs(self) -> Tensor:
         """``[R]`` float64 angular frequencies (radians per coordinate unit)."""
-        return self.log_freqs.double().exp() if self.log_freqs is not None else self.freqs_fixed.double()
+        if self.log_freqs is not None:
+            return self.log_freqs.double().exp()
+        return self._freqs_fixed.to(self.alpha.device)
 
     def _coords(self, coords: Coords) -> Coords:
         return coords.with_axes(self.axes)
@@ -358,13 +361,13 @@ class RotaryPositions(PositionScheme):
         self.axes, self.base = axes, base
         d_a = head_dim // axes
         inv = base ** (-torch.arange(0, d_a, 2, dtype=torch.float64) / d_a)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self._inv_freq = inv  # float64, not a buffer: module.to(bfloat16) must not round it
 
     def angles(self, coords: Coords) -> Tensor:
         """``[B|1, T, head_dim/2]`` float64 rotation angles (per axis block)."""
         c = coords.with_axes(self.axes)
         pos = c.pos.double() * c.full_mask().double()
-        return (pos.unsqueeze(-1) * self.inv_freq).flatten(-2)
+        return (pos.unsqueeze(-1) * self._inv_freq.to(pos.device)).flatten(-2)
 
     def _cos_sin(self, coords: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         key = None if coords.key is None else (coords.key, coords.pos.device, dtype)

@@ -2,8 +2,9 @@
 
 Same inputs, outputs and math as ``GoatLanes`` (see its docstring and the equations in
 :mod:`mixlab.ops.goat`), but the forward is ONE kernel (grid: feature batch x heads x
-token blocks) and the backward ONE kernel per call (grid: heads; each program reduces its
-head's parameter gradients over all tokens, recomputing the key MLP). Eagerly the lanes
+token blocks) and the backward ONE kernel (grid: heads x token blocks; each program writes
+partial parameter gradients, recomputing the key MLP) plus one deterministic sum over
+blocks. Eagerly the lanes
 cost ~25 small kernels forward and ~30 backward per layer, which dominates a short
 attention layer on a fast GPU.
 
@@ -85,76 +86,73 @@ def _lanes_fwd(cosq, sinq, presq, cosk, sink, presk, phi, jhi, jlo, isbos, isnon
 
 
 @triton.jit
-def _lanes_bwd(dql, dkl, cosq, sinq, presq, phi, jlo, isbos, isnone, b1, w1, w2,
-               dalpha, dbeta, dslope, dbos, ddefault, dw1, db1, dw2,
-               Bq, Bk, Tq, Tk, H, scale, cblock,
+def _lanes_bwd(dql, dkl, cosq, sinq, presq, phi, jlo, isbos, isnone, b1, w1, w2, part,
+               Bq, Bk, Tq, Tk, H, NT, P, scale, cblock,
                R: tl.constexpr, RP: tl.constexpr, F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                L: tl.constexpr, BLOCK_T: tl.constexpr, HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr,
                HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr):
+    """Program (h, token block) writes its partial parameter gradients to ``part[h, block, :]``.
+
+    Layout of the P entries: alpha[R], beta[R], slope, bos, default, b1[D], w2[D], w1[F*D].
+    """
     h = tl.program_id(0)
+    tb = tl.program_id(1)
+    out = part + (h * NT + tb) * P
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
     r = tl.arange(0, RP)
     rm = r < R
     acc_a = tl.zeros([RP], dtype=tl.float32)
     acc_b = tl.zeros([RP], dtype=tl.float32)
     acc_s = tl.zeros([BLOCK_T], dtype=tl.float32)
+    tmq = t < Tq
+    for b in range(0, Bq):
+        m = tmq[:, None] & rm[None, :]
+        off = (b * Tq + t)[:, None] * R + r[None, :]
+        p = tl.load(presq + off, mask=m, other=0.0)
+        c = tl.load(cosq + off, mask=m, other=0.0) * p
+        s = tl.load(sinq + off, mask=m, other=0.0) * p
+        base = ((b * H + h) * Tq + t) * L
+        g0 = tl.load(dql + base[:, None] + 2 * r[None, :], mask=m, other=0.0).to(tl.float32) * scale
+        g1 = tl.load(dql + base[:, None] + 2 * r[None, :] + 1, mask=m, other=0.0).to(tl.float32) * scale
+        acc_a += tl.sum(g0 * c + g1 * s, axis=0)
+        acc_b += tl.sum(g0 * s - g1 * c, axis=0)
+        if HAS_SLOPE:
+            acc_s += tl.load(dql + base + 2 * R, mask=tmq, other=0.0).to(tl.float32) * (scale * cblock)
+    tl.store(out + r, acc_a, mask=rm)
+    tl.store(out + R + r, acc_b, mask=rm)
+    tmk = t < Tk
+    du = tl.zeros([BLOCK_T], dtype=tl.float32)
     acc_bos = tl.zeros([BLOCK_T], dtype=tl.float32)
     acc_def = tl.zeros([BLOCK_T], dtype=tl.float32)
     d = tl.arange(0, DP)
     dm = d < D
-    acc_b1 = tl.zeros([DP], dtype=tl.float32)
-    acc_w2 = tl.zeros([DP], dtype=tl.float32)
-    for b in range(0, Bq):
-        for t0 in range(0, Tq, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < Tq
-            m = tm[:, None] & rm[None, :]
-            off = (b * Tq + t)[:, None] * R + r[None, :]
-            p = tl.load(presq + off, mask=m, other=0.0)
-            c = tl.load(cosq + off, mask=m, other=0.0) * p
-            s = tl.load(sinq + off, mask=m, other=0.0) * p
-            base = ((b * H + h) * Tq + t) * L
-            g0 = tl.load(dql + base[:, None] + 2 * r[None, :], mask=m, other=0.0).to(tl.float32) * scale
-            g1 = tl.load(dql + base[:, None] + 2 * r[None, :] + 1, mask=m, other=0.0).to(tl.float32) * scale
-            acc_a += tl.sum(g0 * c + g1 * s, axis=0)
-            acc_b += tl.sum(g0 * s - g1 * c, axis=0)
-            if HAS_SLOPE:
-                acc_s += tl.load(dql + base + 2 * R, mask=tm, other=0.0).to(tl.float32) * (scale * cblock)
     for b in range(0, Bk):
-        for t0 in range(0, Tk, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            tm = t < Tk
-            tk = b * Tk + t
-            du = tl.load(dkl + ((b * H + h) * Tk + t) * L + 2 * R + 1, mask=tm, other=0.0).to(tl.float32)
-            if HAS_SLOPE:
-                acc_s += du * tl.load(jlo + tk, mask=tm, other=0.0)
-            if HAS_BOS:
-                acc_bos += du * tl.load(isbos + tk, mask=tm, other=0.0)
-            if HAS_DEFAULT:
-                acc_def += du * tl.load(isnone + tk, mask=tm, other=0.0)
-            if HAS_MLP:
-                hp = tl.zeros([BLOCK_T, DP], dtype=tl.float32) + tl.load(b1 + h * D + d, mask=dm, other=0.0)[None, :]
-                for f in tl.static_range(F):
-                    pf = tl.load(phi + tk * F + f, mask=tm, other=0.0)
-                    hp += pf[:, None] * tl.load(w1 + (h * F + f) * D + d, mask=dm, other=0.0)[None, :]
-                sig = tl.sigmoid(hp)
-                acc_w2 += tl.sum(du[:, None] * hp * sig, axis=0)
-                dh = du[:, None] * tl.load(w2 + h * D + d, mask=dm, other=0.0)[None, :] * (sig * (1 + hp * (1 - sig)))
-                acc_b1 += tl.sum(dh, axis=0)
-                for f in tl.static_range(F):
-                    pf = tl.load(phi + tk * F + f, mask=tm, other=0.0)
-                    ptr = dw1 + (h * F + f) * D + d
-                    tl.store(ptr, tl.load(ptr, mask=dm, other=0.0) + tl.sum(pf[:, None] * dh, axis=0), mask=dm)
-    tl.store(dalpha + h * R + r, acc_a, mask=rm)
-    tl.store(dbeta + h * R + r, acc_b, mask=rm)
-    if HAS_SLOPE:
-        tl.store(dslope + h, tl.sum(acc_s, axis=0))
-    if HAS_BOS:
-        tl.store(dbos + h, tl.sum(acc_bos, axis=0))
-    if HAS_DEFAULT:
-        tl.store(ddefault + h, tl.sum(acc_def, axis=0))
-    if HAS_MLP:
-        tl.store(db1 + h * D + d, acc_b1, mask=dm)
-        tl.store(dw2 + h * D + d, acc_w2, mask=dm)
+        tk = b * Tk + t
+        du = tl.load(dkl + ((b * H + h) * Tk + t) * L + 2 * R + 1, mask=tmk, other=0.0).to(tl.float32)
+        if HAS_SLOPE:
+            acc_s += du * tl.load(jlo + tk, mask=tmk, other=0.0)
+        if HAS_BOS:
+            acc_bos += du * tl.load(isbos + tk, mask=tmk, other=0.0)
+        if HAS_DEFAULT:
+            acc_def += du * tl.load(isnone + tk, mask=tmk, other=0.0)
+        if HAS_MLP:
+            hp = tl.zeros([BLOCK_T, DP], dtype=tl.float32) + tl.load(b1 + h * D + d, mask=dm, other=0.0)[None, :]
+            for f in tl.static_range(F):
+                pf = tl.load(phi + tk * F + f, mask=tmk, other=0.0)
+                hp += pf[:, None] * tl.load(w1 + (h * F + f) * D + d, mask=dm, other=0.0)[None, :]
+            sig = tl.sigmoid(hp)
+            dh = du[:, None] * tl.load(w2 + h * D + d, mask=dm, other=0.0)[None, :] * (sig * (1 + hp * (1 - sig)))
+            o_b1 = out + 2 * R + 3
+            tl.store(o_b1 + d, tl.load(o_b1 + d, mask=dm, other=0.0) + tl.sum(dh, axis=0), mask=dm)
+            o_w2 = o_b1 + D
+            tl.store(o_w2 + d, tl.load(o_w2 + d, mask=dm, other=0.0) + tl.sum(du[:, None] * hp * sig, axis=0), mask=dm)
+            for f in tl.static_range(F):
+                pf = tl.load(phi + tk * F + f, mask=tmk, other=0.0)
+                o_w1 = o_w2 + D + f * D
+                tl.store(o_w1 + d, tl.load(o_w1 + d, mask=dm, other=0.0) + tl.sum(pf[:, None] * dh, axis=0), mask=dm)
+    tl.store(out + 2 * R, tl.sum(acc_s, axis=0))
+    tl.store(out + 2 * R + 1, tl.sum(acc_bos, axis=0))
+    tl.store(out + 2 * R + 2, tl.sum(acc_def, axis=0))
 
 
 def _pow2(n: int) -> int:
@@ -203,14 +201,16 @@ class GoatLanesTriton(torch.autograd.Function):
         Bq, Bk, Tq, Tk, H = ctx.sizes
         R, D, F = meta["R"], meta["D"], meta["F"]
         dev = cos_q.device
-        Fd, Dd = max(F, 1), max(D, 1)
-        sizes = [H * R, H * R, H, H, H, H * Fd * Dd, H * Dd, H * Dd]
-        flat = torch.zeros(sum(sizes), device=dev, dtype=torch.float32)  # one fill for all gradients
-        d_alpha, d_beta, d_slope, d_bos, d_def, d_w1, d_b1, d_w2 = (
-            t.view(shape) for t, shape in zip(flat.split(sizes), [(H, R), (H, R), (H,), (H,), (H,), (H, Fd, Dd), (H, Dd), (H, Dd)]))
-        _lanes_bwd[(H,)](dq_l.contiguous(), dk_l.contiguous(), cos_q, sin_q, pres_q, phi, j_lo, is_bos, is_none,
-                         b1, w1, w2, d_alpha, d_beta, d_slope, d_bos, d_def, d_w1, d_b1, d_w2,
-                         Bq, Bk, Tq, Tk, H, ctx.scale, float(KEY_LINEAR_BLOCK), **meta)
+        NT = triton.cdiv(max(Tq, Tk), GoatLanesTriton.BLOCK_T)
+        P = 2 * R + 3 + 2 * D + F * D
+        part = torch.zeros(H, NT, P, device=dev, dtype=torch.float32)
+        _lanes_bwd[(H, NT)](dq_l.contiguous(), dk_l.contiguous(), cos_q, sin_q, pres_q, phi, j_lo, is_bos, is_none,
+                            b1, w1, w2, part, Bq, Bk, Tq, Tk, H, NT, P, ctx.scale, float(KEY_LINEAR_BLOCK), **meta)
+        g = part.sum(1)  # [H, P]: deterministic two-stage reduction over token blocks
+        d_alpha, d_beta = g[:, :R], g[:, R : 2 * R]
+        d_slope, d_bos, d_def = g[:, 2 * R], g[:, 2 * R + 1], g[:, 2 * R + 2]
+        o = 2 * R + 3
+        d_b1, d_w2, d_w1 = g[:, o : o + D], g[:, o + D : o + 2 * D], g[:, o + 2 * D :].reshape(H, F, D)
         return (None, None, None, None, None, None, None, None, None, None, None,
                 d_alpha, d_beta,
                 d_slope if meta["HAS_SLOPE"] else None, d_bos if meta["HAS_BOS"] else None,
