@@ -1,0 +1,409 @@
+"""Vision Transformer head: patch embedding + bidirectional :class:`~mixlab.backbone.Backbone` + classifier.
+
+Two layers:
+
+* :class:`MixViT` - a plain ``nn.Module`` (``images [B, C, H, W] -> logits [B, num_classes]``),
+  registered with timm as ``vit_small_patch16_goat`` (and ``_ape``/``_rope2d``/``_nope``), so
+  ``import mixlab.heads.vit; timm.create_model("vit_small_patch16_goat")`` works.
+* :class:`ImageClassifier` - the LightningModule (losses, Mixup/CutMix, top-1/top-5, optimiser).
+
+Position schemes (``position=``), all resolution-agnostic (any image whose sides are multiples
+of the patch size runs with the same parameters):
+
+* ``goat2d``: the GOAT log-prior (Litman & Guo, Sec. 4; 2D form of Eq. 12/20: the relative term is
+  the SUM of a y-part and an x-part) on integer patch coordinates ``(y, x)``. Modes are split
+  evenly over the axes and each axis gets the same geometric frequency grid (isotropic; the
+  reference code gives x only the lowest frequencies). ``[CLS]`` has no coordinates: its key
+  gets a learned per-head default bias (``default_bias``) and no relative term.
+* ``ape``: learned absolute embeddings (timm layout, ``[1, 1 + gh*gw, D]`` with a ``[CLS]`` slot)
+  resampled bicubically to other grids with :func:`timm.layers.resample_abs_pos_embed`
+  (identical to timm's ``VisionTransformer(dynamic_img_size=True)``).
+* ``rope2d``: 2D axial RoPE (half the head dim rotates with y, half with x; ``[CLS]`` unrotated).
+* ``nope``: no positional information.
+
+The backbone's mixer pattern can name any registered mixer; ``goat``/``rope`` entries get
+``axes: 2`` (and GOAT ``default_bias: true``) filled in unless set.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from torch import Tensor, nn
+from torchmetrics import SumMetric
+
+from mixlab.heads.common import as_config, plain_hparams
+from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.coords import Coords
+from mixlab.heads.lm import pattern_name
+from mixlab.optim import OptimConfig, build_optimizer
+
+__all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "POSITIONS", "to_hw"]
+
+POSITIONS = ("goat2d", "ape", "rope2d", "nope")
+_POSITION_MIXER = {"goat2d": "goat", "rope2d": "rope", "ape": "nope", "nope": "nope"}
+
+
+def to_hw(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """``224 -> (224, 224)``; ``[192, 256] -> (192, 256)``. Raises ValueError otherwise."""
+    if isinstance(size, int):
+        return size, size
+    size = tuple(int(s) for s in size)
+    if len(size) != 2:
+        raise ValueError(f"image size must be an int or [height, width]; got {size}")
+    return size  # type: ignore[return-value]
+
+
+def vit_backbone(position: str = "goat2d", d_model: int = 384, n_layers: int = 12, n_heads: int = 6,
+                 n_modes: int = 16, drop_path: float = 0.1, **kw: Any) -> BackboneConfig:
+    """ViT-S/16 defaults (dim 384, depth 12, 6 heads, MLP ratio 4 GELU, drop-path 0.1, bidirectional)
+    with the attention mixer for ``position`` (GOAT: ``n_modes`` Fourier modes over 2 axes)."""
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}; got {position!r}")
+    mixer = _POSITION_MIXER[position]
+    args: dict[str, dict] = {}
+    if mixer == "goat":
+        args = {"goat": {"position_args": {"n_modes": n_modes, "axes": 2, "default_bias": True}}}
+    elif mixer == "rope":
+        args = {"rope": {"position_args": {"axes": 2}}}
+    return BackboneConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, mixer_args=args,
+                          causal=False, mlp="gelu", mlp_ratio=4.0, drop_path=drop_path, bias=True, **kw)
+
+
+def _prepare_backbone(cfg: BackboneConfig, position: str, has_cls: bool = True) -> BackboneConfig:
+    """Copy of ``cfg`` made bidirectional, with 2-axis GOAT/RoPE arguments filled in.
+
+    GOAT's ``default_bias`` (the ``[CLS]`` key default) is on with a ``[CLS]`` token and forced off
+    without one (global average pooling), so no parameter goes unused under DDP.
+    """
+    if position not in POSITIONS:
+        raise ValueError(f"position must be one of {POSITIONS}; got {position!r}")
+    cfg = copy.deepcopy(cfg)
+    cfg.causal = False
+    names = {n.strip().split("*")[0].strip() for n in (cfg.mixer.split(",") if isinstance(cfg.mixer, str) else cfg.mixer)}
+    args = {k: dict(v) for k, v in (cfg.mixer_args or {}).items()}
+    for name in names & {"goat", "rope"}:
+        entry = args.setdefault(name, {})
+        pargs = dict(entry.get("position_args") or {})
+        pargs.setdefault("axes", 2)
+        if name == "goat":
+            pargs["default_bias"] = bool(pargs.get("default_bias", True)) and has_cls
+        entry["position_args"] = pargs
+    cfg.mixer_args = args
+    need = {"goat2d": "goat", "rope2d": "rope"}.get(position)
+    if need is not None and need not in names:
+        raise ValueError(f"position={position!r} needs a {need!r} mixer in backbone.mixer; got {cfg.mixer!r}")
+    return cfg
+
+
+class MixViT(nn.Module):
+    """ViT with a mixlab backbone: ``images [B, C, H, W] float -> logits [B, num_classes] float32``.
+
+    Args:
+        num_classes: classifier outputs (0 = return pooled features ``[B, D]``).
+        img_size: training resolution ``S`` or ``(H, W)``; sets the APE grid. Other
+            resolutions run unchanged (GOAT/RoPE/NoPE need nothing; APE is resampled).
+        patch_size: ``P``; image sides must be multiples of ``P`` (else ValueError: no silent crop
+            - the datamodules' center crop produces valid sizes).
+        in_chans: image channels.
+        position: ``goat2d`` | ``ape`` | ``rope2d`` | ``nope`` (module docstring).
+        pool: ``cls`` (the ``[CLS]`` token) or ``avg`` (global average over patch tokens; no
+            ``[CLS]`` token is added).
+        backbone: :class:`BackboneConfig`; default ViT-S/16 for ``position`` (:func:`vit_backbone`).
+        **_: ignored keywords timm passes to model constructors (``pretrained_cfg`` ...).
+
+    Shapes: ``T = n_prefix + (H/P)(W/P)`` tokens with ``n_prefix = 1`` for ``cls`` pooling.
+    """
+
+    def __init__(self, num_classes: int = 1000, img_size: int | tuple[int, int] = 224, patch_size: int = 16,
+                 in_chans: int = 3, position: str = "goat2d", pool: Literal["cls", "avg"] = "cls",
+                 backbone: BackboneConfig | None = None, **_: Any) -> None:
+        super().__init__()
+        if pool not in ("cls", "avg"):
+            raise ValueError(f"pool must be 'cls' or 'avg'; got {pool!r}")
+        cfg = _prepare_backbone(backbone or vit_backbone(position), position, has_cls=pool == "cls")
+        d = cfg.d_model
+        self.num_classes, self.position, self.pool = num_classes, position, pool
+        self.img_size, self.patch_size = to_hw(img_size), int(patch_size)
+        self.num_prefix_tokens = 1 if pool == "cls" else 0
+        self.embed_dim = self.num_features = d
+        self.patch_embed = PatchEmbed(self.img_size, patch_size, in_chans, d, output_fmt="NHWC", strict_img_size=False)
+        self.grid_size = self.patch_embed.grid_size
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if pool == "cls" else None
+        self.pos_embed = None
+        if position == "ape":
+            n = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+            self.pos_embed = nn.Parameter(torch.zeros(1, n, d))
+            trunc_normal_(self.pos_embed, std=0.02)
+        if self.cls_token is not None:
+            nn.init.normal_(self.cls_token, std=1e-6)
+        self.backbone = Backbone(cfg)
+        self.head = nn.Linear(d, num_classes) if num_classes > 0 else nn.Identity()
+        if num_classes > 0:
+            trunc_normal_(self.head.weight, std=0.02)
+            nn.init.zeros_(self.head.bias)
+        self.backbone_cfg = cfg
+        self._coords_cache: dict[tuple, Coords] = {}
+
+    # ------------------------------------------------------------------ pieces
+    def grid(self, height: int, width: int) -> tuple[int, int]:
+        """Patch grid ``(gh, gw)`` of an image; ValueError if a side is not a multiple of P."""
+        p = self.patch_size
+        if height % p or width % p:
+            raise ValueError(f"image size {height}x{width} is not divisible by patch_size={p}; "
+                             f"resize/crop to multiples of {p} (e.g. {height // p * p}x{width // p * p})")
+        return height // p, width // p
+
+    def coords(self, gh: int, gw: int, device: torch.device) -> Coords:
+        """``[1, T, 2]`` coordinates: ``[CLS]`` without axes (when pooling by CLS), then row-major ``(y, x)``."""
+        key = (gh, gw, str(device))
+        if key not in self._coords_cache:
+            parts = [Coords.grid(gh, gw, device=device)]
+            if self.num_prefix_tokens:
+                parts.insert(0, Coords.empty(self.num_prefix_tokens, 2, device=device))
+            self._coords_cache[key] = Coords.cat(parts) if len(parts) > 1 else parts[0]
+        return self._coords_cache[key]
+
+    def resampled_pos_embed(self, gh: int, gw: int) -> Tensor:
+        """APE for a ``gh x gw`` grid, ``[1, n_prefix + gh*gw, D]`` (timm's bicubic resampling)."""
+        return resample_abs_pos_embed(self.pos_embed, new_size=(gh, gw), old_size=self.grid_size,
+                                      num_prefix_tokens=self.num_prefix_tokens)
+
+    def tokens(self, images: Tensor) -> tuple[Tensor, Coords]:
+        """Embedded tokens ``[B, T, D]`` (CLS first, APE added) and their coordinates."""
+        if images.dim() != 4:
+            raise ValueError(f"MixViT expects images [B, C, H, W]; got shape {tuple(images.shape)}")
+        gh, gw = self.grid(images.shape[-2], images.shape[-1])
+        x = self.patch_embed(images).flatten(1, 2)  # [B, gh*gw, D]
+        if self.cls_token is not None:
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        if self.pos_embed is not None:
+            x = x + self.resampled_pos_embed(gh, gw).to(x.dtype)
+        return x, self.coords(gh, gw, images.device)
+
+    def forward_features(self, images: Tensor) -> Tensor:
+        """``[B, D]`` pooled features (after the backbone's final norm)."""
+        x, coords = self.tokens(images)
+        x = self.backbone(x, coords)
+        return x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens:].mean(1)
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.head(self.forward_features(images)).float()
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [blk.mixer for blk in self.backbone.blocks]
+
+    def log_prior_image(self, layer: int = 0, grid: tuple[int, int] | None = None, query: tuple[int, int] | None = None) -> Tensor:
+        """A GOAT layer's learned 2D log-prior as images ``[H, gh, gw]`` float64.
+
+        Entry ``[h, y, x]`` is the prior logit (relative + key-only terms) that head ``h`` adds when
+        the patch at ``query`` (default: the grid centre) attends to the patch at ``(y, x)``.
+
+        Raises:
+            ValueError: the layer's mixer has no GOAT prior.
+        """
+        mixer = self.attention_layers()[layer]
+        pos = getattr(mixer, "pos", None)
+        if pos is None or not hasattr(pos, "prior_terms"):
+            raise ValueError(f"layer {layer} ({type(mixer).__name__}) has no GOAT log-prior to render")
+        gh, gw = grid or self.grid_size
+        qy, qx = query or (gh // 2, gw // 2)
+        g = Coords.grid(gh, gw, device=pos.alpha.device)
+        q = Coords(torch.tensor([[[qy, qx]]], device=g.pos.device))
+        with torch.no_grad():
+            total = pos.prior_terms(q, g, torch.float64)["total"]  # [1, H, 1, gh*gw]
+        return total[0, :, 0].reshape(-1, gh, gw).cpu()
+
+
+@dataclass
+class MixupConfig:
+    """timm Mixup/CutMix (DeiT recipe: mixup 0.8, cutmix 1.0, switch 0.5, label smoothing 0.1).
+
+    Attributes:
+        mixup_alpha / cutmix_alpha: Beta parameters (0 disables each; both 0 disables Mixup).
+        prob: probability of mixing a batch; switch_prob: CutMix instead of Mixup.
+        mode: ``batch`` | ``pair`` | ``elem`` (timm).
+    """
+
+    mixup_alpha: float = 0.8
+    cutmix_alpha: float = 1.0
+    prob: float = 1.0
+    switch_prob: float = 0.5
+    mode: str = "batch"
+
+
+class ImageClassifier(pl.LightningModule):
+    """Image classification with :class:`MixViT` (batches ``(images [B, C, H, W] float, labels [B] int64)``).
+
+    Loss: cross-entropy with ``label_smoothing``; with ``mixup`` set, timm ``Mixup`` (which folds
+    in the label smoothing) + ``SoftTargetCrossEntropy`` on training batches. timm asserts an even
+    batch: an odd training batch drops its last sample.
+
+    Logged: ``train/loss``, ``train/top1`` (against the unmixed label), ``val/loss``, ``val/top1``,
+    ``val/top5`` (and ``test/...``) - exact sums over all samples (SumMetric), in percent.
+
+    Args:
+        num_classes: classes (checked against the datamodule's ``num_classes``).
+        img_size, patch_size, in_chans, position, pool: see :class:`MixViT`.
+        backbone: :class:`BackboneConfig` (default ViT-S/16 for ``position``); ``causal`` is forced False.
+        optim: :class:`OptimConfig` (AdamW, no decay on 1-D and prior parameters).
+        label_smoothing: label smoothing (DeiT: 0.1).
+        mixup: :class:`MixupConfig` or None.
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 1000,
+        img_size: int | list[int] = 224,
+        patch_size: int = 16,
+        in_chans: int = 3,
+        position: str = "goat2d",
+        pool: Literal["cls", "avg"] = "cls",
+        backbone: BackboneConfig | None = None,
+        optim: OptimConfig | None = None,
+        label_smoothing: float = 0.1,
+        mixup: MixupConfig | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        plain_hparams(self)  # checkpoints reload with weights_only=True
+        backbone = None if backbone is None else as_config(BackboneConfig, backbone)
+        optim = None if optim is None else as_config(OptimConfig, optim)
+        mixup = None if mixup is None else as_config(MixupConfig, mixup)
+        self.model = MixViT(num_classes, to_hw(img_size), patch_size, in_chans, position, pool, backbone)
+        self.num_classes, self.position = num_classes, position
+        self.optim_cfg = optim or OptimConfig(lr=5e-4, weight_decay=0.05, betas=(0.9, 0.999), warmup_steps=100)
+        self.label_smoothing = label_smoothing
+        self.mixup_fn = None
+        if mixup is not None and (mixup.mixup_alpha > 0 or mixup.cutmix_alpha > 0):
+            from timm.data import Mixup
+
+            self.mixup_fn = Mixup(mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
+                                  switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
+                                  num_classes=num_classes)
+        mixer = self.model.backbone_cfg.mixer
+        base = pattern_name(mixer)
+        self.run_name = position if base == _POSITION_MIXER[position] else f"{base}-{position}"
+        self.top_k = min(5, num_classes)
+        self.metric_sums = nn.ModuleDict(
+            {f"{s}_{k}": SumMetric() for s in ("val", "test") for k in ("nll", "count", "top1", "top5")})
+
+    def forward(self, images: Tensor) -> Tensor:
+        """``images [B, C, H, W]`` -> logits ``[B, num_classes]`` float32."""
+        return self.model(images)
+
+    @staticmethod
+    def batch_tokens(batch) -> int:
+        """Images in a batch (the throughput callback's unit for this head)."""
+        return int(batch[0].shape[0])
+
+    def _check_labels(self, y: Tensor) -> None:
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
+            raise ValueError(f"label out of range [0, {self.num_classes}): got [{int(y.min())}, {int(y.max())}]; "
+                             "check model.init_args.num_classes against the dataset")
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        n = getattr(dm, "num_classes", None)
+        if n is not None and n != self.num_classes:
+            raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(dm).__name__} has "
+                             f"num_classes={n}; set model.init_args.num_classes: {n}")
+
+    def training_step(self, batch, batch_idx: int) -> Tensor:
+        x, y = batch
+        self._check_labels(y)
+        if self.mixup_fn is not None:
+            if x.shape[0] % 2:
+                x, y = x[:-1], y[:-1]
+            xm, ym = self.mixup_fn(x, y)
+            logits = self(xm)
+            loss = torch.sum(-ym * F.log_softmax(logits, dim=-1), dim=-1).mean()  # SoftTargetCrossEntropy
+        else:
+            logits = self(x)
+            loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/top1", (logits.argmax(-1) == y).float().mean() * 100)
+        return loss
+
+    def _eval_step(self, batch, stage: str) -> None:
+        x, y = batch
+        self._check_labels(y)
+        logits = self(x)
+        nll = F.cross_entropy(logits, y, reduction="sum")
+        topk = logits.topk(self.top_k, dim=-1).indices
+        hit = topk == y[:, None]
+        s = self.metric_sums
+        s[f"{stage}_nll"].update(nll.double())
+        s[f"{stage}_count"].update(torch.tensor(float(y.numel()), dtype=torch.float64, device=y.device))
+        s[f"{stage}_top1"].update(hit[:, 0].sum().double())
+        s[f"{stage}_top5"].update(hit.any(-1).sum().double())
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        s = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "top1", "top5")}
+        n = s["count"].compute().clamp_min(1)
+        metrics = {f"{stage}/loss": s["nll"].compute() / n, f"{stage}/top1": 100 * s["top1"].compute() / n,
+                   f"{stage}/top5": 100 * s["top5"].compute() / n}
+        self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=stage == "val")
+        for m in s.values():
+            m.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Store the datamodule's class and arguments so the resolution evaluation can rebuild it."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if dm is not None:
+            checkpoint["mixlab_datamodule"] = {"class_path": f"{type(dm).__module__}.{type(dm).__qualname__}",
+                                               "init_args": dict(getattr(dm, "hparams", {}))}
+
+    def configure_optimizers(self):
+        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
+
+
+# ---------------------------------------------------------------------- timm registration
+def _register_timm() -> None:
+    from timm.models import register_model
+
+    def make(position: str, doc: str):
+        def fn(pretrained: bool = False, **kwargs: Any) -> MixViT:
+            if pretrained:
+                raise ValueError("no pretrained weights exist for mixlab ViTs (offline project); use pretrained=False")
+            n_modes = kwargs.pop("n_modes", 16)
+            drop_path = kwargs.pop("drop_path_rate", 0.1)
+            for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
+                kwargs.pop(k, None)
+            kwargs.setdefault("backbone", vit_backbone(position, n_modes=n_modes, drop_path=drop_path))
+            return MixViT(position=position, patch_size=16, **kwargs)
+
+        fn.__name__ = f"vit_small_patch16_{'goat' if position == 'goat2d' else position}"
+        fn.__qualname__ = fn.__name__
+        fn.__doc__ = doc
+        fn.__module__ = __name__
+        return fn
+
+    from timm.models import is_model
+
+    for position in POSITIONS:
+        f = make(position, f"ViT-S/16 (384, 12 layers, 6 heads) with mixlab {position} positions.")
+        if not is_model(f.__name__):
+            register_model(f)
+
+
+_register_timm()
