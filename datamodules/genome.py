@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mixlab.distributed import ResumableSampler, restore_sampler, sampler_state
+
 log = logging.getLogger("mixlab.genome")
 
 ALPHABET = "ACGTN"
@@ -232,6 +234,10 @@ class GenomeDataModule(pl.LightningDataModule):
     training crop starts (raise it for whole genomes: the sampler permutes all starts);
     ``cache_dir`` stores encoded files as .npy (keyed by path, mtime, size, settings).
 
+    Under DDP/FSDP rank r of W reads items r::W of one seeded order (no duplicates; see
+    :class:`mixlab.distributed.ResumableSampler`); the train order's position is saved in
+    checkpoints (:meth:`state_dict`), so a run resumed mid-epoch sees the next unseen batch.
+
     Raises ValueError naming the argument for invalid arguments; at :meth:`setup`,
     FileNotFoundError / ValueError naming the file for bad input (see :func:`read_fasta`),
     and ValueError naming ``context_length``, the split and its largest region when a split
@@ -282,6 +288,8 @@ class GenomeDataModule(pl.LightningDataModule):
         self.records: list[GenomeRecord] = []
         self.regions: dict[str, np.ndarray] = {}  # rec, start, length, split (-1 = dropped)
         self.datasets: dict[str, GenomeCropDataset] = {}
+        self._train_sampler: ResumableSampler | None = None
+        self._pending_sampler_state: dict | None = None
 
     # -- reading ---------------------------------------------------------------------------
     def _load_file(self, path: Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
@@ -414,10 +422,31 @@ class GenomeDataModule(pl.LightningDataModule):
     test_dataset = property(lambda self: self.datasets["test"], doc="GenomeEvalDataset")
 
     def _loader(self, split: str, train: bool) -> DataLoader:
+        """Loader with a :class:`~mixlab.distributed.ResumableSampler`: rank r of W gets items
+        r::W of one seeded order (training: permuted per epoch, tail of n % W dropped;
+        evaluation: in order, every window exactly once - padded to even ranks only under
+        FSDP, whose forward is collective)."""
         self.setup()
+        strategy = type(getattr(self.trainer, "strategy", None)).__name__ if self.trainer else ""
+        # order seed: the split seed and seed_everything's (so seed sweeps reshuffle too)
+        order_seed = self.seed * 1_000_003 + int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = ResumableSampler(self.datasets[split], shuffle=train, seed=order_seed,
+                                   drop_last=train, pad=not train and "FSDP" in strategy)
+        if train:
+            self._train_sampler = sampler
+            restore_sampler(sampler, self._pending_sampler_state)
+            self._pending_sampler_state = None
         return DataLoader(self.datasets[split], batch_size=self.batch_size if train
-                          else self.eval_batch_size, shuffle=train, drop_last=train,
+                          else self.eval_batch_size, sampler=sampler, drop_last=train,
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def state_dict(self) -> dict:
+        """Train sampler (epoch, seed, position) for exact mid-epoch resume (saved in .ckpt)."""
+        return sampler_state(self.trainer, self._train_sampler, self.batch_size)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the train sampler position saved by :meth:`state_dict`."""
+        self._pending_sampler_state = state_dict.get("train_sampler")
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled crops, ``LongTensor [batch_size, context_length + 1]``, drop_last=True."""

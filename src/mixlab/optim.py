@@ -46,7 +46,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     for p in model.parameters():
         if not p.requires_grad:
             continue
-        if getattr(p, "_no_weight_decay", False) or p.ndim < 2 or id(p) in embed_ids:
+        ndim = getattr(p, "_mixlab_ndim", p.ndim)  # FSDP shards are 1-D (mixlab.distributed.FSDPStrategy)
+        if getattr(p, "_no_weight_decay", False) or ndim < 2 or id(p) in embed_ids:
             no_decay.append(p)
         else:
             decay.append(p)
