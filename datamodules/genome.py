@@ -158,7 +158,7 @@ def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n
 def default_fasta() -> list[str]:
     """Paths of the three embedded human FASTA files (chr22 slice, chr17 part, chrM)."""
     try:
-        root = Path(str(resources.files("mixlab") / "data"))
+        root = Path(str(resources.files("mixlab.data")))
     except (TypeError, NotADirectoryError):  # mixlab imported as a namespace package
         import mixlab
         root = next(Path(p) / "data" for p in mixlab.__path__ if (Path(p) / "data").is_dir())

@@ -30,6 +30,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from mixlab.callbacks import MixerMetrics, ThroughputMemory
+from mixlab.tb import HParams
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
 
@@ -54,6 +55,7 @@ class MixlabCLI(LightningCLI):
                 LearningRateMonitor(logging_interval="step"),
                 ThroughputMemory(),
                 MixerMetrics(),
+                HParams(),
             ],
         }
         kwargs.setdefault("trainer_defaults", defaults)
@@ -133,3 +135,5 @@ register_command("passkey", "mixlab.eval.retrieval:passkey_main")
 register_command("niah", "mixlab.eval.retrieval:niah_main")
 register_command("copy-prior", "mixlab.eval.prior:main")
 register_command("resolution", "mixlab.eval.resolution:main")
+register_command("compare", "mixlab.compare:main")
+register_command("figure", "mixlab.figures:main")

@@ -1,0 +1,397 @@
+"""Text data for decoder language models: documents -> GPT-2 BPE or byte tokens -> packed blocks.
+
+Sources (``path``: a file, a directory (read recursively, sorted), a glob, or a list of them):
+
+* ``.txt`` / ``.txt.gz`` / ``.md``: the whole file is one document;
+* ``.jsonl`` / ``.jsonl.gz``: one JSON object per line, text in ``text_field``;
+* ``.parquet``: column ``text_field`` (needs ``pyarrow``; a clear error otherwise);
+* ``.tar`` / ``.tar.gz`` / ``.tgz``: WebDataset shards; each sample's ``.txt``/``.text``
+  member, or ``.json`` member's ``text_field``;
+* ``tokens_dir``: uint16 memmap shards written by ``scripts/pretokenize.py``.
+
+Tokenizers: ``"gpt2"`` (GPT-2 BPE through tiktoken, loading the shipped
+``mixlab/data/gpt2.tiktoken`` ranks file - never a download; ``<|endoftext|>`` = 50256 is
+the EOS) and ``"byte"`` (UTF-8 bytes 0..255, EOS = 256, ``vocab_size`` 257,
+``token_unit = "byte"`` so the LM head also logs bits per byte).
+
+Packing: every document is followed by EOS and the token streams are concatenated. A
+sample is ``LongTensor [context_length + 1]`` (the LM head shifts it). Train windows start
+every ``train_stride`` tokens; val/test windows do not overlap. Train/val split: with one
+document (tinyshakespeare) the last ``val_fraction`` of the stream is validation; with
+several documents each document goes to val with probability ``val_fraction`` (seeded),
+so splits never share a document. The test split is the validation split.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import random
+from functools import cached_property
+from importlib import resources
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+__all__ = [
+    "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
+    "pack_documents", "TokenWindows", "TextDataModule", "read_token_shards",
+]
+
+GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+GPT2_EOS = 50256
+
+
+def shipped_file(name: str) -> Path:
+    """Path of a file shipped in ``mixlab/data`` (``tinyshakespeare.txt``, ``gpt2.tiktoken``)."""
+    return Path(str(resources.files("mixlab.data") / name))
+
+
+class GPT2Tokenizer:
+    """GPT-2 BPE (``vocab_size`` 50257, EOS ``<|endoftext|>`` = 50256), offline.
+
+    Args:
+        ranks_file: tiktoken ranks file; default the shipped ``mixlab/data/gpt2.tiktoken``.
+
+    Raises:
+        FileNotFoundError: the ranks file does not exist.
+    """
+
+    name = "gpt2"
+    token_unit = "token"
+
+    def __init__(self, ranks_file: str | os.PathLike | None = None) -> None:
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        path = Path(ranks_file) if ranks_file else shipped_file("gpt2.tiktoken")
+        if not path.is_file():
+            raise FileNotFoundError(f"GPT-2 ranks file not found: {path} (tokenizer_file)")
+        ranks = load_tiktoken_bpe(str(path))
+        self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                                     special_tokens={"<|endoftext|>": GPT2_EOS})
+        self.eos_id = GPT2_EOS
+        self.vocab_size = self.enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> ids; the literal string ``<|endoftext|>`` is encoded as ordinary text."""
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts, num_threads=2)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.enc.decode(list(ids))
+
+
+class ByteTokenizer:
+    """UTF-8 bytes (ids 0..255) plus EOS = 256; ``vocab_size`` 257."""
+
+    name = "byte"
+    token_unit = "byte"
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def get_tokenizer(name: str, tokenizer_file: str | None = None):
+    """``"gpt2"`` -> :class:`GPT2Tokenizer`, ``"byte"`` -> :class:`ByteTokenizer`.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name == "gpt2":
+        return GPT2Tokenizer(tokenizer_file)
+    if name == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"tokenizer must be 'gpt2' or 'byte'; got {name!r}")
+
+
+# ---------------------------------------------------------------------- documents
+_TEXT_SUFFIXES = (".txt", ".txt.gz", ".md")
+_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+_ALL_SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _TAR_SUFFIXES + (".parquet",)
+
+
+def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """Files named by ``path`` (files, directories read recursively, globs), sorted per entry.
+
+    Raises:
+        FileNotFoundError: an entry matches no file.
+    """
+    entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    out: list[Path] = []
+    for e in entries:
+        p = Path(e)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file() and str(f).endswith(_ALL_SUFFIXES))
+        elif p.is_file():
+            files = [p]
+        else:
+            files = sorted(Path(f) for f in glob.glob(str(e), recursive=True) if Path(f).is_file())
+        if not files:
+            raise FileNotFoundError(f"text data path {str(e)!r} matches no file (data.path)")
+        out += files
+    return out
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _json_text(obj: dict, field: str, where: str) -> str:
+    if not isinstance(obj, dict) or field not in obj:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise ValueError(f"{where}: no text field {field!r} (data.text_field); found {keys}")
+    return str(obj[field])
+
+
+def iter_documents(path, text_field: str = "text") -> Iterator[str]:
+    """Yield documents (``str``) from every file of ``path`` (see the module docstring).
+
+    Raises:
+        ValueError: unsupported file type; a JSON record without ``text_field``;
+            a WebDataset sample with no text member.
+        ImportError: a ``.parquet`` file without ``pyarrow`` installed.
+    """
+    for f in expand_paths(path):
+        name = f.name.lower()
+        if name.endswith(_TEXT_SUFFIXES):
+            with _open_text(f) as fh:
+                yield fh.read()
+        elif name.endswith(_JSONL_SUFFIXES):
+            with _open_text(f) as fh:
+                for i, line in enumerate(fh, 1):
+                    if line.strip():
+                        yield _json_text(json.loads(line), text_field, f"{f}:{i}")
+        elif name.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+            except ImportError as err:
+                raise ImportError(f"reading {f} needs pyarrow (pip install pyarrow)") from err
+            pf = pq.ParquetFile(f)
+            if text_field not in pf.schema_arrow.names:
+                raise ValueError(f"{f}: no column {text_field!r} (data.text_field); columns {pf.schema_arrow.names}")
+            for batch in pf.iter_batches(columns=[text_field]):
+                yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
+        elif name.endswith(_TAR_SUFFIXES):
+            yield from _iter_wds(f, text_field)
+        else:
+            raise ValueError(f"unsupported text file type: {f} (expected one of {', '.join(_ALL_SUFFIXES)})")
+
+
+def _iter_wds(path: Path, text_field: str) -> Iterator[str]:
+    """Documents of one WebDataset shard (samples grouped by key, as webdataset does)."""
+    import webdataset as wds
+
+    with open(path, "rb") as fh:
+        stream = fh if not path.name.endswith(("gz", "tgz")) else gzip.open(fh)
+        files = wds.tariterators.tar_file_expander([{"url": str(path), "stream": stream}])
+        for sample in wds.tariterators.group_by_keys(files):
+            key = sample.get("__key__", "?")
+            for ext in ("txt", "text"):
+                if ext in sample:
+                    yield sample[ext].decode("utf-8")
+                    break
+            else:
+                if "json" not in sample:
+                    raise ValueError(f"{path}: WebDataset sample {key!r} has no .txt/.text/.json member")
+                yield _json_text(json.loads(sample["json"]), text_field, f"{path}:{key}")
+
+
+def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, dtype=np.uint16) -> np.ndarray:
+    """Concatenate token lists, each followed by ``eos_id`` -> 1-D array (``dtype``)."""
+    total = sum(len(d) + 1 for d in docs)
+    out = np.empty(total, dtype=dtype)
+    i = 0
+    for d in docs:
+        out[i:i + len(d)] = d
+        out[i + len(d)] = eos_id
+        i += len(d) + 1
+    return out
+
+
+def read_token_shards(tokens_dir: str | os.PathLike, split: str) -> tuple[dict, list[np.ndarray]]:
+    """``(meta, [memmap uint16 ...])`` of ``<split>_*.bin`` shards from ``scripts/pretokenize.py``.
+
+    Raises:
+        FileNotFoundError: no ``meta.json`` or no shard of ``split``.
+    """
+    d = Path(tokens_dir)
+    if not (d / "meta.json").is_file():
+        raise FileNotFoundError(f"{d}/meta.json not found (data.tokens_dir); run scripts/pretokenize.py first")
+    meta = json.loads((d / "meta.json").read_text())
+    files = sorted(d.glob(f"{split}_*.bin"))
+    if not files:
+        raise FileNotFoundError(f"no {split}_*.bin shard in {d} (data.tokens_dir)")
+    return meta, [np.memmap(f, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r") for f in files]
+
+
+class TokenWindows(Dataset):
+    """Windows of ``length`` tokens over several 1-D token arrays (never crossing arrays).
+
+    Item ``i`` is ``LongTensor [length]``. Starts are ``0, stride, 2*stride, ...``.
+    """
+
+    def __init__(self, arrays: Sequence[np.ndarray], length: int, stride: int, max_windows: int | None = None) -> None:
+        if length < 2 or stride < 1:
+            raise ValueError(f"TokenWindows: need length >= 2 and stride >= 1; got {length}, {stride}")
+        self.arrays, self.length, self.stride = list(arrays), length, stride
+        counts = [max(0, (len(a) - length) // stride + 1) for a in self.arrays]
+        self.cum = np.cumsum([0] + counts)
+        self.n = int(self.cum[-1]) if max_windows is None else min(int(self.cum[-1]), max_windows)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        a = int(np.searchsorted(self.cum, i, side="right") - 1)
+        s = (i - int(self.cum[a])) * self.stride
+        return torch.from_numpy(np.asarray(self.arrays[a][s:s + self.length], dtype=np.int64))
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Packed text for :class:`mixlab.heads.CausalLM` (``task_name = "text"``).
+
+    Args:
+        path: documents (file / directory / glob / list); ``None`` = the shipped
+            tinyshakespeare (``mixlab/data/tinyshakespeare.txt``).
+        tokenizer: ``"gpt2"`` (BPE, offline) or ``"byte"``.
+        tokenizer_file: GPT-2 ranks file (default: the shipped one).
+        text_field: JSON / parquet field holding the text.
+        tokens_dir: read pre-tokenised ``train_*.bin`` / ``val_*.bin`` shards instead of
+            ``path`` (see ``scripts/pretokenize.py``; the tokenizer must match).
+        context_length: tokens per training sample (windows hold ``context_length + 1``).
+        batch_size: samples per batch.
+        train_stride: step between training windows (default ``context_length``).
+        val_fraction: fraction of the stream (one document) or of documents (several).
+        max_val_windows: cap on validation/test windows.
+        num_workers: DataLoader workers.
+        seed: split seed.
+
+    Raises:
+        ValueError: bad tokenizer name; a split too short for one window (names the
+            split, its token count and the window length).
+    """
+
+    task_name = "text"
+
+    def __init__(
+        self,
+        path: str | list[str] | None = None,
+        tokenizer: Literal["gpt2", "byte"] = "gpt2",
+        tokenizer_file: str | None = None,
+        text_field: str = "text",
+        tokens_dir: str | None = None,
+        context_length: int = 256,
+        batch_size: int = 16,
+        train_stride: int | None = None,
+        val_fraction: float = 0.1,
+        max_val_windows: int | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+        self.path, self.tokenizer_name, self.tokenizer_file = path, tokenizer, tokenizer_file
+        self.text_field, self.tokens_dir = text_field, tokens_dir
+        self.context_length, self.batch_size = context_length, batch_size
+        self.train_stride = train_stride or context_length
+        self.val_fraction, self.max_val_windows = val_fraction, max_val_windows
+        self.num_workers, self.seed = num_workers, seed
+        self._splits: dict[str, list[np.ndarray]] | None = None
+        if tokenizer not in ("gpt2", "byte"):
+            raise ValueError(f"data.tokenizer must be 'gpt2' or 'byte'; got {tokenizer!r}")
+
+    @cached_property
+    def tokenizer(self):
+        return get_tokenizer(self.tokenizer_name, self.tokenizer_file)
+
+    @property
+    def vocab_size(self) -> int:
+        return 257 if self.tokenizer_name == "byte" else 50257
+
+    @property
+    def token_unit(self) -> str:
+        return "byte" if self.tokenizer_name == "byte" else "token"
+
+    # ------------------------------------------------------------------ data
+    def token_splits(self) -> dict[str, list[np.ndarray]]:
+        """``{"train": [arrays], "val": [arrays]}`` of token ids (computed once)."""
+        if self._splits is not None:
+            return self._splits
+        if self.tokens_dir:
+            meta, train = read_token_shards(self.tokens_dir, "train")
+            _, val = read_token_shards(self.tokens_dir, "val")
+            if meta.get("tokenizer", self.tokenizer_name) != self.tokenizer_name:
+                raise ValueError(f"{self.tokens_dir}/meta.json tokenizer {meta.get('tokenizer')!r} != "
+                                 f"data.tokenizer {self.tokenizer_name!r}")
+            self._splits = {"train": train, "val": val}
+            return self._splits
+        docs = list(iter_documents(self.path if self.path is not None else shipped_file("tinyshakespeare.txt"),
+                                   self.text_field))
+        tok = self.tokenizer
+        ids = tok.encode_batch(docs)
+        if len(ids) == 1:
+            stream = pack_documents(ids, tok.eos_id)
+            cut = int(round(len(stream) * (1 - self.val_fraction)))
+            self._splits = {"train": [stream[:cut]], "val": [stream[cut:]]}
+        else:
+            rng = random.Random(self.seed)
+            is_val = [rng.random() < self.val_fraction for _ in ids]
+            if not any(is_val):
+                is_val[-1] = True
+            self._splits = {
+                "train": [pack_documents([d for d, v in zip(ids, is_val) if not v], tok.eos_id)],
+                "val": [pack_documents([d for d, v in zip(ids, is_val) if v], tok.eos_id)],
+            }
+        return self._splits
+
+    def windows(self, split: str, length: int, stride: int | None = None, max_windows: int | None = None) -> TokenWindows:
+        """Dataset of ``LongTensor [length]`` windows of ``split`` ("train" / "val" / "test").
+
+        Raises:
+            ValueError: the split has fewer than ``length`` tokens.
+        """
+        arrays = self.token_splits()["train" if split == "train" else "val"]
+        ds = TokenWindows(arrays, length, stride or length - 1, max_windows)
+        if len(ds) == 0:
+            n = sum(len(a) for a in arrays)
+            raise ValueError(f"text {split} split has {n} tokens; too short for one window of {length} tokens "
+                             f"(lower data.context_length or add data)")
+        return ds
+
+    def setup(self, stage: str | None = None) -> None:
+        self.token_splits()
+
+    def _loader(self, ds: Dataset, shuffle: bool) -> DataLoader:
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, drop_last=shuffle,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.windows("train", self.context_length + 1, self.train_stride), True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.windows("val", self.context_length + 1, None, self.max_val_windows), False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

@@ -1,0 +1,50 @@
+"""Write WebDataset shards (timm convention: ``__key__``, ``jpg``, ``cls``) from an ImageFolder tree.
+
+    python scripts/make_wds_shards.py /data/imagenet/train /data/wds/imagenet1k-train-%04d.tar --maxcount 1250
+    python scripts/make_wds_shards.py /data/imagenet/val   /data/wds/imagenet1k-validation-%04d.tar --maxcount 1000
+
+Classes are the sorted sub-folder names (torchvision ImageFolder's mapping; ``classes.txt`` is written
+next to the shards). JPEG files are copied byte for byte, other formats re-encoded as JPEG. Samples are
+shuffled (``--seed``) so every shard holds a class mix. Write at least ``n_gpus x num_workers`` shards
+per split. Read them back with ``mixlab.datamodules.imagenet.ImageNetDataModule(format="wds",
+train_path="/data/wds/imagenet1k-train-{0000..1024}.tar", ...)``. Use the train folder's classes for
+validation (``--classes-from``) so both splits share one label mapping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mixlab.datamodules.imagenet import write_imagefolder_shards
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("root", help="ImageFolder root: <root>/<class>/<image>")
+    p.add_argument("pattern", help="output shard pattern with a printf field, e.g. out/imagenet1k-train-%%04d.tar")
+    p.add_argument("--maxcount", type=int, default=1000, help="samples per shard")
+    p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (-1: keep folder order)")
+    p.add_argument("--classes-from", default=None,
+                   help="ImageFolder root (or classes.txt) defining the class -> label mapping (default: root)")
+    a = p.parse_args(argv)
+    mapping = None
+    if a.classes_from:
+        src = Path(a.classes_from)
+        names = src.read_text().split() if src.is_file() else sorted(d.name for d in src.iterdir() if d.is_dir())
+        mapping = {c: i for i, c in enumerate(names)}
+        missing = sorted(d.name for d in Path(a.root).iterdir() if d.is_dir() and d.name not in mapping)
+        if missing:
+            sys.exit(f"--classes-from {a.classes_from}: classes {missing[:5]} of {a.root} are not in the mapping")
+    shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping)
+    first, last = shards[0], shards[-1]
+    print(f"wrote {len(shards)} shards: {first} .. {last}")
+    digits = len(Path(first).stem.rsplit("-", 1)[-1]) if "-" in Path(first).stem else 0
+    if digits:
+        stem = str(Path(first)).rsplit("-", 1)[0]
+        print(f"brace pattern: {stem}-{{{0:0{digits}d}..{len(shards) - 1:0{digits}d}}}.tar")
+
+
+if __name__ == "__main__":
+    main()

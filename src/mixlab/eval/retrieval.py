@@ -1,0 +1,158 @@
+"""Passkey and NIAH evaluation on a depth x length grid (GOAT Fig. 3).
+
+``python -m mixlab passkey --ckpt X.ckpt --lengths 256 512 1024 --depths 0.1 0.5 0.9``
+``python -m mixlab niah --ckpt X.ckpt --haystack essay --text my_prose.txt``
+
+For each length and needle depth, ``--samples`` sequences (seeded) are scored with
+teacher forcing (:func:`mixlab.datamodules.retrieval.span_metrics`): span token accuracy
+(the reported metric), strict accuracy (whole answer right) and span log-probability
+(nats). The model runs chunk by chunk through its caches (``--chunk``, default the
+training length), so long contexts stay memory-safe. Outputs in ``--out``:
+``<task>_<haystack>.md`` / ``.csv`` (every cell, all three metrics),
+``<task>_<haystack>_heatmap.png`` (span token accuracy, depth x length) and TensorBoard
+scalars under ``tb/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mixlab.datamodules.retrieval import load_essay, make_example, span_metrics
+from mixlab.eval.common import chunked_logits, load_datamodule_hparams, load_model
+
+__all__ = ["evaluate_cell", "plot_heatmap", "main", "passkey_main", "niah_main"]
+
+
+@torch.no_grad()
+def evaluate_cell(model, task: str, length: int, depth: float, samples: int, haystack: str = "noise",
+                  essay: np.ndarray | None = None, batch_size: int = 8, chunk: int | None = None,
+                  seed: int = 0, device: str | torch.device = "cpu") -> dict[str, float]:
+    """Span metrics of ``samples`` sequences at one (length, depth) cell.
+
+    Returns ``{"span_acc", "strict_acc", "span_logprob"}`` (fractions; nats per sample).
+    """
+    sums: dict[str, list[float]] = {}
+    for b0 in range(0, samples, batch_size):
+        exs = [make_example(np.random.default_rng([seed, length, int(round(depth * 1000)), i]), task, length, depth,
+                            haystack, essay) for i in range(b0, min(samples, b0 + batch_size))]
+        inp = torch.as_tensor(np.stack([e["inputs"] for e in exs]), device=device)
+        tgt = torch.as_tensor(np.stack([e["eval_targets"] for e in exs]), device=device)
+        span = torch.as_tensor(np.stack([e["span"] for e in exs]), device=device)
+        lo = int(span.any(0).nonzero().min())  # the span is at the end: keep only those logits
+        kept = []
+        for s, logits in chunked_logits(model, inp, chunk):
+            c = logits.shape[1]
+            if s + c > lo:
+                kept.append(logits[:, max(0, lo - s):])
+        logits = torch.cat(kept, dim=1)
+        for k, (s, n) in span_metrics(logits, tgt[:, lo:], span[:, lo:]).items():
+            acc = sums.setdefault(k, [0.0, 0.0])
+            acc[0] += float(s)
+            acc[1] += float(n)
+    return {k: s / max(n, 1.0) for k, (s, n) in sums.items()}
+
+
+def plot_heatmap(grid: np.ndarray, depths: list[float], lengths: list[int], path: Path, title: str):
+    """Save a depth x length heatmap of ``grid [len(depths), len(lengths)]`` in [0, 1]."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    for i in range(len(depths)):
+        for j in range(len(lengths)):
+            ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if grid[i, j] < 0.5 else "black")
+    fig.colorbar(im, ax=ax, label="span token accuracy")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return fig
+
+
+def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
+    """CLI entry; returns ``{(length, depth): metrics}``."""
+    p = argparse.ArgumentParser(prog=f"python -m mixlab {task}", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--lengths", nargs="+", type=int, default=None,
+                   help="context lengths in tokens (default: 1, 2, 4, 8 x the training length)")
+    p.add_argument("--depths", nargs="+", type=float, default=[round(0.1 * i, 1) for i in range(1, 10)])
+    p.add_argument("--samples", type=int, default=16, help="sequences per cell")
+    p.add_argument("--haystack", choices=["noise", "filler", "essay"], default=None,
+                   help="default: the checkpoint's training haystack")
+    p.add_argument("--text", default=None, help="prose for --haystack essay (default: shipped tinyshakespeare)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=None, help="tokens per cached forward (default: training length; 0: none)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="output folder (default: <ckpt dir>/../retrieval)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    _, hp = load_datamodule_hparams(args.ckpt)
+    train_len = int(hp.get("context_length", 256))
+    haystack = args.haystack or hp.get("haystack", "noise")
+    lengths = args.lengths or [train_len * m for m in (1, 2, 4, 8)]
+    essay = load_essay(args.text or hp.get("essay_path")) if haystack == "essay" else None
+    model = load_model(args.ckpt, args.device)
+    chunk = train_len if args.chunk is None else args.chunk
+    out = Path(args.out) if args.out else Path(args.ckpt).resolve().parent.parent / "retrieval"
+    out.mkdir(parents=True, exist_ok=True)
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(out / "tb" / f"{task}_{haystack}"))
+    results: dict[tuple[int, float], dict[str, float]] = {}
+    grid = np.zeros((len(args.depths), len(lengths)))
+    for j, length in enumerate(lengths):
+        for i, depth in enumerate(args.depths):
+            m = evaluate_cell(model, task, length, depth, args.samples, haystack, essay, args.batch_size, chunk,
+                              args.seed, args.device)
+            results[(length, depth)] = m
+            grid[i, j] = m["span_acc"]
+            for k, v in m.items():
+                writer.add_scalar(f"{task}/{k}/depth_{depth:g}", v, length)
+        writer.add_scalar(f"{task}/span_acc_mean", float(grid[:, j].mean()), length)
+        print(f"{task} length {length}: span_acc by depth " + " ".join(f"{v:.2f}" for v in grid[:, j]))
+    stem = f"{task}_{haystack}"
+    with open(out / f"{stem}.csv", "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["length", "depth", "span_acc", "strict_acc", "span_logprob"])
+        for (length, depth), m in results.items():
+            w.writerow([length, depth, f"{m['span_acc']:.4f}", f"{m['strict_acc']:.4f}", f"{m['span_logprob']:.4f}"])
+    md = [f"Span token accuracy ({task}, {haystack} haystack, {args.samples} samples per cell; "
+          f"training length {train_len})", "", "| depth | " + " | ".join(str(n) for n in lengths) + " |",
+          "|---|" + "---|" * len(lengths)]
+    md += [f"| {d:g} | " + " | ".join(f"{grid[i, j]:.3f}" for j in range(len(lengths))) + " |"
+           for i, d in enumerate(args.depths)]
+    md += ["| mean | " + " | ".join(f"{grid[:, j].mean():.3f}" for j in range(len(lengths))) + " |"]
+    md += ["", "| length | strict acc | span log-prob (nats) |", "|---|---|---|"]
+    md += [f"| {n} | {np.mean([results[(n, d)]['strict_acc'] for d in args.depths]):.3f} | "
+           f"{np.mean([results[(n, d)]['span_logprob'] for d in args.depths]):.3f} |" for n in lengths]
+    (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+    fig = plot_heatmap(grid, args.depths, lengths, out / f"{stem}_heatmap.png",
+                       f"{task} ({haystack}): {getattr(model, 'run_name', '')}")
+    writer.add_figure(f"{task}/heatmap", fig)
+    writer.close()
+    print("\n".join(md))
+    print(f"wrote {out}/{stem}.md, .csv, {stem}_heatmap.png, tb/")
+    return results
+
+
+def passkey_main(argv: list[str] | None = None) -> dict:
+    """``python -m mixlab passkey``."""
+    return main(argv, "passkey")
+
+
+def niah_main(argv: list[str] | None = None) -> dict:
+    """``python -m mixlab niah``."""
+    return main(argv, "niah")

@@ -1,0 +1,99 @@
+"""Small building blocks shared by recurrent mixers: a depthwise causal short convolution
+with a decoding cache, and a per-head RMSNorm gated by a projection (fla layer recipe).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["ShortConv", "GatedRMSNorm"]
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution over tokens, optionally followed by SiLU.
+
+    ``y_t = act(sum_{j=0}^{W-1} w_j * x_{t-W+1+j} + b)`` per channel, zero history
+    before the first token (Mamba / fla "short conv", kernel ``W`` = 4 by default).
+
+    Args:
+        dim: channels C.
+        kernel_size: W >= 1.
+        activation: ``"silu"`` or ``None``.
+        bias: learnable bias.
+
+    Forward: ``x [B, T, C]``, optional ``cache`` dict and ``key`` (name of the entry
+    holding the last ``W - 1`` inputs ``[B, W-1, C]``, updated in place) -> ``[B, T, C]``.
+    Feeding a sequence in pieces with the same cache equals one parallel call.
+
+    Raises:
+        ValueError: ``kernel_size < 1`` or an unknown activation.
+    """
+
+    def __init__(self, dim: int, kernel_size: int = 4, activation: str | None = "silu", bias: bool = True) -> None:
+        super().__init__()
+        if kernel_size < 1:
+            raise ValueError(f"ShortConv kernel_size must be >= 1; got {kernel_size}")
+        if activation not in ("silu", None):
+            raise ValueError(f"ShortConv activation must be 'silu' or None; got {activation!r}")
+        self.dim, self.kernel_size, self.activation = dim, kernel_size, activation
+        self.weight = nn.Parameter(torch.empty(dim, 1, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / self.kernel_size ** 0.5  # nn.Conv1d default for depthwise (fan_in = W)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor, cache: dict | None = None, key: str = "conv") -> Tensor:
+        b, t, c = x.shape
+        w = self.kernel_size - 1
+        if cache is not None and key in cache:
+            past = cache[key].to(x.dtype)
+        else:
+            past = x.new_zeros(b, w, c)
+        full = torch.cat([past, x], dim=1)  # [B, W-1+T, C]
+        if cache is not None:
+            cache[key] = full[:, full.shape[1] - w:].detach() if w else full[:, :0]
+        # sum of W shifted products (exact; avoids the slow CPU depthwise-conv kernel)
+        wt = self.weight.to(x.dtype)[:, 0]  # [C, W]
+        y = full[:, 0:t] * wt[:, 0]
+        for j in range(1, self.kernel_size):
+            y = y + full[:, j : j + t] * wt[:, j]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return F.silu(y) if self.activation == "silu" else y
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm of mixer outputs, multiplied by an activated gate.
+
+    ``y = x / sqrt(mean(x^2) + eps) * weight * act(gate)`` over the last dim (head dim),
+    ``act`` = ``swish`` (GLA, GDN, Mamba2, Mesa) or ``sigmoid`` (KDA).
+
+    Forward: ``x [..., d]``, ``gate [..., d]`` or ``None`` (plain RMSNorm) -> same shape, dtype of x.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5, activation: Literal["swish", "sigmoid"] = "swish") -> None:
+        super().__init__()
+        if activation not in ("swish", "sigmoid"):
+            raise ValueError(f"GatedRMSNorm activation must be 'swish' or 'sigmoid'; got {activation!r}")
+        self.eps, self.activation = eps, activation
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        if gate is not None:
+            gf = gate.float()
+            y = y * (F.silu(gf) if self.activation == "swish" else torch.sigmoid(gf))
+        return y.to(dtype)

@@ -1,0 +1,170 @@
+"""MesaNet mixer (``mesa``): per-head regularised least squares solved by conjugate gradient.
+
+Paper: von Oswald et al., "MesaNet: Sequence Modeling by Locally Optimal Test-Time
+Training", arXiv 2506.05233 (Sec. 2, Eqs. 7-8; Appendix C-E). Math and implementations in
+:mod:`mixlab.ops.mesa`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixlab.coords import Coords
+from mixlab.mixers.base import Mixer
+from mixlab.mixers.layers import GatedRMSNorm, ShortConv
+from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step
+from mixlab.registry import register_mixer
+
+__all__ = ["Mesa"]
+
+
+def _up(z: Tensor) -> Tensor:
+    """float32 for low-precision activations; float64 stays float64 (tests)."""
+    return z if z.dtype == torch.float64 else z.float()
+
+
+@register_mixer("mesa")
+class Mesa(Mixer):
+    """Mesa layer (fla MesaNet recipe).
+
+    ``q, k`` = SiLU short conv of linear projections, L2-normalised per head; ``v`` linear;
+    forget gate ``g = logsigmoid(W_a x)``, input gate ``beta = sigmoid(W_b x)`` per head;
+    ``Lambda = softplus(lambda_param) + lambda_floor`` ``[H, K]`` (initialised at
+    ``lambda_init``); ``o_t = G_t^T (H_t + Lambda)^{-1} q_t`` by CG; head outputs go through
+    an RMSNorm gated by ``swish(W_g x)``, then the output projection.
+
+    Args:
+        d_model, n_heads, causal, layer_idx, n_layers: backbone contract (causal only).
+        head_dim: K = V per head (default ``d_model // n_heads``).
+        conv_size: short-conv kernel (0 disables it).
+        lambda_floor: lower bound of the regulariser diagonal (> 0; paper 0.25).
+        lambda_init: initial ``Lambda`` value (> lambda_floor).
+        cg_iters: CG iterations in training (fixed) and the cap in evaluation.
+        cg_eps: training tolerance (``None`` = fixed count, the paper's setting).
+        eval_cg_eps: evaluation/inference tolerance ``||r|| <= eps ||r_0||`` (paper 1e-4);
+            ``None`` = fixed count also at evaluation.
+        chunk_size: chunk of the torch path.
+        impl: ``"auto"`` | ``"chunk"`` | ``"fla"`` | ``"recurrent"`` | ``"exact"`` (see
+            :func:`mixlab.ops.mesa.mesa_net`).
+
+    Forward: ``x [B, T, D]`` -> ``[B, T, D]``; ``cache`` holds ``state`` (h_kk, h_kv) and the
+    conv tails; T = 1 steps run the per-token CG. :meth:`extra_metrics` reports the mean CG
+    iterations per head of the last forward (``cg_iters/h{i}`` and ``cg_iters/mean``).
+
+    Raises:
+        ValueError: ``causal=False``; ``lambda_floor <= 0``; ``lambda_init <= lambda_floor``;
+            ``cg_iters < 1``; ``cg_eps``/``eval_cg_eps <= 0``; bad head sizes.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        causal: bool = True,
+        layer_idx: int = 0,
+        n_layers: int = 1,
+        head_dim: int | None = None,
+        conv_size: int = 4,
+        lambda_floor: float = 0.25,
+        lambda_init: float = 1.0,
+        cg_iters: int = 30,
+        cg_eps: float | None = None,
+        eval_cg_eps: float | None = 1e-4,
+        chunk_size: int = 64,
+        impl: str = "auto",
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if not causal:
+            raise ValueError("mesa mixer: causal=False is not supported (the regression is over past tokens)")
+        if not lambda_floor > 0:
+            raise ValueError(f"mesa mixer: lambda_floor must be > 0; got {lambda_floor}")
+        if not lambda_init > lambda_floor:
+            raise ValueError(f"mesa mixer: lambda_init={lambda_init} must exceed lambda_floor={lambda_floor}")
+        check_solver_args(cg_iters, cg_eps)
+        check_solver_args(cg_iters, eval_cg_eps)
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"mesa mixer: d_model={d_model} is not divisible by n_heads={n_heads}")
+            head_dim = d_model // n_heads
+        self.d_model, self.n_heads, self.head_dim, self.layer_idx = d_model, n_heads, head_dim, layer_idx
+        self.lambda_floor, self.lambda_init = lambda_floor, lambda_init
+        self.cg_iters, self.cg_eps, self.eval_cg_eps = cg_iters, cg_eps, eval_cg_eps
+        self.chunk_size, self.impl = chunk_size, impl
+        hk = n_heads * head_dim
+        self.q_proj = nn.Linear(d_model, hk, bias=False)
+        self.k_proj = nn.Linear(d_model, hk, bias=False)
+        self.v_proj = nn.Linear(d_model, hk, bias=False)
+        self.a_proj = nn.Linear(d_model, n_heads, bias=True)
+        self.b_proj = nn.Linear(d_model, n_heads, bias=True)
+        self.g_proj = nn.Linear(d_model, hk, bias=False)
+        self.q_conv = ShortConv(hk, conv_size) if conv_size > 0 else None
+        self.k_conv = ShortConv(hk, conv_size) if conv_size > 0 else None
+        self.lambda_param = nn.Parameter(torch.empty(n_heads, head_dim))
+        self.lambda_param._no_weight_decay = True  # type: ignore[attr-defined]
+        for p in (self.a_proj.bias, self.b_proj.bias):
+            p._no_weight_decay = True  # type: ignore[attr-defined]
+        self.norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="swish")
+        self.o_proj = nn.Linear(hk, d_model, bias=False)
+        self.o_proj._is_residual = True  # type: ignore[attr-defined]
+        self._last_iters: Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            # softplus(p) + floor = lambda_init
+            self.lambda_param.fill_(math.log(math.expm1(self.lambda_init - self.lambda_floor)))
+            nn.init.zeros_(self.a_proj.bias)
+            nn.init.zeros_(self.b_proj.bias)
+        for m in (self.q_conv, self.k_conv, self.norm):
+            if m is not None:
+                m.reset_parameters()
+
+    def lamb(self) -> Tensor:
+        """Regulariser diagonal ``[H, K]`` float32 (float64 for float64 params): ``softplus(lambda_param) + lambda_floor``."""
+        return F.softplus(_up(self.lambda_param)) + self.lambda_floor
+
+    def solver(self) -> tuple[int, float | None]:
+        """(iteration count / cap, tolerance) for the current mode (train / eval)."""
+        return self.cg_iters, (self.cg_eps if self.training else self.eval_cg_eps)
+
+    def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
+        b, t, _ = x.shape
+        h, d = self.n_heads, self.head_dim
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv is not None:
+            q, k = self.q_conv(q, cache, "q_conv"), self.k_conv(k, cache, "k_conv")
+        q = F.normalize(_up(q.view(b, t, h, d)), dim=-1).to(v.dtype)
+        k = F.normalize(_up(k.view(b, t, h, d)), dim=-1).to(v.dtype)
+        v = v.view(b, t, h, d)
+        g = F.logsigmoid(_up(self.a_proj(x)))
+        beta = torch.sigmoid(_up(self.b_proj(x)))
+        lamb = self.lamb().to(g.dtype)
+        iters_n, eps = self.solver()
+        state = cache.get("state") if cache is not None else None
+        if cache is not None and t == 1:
+            o, state, iters = mesa_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, state, iters_n, eps)
+            o, iters = o.unsqueeze(1).to(v.dtype), iters.unsqueeze(1)
+        else:
+            o, state, iters = mesa_net(q, k, v, g, beta, lamb, iters_n, eps, self.chunk_size, state,
+                                       output_final_state=cache is not None, impl=self.impl)
+        if cache is not None:
+            cache["state"] = tuple(s.detach() for s in state)
+        if iters is None:  # fla path: fixed count
+            self._last_iters = torch.full((h,), float(iters_n), device=x.device)
+        else:
+            self._last_iters = iters.float().mean(dim=(0, 1)).detach()
+        o = self.norm(o, self.g_proj(x).view(b, t, h, d))
+        return self.o_proj(o.reshape(b, t, h * d).to(x.dtype))
+
+    def extra_metrics(self) -> dict[str, Tensor]:
+        """Mean CG iterations of the last forward: per head (``cg_iters/h{i}``) and over heads."""
+        if self._last_iters is None:
+            return {}
+        out = {f"cg_iters/h{i}": it for i, it in enumerate(self._last_iters)}
+        out["cg_iters/mean"] = self._last_iters.mean()
+        return out

@@ -1,0 +1,136 @@
+"""Sliding-window softmax attention (``swa``; the MesaNet paper's SWA-w baselines, Sec. 4).
+
+Query ``i`` attends to keys ``j`` with ``i - window < j <= i`` (causal) or ``|i - j| < window``
+(bidirectional), RoPE (default) or NoPE positions. The KV cache keeps only the last
+``window - 1`` keys, so decoding memory is constant.
+
+Implementations: ``"mask"`` (SDPA with a boolean band mask; CPU default), ``"flex"``
+(FlexAttention with a sliding-window block mask, compiled; CUDA default for a parallel
+forward), ``"reference"`` (explicit ``softmax(q k^T / sqrt(d) + band mask) v`` in float).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixlab.coords import Coords
+from mixlab.mixers.base import Mixer
+from mixlab.mixers.positions import build_position
+from mixlab.registry import register_mixer
+
+__all__ = ["SlidingWindowAttention", "band_mask"]
+
+
+def band_mask(q_idx: Tensor, k_idx: Tensor, window: int, causal: bool = True) -> Tensor:
+    """``[Tq, Tk]`` bool: True where query token ``q_idx[i]`` may see key ``k_idx[j]``
+    (indices are absolute token positions)."""
+    d = q_idx[:, None] - k_idx[None, :]
+    return (d >= 0) & (d < window) if causal else d.abs() < window
+
+
+_FLEX: dict[str, Any] = {}
+
+
+def _flex_swa(q: Tensor, k: Tensor, v: Tensor, window: int, causal: bool) -> Tensor:
+    """FlexAttention with a sliding-window block mask (CUDA; compiled once per process)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+
+    def mask_mod(b, h, qi, ki):
+        d = qi - ki
+        return ((d >= 0) & (d < window)) if causal else ((d < window) & (d > -window))
+
+    t = q.shape[2]
+    key = (t, window, causal, q.device)
+    if _FLEX.get("mask_key") != key:
+        _FLEX["mask"] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
+        _FLEX["mask_key"] = key
+    return _FLEX["fn"](q, k, v, block_mask=_FLEX["mask"])
+
+
+@register_mixer("swa")
+class SlidingWindowAttention(Mixer):
+    """Multi-head sliding-window attention.
+
+    Args:
+        d_model, n_heads, causal, layer_idx, n_layers: backbone contract.
+        window: keys per query including itself (>= 1; paper SWA-1024, SWA-4, ...).
+        position: ``"rope"`` or ``"nope"``; position_args: e.g. RoPE ``base``.
+        head_dim: default ``d_model // n_heads``.
+        impl: ``"auto"`` (flex on CUDA for a parallel forward, else mask) | ``"mask"`` |
+            ``"flex"`` | ``"reference"``.
+        bias: bias in the projections.
+
+    Forward: ``x [B, T, D]``, ``coords`` (default ``Coords.seq``; the window is on token
+    index), ``cache`` with ``k, v [B, H, <= window-1, d]`` and the absolute position ``n``.
+
+    Raises:
+        ValueError: ``window < 1``; a position scheme with lanes or a bias (GOAT/ALiBi);
+            bad sizes; unknown impl.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, causal: bool = True, layer_idx: int = 0, n_layers: int = 1,
+                 window: int = 128, position: str = "rope", position_args: dict[str, Any] | None = None,
+                 head_dim: int | None = None, impl: str = "auto", bias: bool = False) -> None:
+        super().__init__()
+        if window < 1:
+            raise ValueError(f"swa mixer: window must be >= 1; got {window}")
+        if position not in ("rope", "nope"):
+            raise ValueError(f"swa mixer: position must be 'rope' or 'nope'; got {position!r}")
+        if impl not in ("auto", "mask", "flex", "reference"):
+            raise ValueError(f"swa mixer: impl must be 'auto', 'mask', 'flex' or 'reference'; got {impl!r}")
+        if head_dim is None:
+            if d_model % n_heads:
+                raise ValueError(f"swa mixer: d_model={d_model} is not divisible by n_heads={n_heads}")
+            head_dim = d_model // n_heads
+        self.n_heads, self.head_dim, self.window, self.causal, self.impl = n_heads, head_dim, window, causal, impl
+        self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
+        self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
+        self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.proj._is_residual = True  # type: ignore[attr-defined]
+
+    def qkv_heads(self, x: Tensor, coords: Coords) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated ``q, k`` and ``v`` as ``[B, H, T, d]``."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return self.pos.rotate(q, coords), self.pos.rotate(k, coords), v
+
+    def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
+        b, t, _ = x.shape
+        past = int(cache.get("n", 0)) if cache is not None else 0
+        if coords is None:
+            coords = Coords.seq(t, offset=past, device=x.device)
+        q, k, v = self.qkv_heads(x, coords)
+        k_start = past
+        if cache is not None and "k" in cache:
+            k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            k_start = past - cache["k"].shape[2]
+        q_idx = torch.arange(past, past + t, device=x.device)
+        k_idx = torch.arange(k_start, k_start + k.shape[2], device=x.device)
+        impl = self.impl
+        if impl == "auto":
+            impl = "flex" if x.is_cuda and cache is None and t > 1 else "mask"
+        if impl == "flex" and k.shape[2] != t:
+            impl = "mask"  # flex path is for a parallel forward without cached keys
+        if impl == "flex":
+            y = _flex_swa(q, k, v, self.window, self.causal)
+        elif impl == "mask":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(q_idx, k_idx, self.window, self.causal))
+        else:
+            ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+            z = (q.to(ct) @ k.to(ct).transpose(-1, -2)) / math.sqrt(self.head_dim)
+            z = z.masked_fill(~band_mask(q_idx, k_idx, self.window, self.causal), float("-inf"))
+            y = (torch.softmax(z, dim=-1) @ v.to(ct)).to(v.dtype)
+        if cache is not None:
+            keep = self.window - 1
+            cache["k"], cache["v"] = k[:, :, k.shape[2] - keep:] if keep else k[:, :, :0], \
+                v[:, :, v.shape[2] - keep:] if keep else v[:, :, :0]
+            cache["n"] = past + t
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))

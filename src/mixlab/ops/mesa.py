@@ -1,0 +1,515 @@
+"""MesaNet ops (von Oswald et al., arXiv 2506.05233): locally optimal test-time regression.
+
+Per head, with forget gate ``gamma_t = exp(g_t)`` and input gate ``beta_t``::
+
+    H_t = gamma_t H_{t-1} + beta_t k_t k_t^T          [K, K]   (paper Eq. 7)
+    G_t = gamma_t G_{t-1} + beta_t k_t v_t^T          [K, V]   (fla layout: G^T of the paper)
+    (H_t + Lambda) q*_t = q_t,   o_t = G_t^T q*_t              (paper Eq. 8)
+
+``Lambda = diag(lamb)`` with ``lamb > 0``. The linear system is solved by conjugate
+gradient (paper Appendix C, Algorithm 1) from ``x_0 = 0`` with either a fixed iteration
+count (training, 30 in the paper) or adaptive stopping ``||r_j|| <= eps ||r_0||`` with an
+iteration cap (inference, eps = 1e-4).
+
+Layout (fla): q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g, beta ``[B, T, H]`` (g is the
+natural log of the forget gate, ``<= 0``, not cumsummed); lamb ``[H, K]``; states
+``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` float32 (float64 when inputs are float64).
+
+Implementations (all compute in float32, or float64 for float64 inputs):
+
+* :func:`mesa_exact` - per-token states and ``torch.linalg.solve`` (reference).
+* :func:`mesa_recurrent` - per-token loop with CG (reference; also the decoding step).
+* :func:`mesa_chunk` - chunkwise torch path: states at chunk boundaries, intra-chunk
+  matmuls, CG over all tokens at once (paper Appendix D); adaptive CG drops finished
+  chunks from the working set. Backward solves the adjoint system
+  ``(H_t + Lambda) u_t = G_t do_t`` (not by differentiating CG iterations).
+* :func:`mesa_net` - dispatch; on CUDA the fixed-count path goes to fla-core's
+  ``chunk_mesa_net`` (fp16 q/k, CG denominators floored at 1e-5, K <= 128, K == V).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "conjugate_gradient",
+    "mesa_states",
+    "mesa_exact",
+    "mesa_step",
+    "mesa_recurrent",
+    "mesa_chunk",
+    "mesa_net",
+    "check_mesa_inputs",
+    "FLA_MAX_HEAD_DIM",
+]
+
+FLA_MAX_HEAD_DIM = 128
+State = tuple[Tensor, Tensor]
+
+
+# ---------------------------------------------------------------------------- checks
+def check_solver_args(cg_iters: int, cg_eps: float | None) -> None:
+    """Raises ValueError for a CG cap < 1 or a non-positive tolerance."""
+    if not isinstance(cg_iters, int) or cg_iters < 1:
+        raise ValueError(f"mesa: cg_iters (CG iteration count / cap) must be an integer >= 1; got {cg_iters!r}")
+    if cg_eps is not None and not cg_eps > 0:
+        raise ValueError(f"mesa: cg_eps (adaptive CG tolerance) must be > 0 or None (fixed count); got {cg_eps!r}")
+
+
+def check_mesa_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor,
+                      initial_state: State | None = None) -> None:
+    """Shape checks shared by every Mesa implementation.
+
+    Raises:
+        ValueError: naming the argument whose shape does not match q ``[B, T, H, K]``.
+    """
+    if q.dim() != 4:
+        raise ValueError(f"mesa: q must be [B, T, H, K]; got shape {tuple(q.shape)}")
+    b, t, h, dk = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"mesa: k shape {tuple(k.shape)} != q shape {tuple(q.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"mesa: v must be [B, T, H, V] = [{b}, {t}, {h}, V]; got {tuple(v.shape)}")
+    for name, z in (("g", g), ("beta", beta)):
+        if z.shape != (b, t, h):
+            raise ValueError(f"mesa: {name} must be [B, T, H] = [{b}, {t}, {h}]; got {tuple(z.shape)}")
+    if lamb.shape != (h, dk):
+        raise ValueError(f"mesa: lamb must be [H, K] = [{h}, {dk}]; got {tuple(lamb.shape)}")
+    if initial_state is not None:
+        h_kk, h_kv = initial_state
+        if h_kk.shape != (b, h, dk, dk) or h_kv.shape != (b, h, dk, v.shape[-1]):
+            raise ValueError(f"mesa: initial_state must be (h_kk [B, H, K, K], h_kv [B, H, K, V]); got "
+                             f"{tuple(h_kk.shape)}, {tuple(h_kv.shape)}")
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------- CG
+def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, eps: float | None = None
+                       ) -> tuple[Tensor, Tensor]:
+    """Batched conjugate gradient for SPD systems ``A x = b`` from ``x_0 = 0`` (paper Alg. 1).
+
+    Args:
+        matvec: ``p [..., K] -> A p [..., K]`` (one SPD matrix per leading index).
+        b: right-hand sides ``[..., K]`` float.
+        max_iter: fixed iteration count (``eps=None``) or cap (adaptive).
+        eps: adaptive stopping ``||r_j|| <= eps ||r_0||`` per system; ``None`` = fixed count.
+
+    Returns:
+        ``x [..., K]`` and iteration counts ``[...]`` int32: updates applied per system; in
+        fixed-count mode, steps taken after the squared residual reached exactly 0 (e.g. by
+        float32 underflow after convergence) are not counted.
+
+    Raises:
+        ValueError: ``max_iter < 1`` or ``eps <= 0``.
+    """
+    check_solver_args(max_iter, eps)
+    tiny = torch.finfo(b.dtype).tiny
+    if eps is None and not torch.is_grad_enabled():
+        return _cg_fixed(matvec, b, max_iter, tiny)
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = r.clone()
+    delta = (r * r).sum(-1)
+    thresh = delta * (eps * eps) if eps is not None else torch.zeros_like(delta)
+    iters = torch.zeros(delta.shape, dtype=torch.int32, device=b.device)
+    for _ in range(max_iter):
+        active = delta > thresh
+        if eps is not None and not bool(active.any()):
+            break
+        ap = matvec(p)
+        alpha = torch.where(active, delta / (p * ap).sum(-1).clamp_min(tiny), torch.zeros_like(delta))
+        x = x + alpha.unsqueeze(-1) * p
+        r = r - alpha.unsqueeze(-1) * ap
+        delta_new = (r * r).sum(-1)
+        step = torch.where(active, delta_new / delta.clamp_min(tiny), torch.zeros_like(delta))
+        p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
+        delta = torch.where(active, delta_new, delta)
+        iters += active.to(torch.int32)
+    return x, iters
+
+
+def _cg_fixed(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, tiny: float) -> tuple[Tensor, Tensor]:
+    """Fixed-count CG without masks, in place (no autograd). A system whose residual reaches
+    exactly 0 keeps ``alpha = 0 / tiny = 0`` and ``p = 0`` from then on (no NaN)."""
+    x = torch.zeros_like(b)
+    r = b.clone()
+    p = r.clone()
+    delta = (r * r).sum(-1)
+    iters = torch.zeros(delta.shape, dtype=torch.int32, device=b.device)
+    for _ in range(max_iter):
+        iters += delta > 0
+        ap = matvec(p)
+        alpha = (delta / (p * ap).sum(-1).clamp_min_(tiny)).unsqueeze_(-1)
+        x.addcmul_(alpha, p)
+        r.addcmul_(alpha, ap, value=-1.0)
+        delta_new = (r * r).sum(-1)
+        step = (delta_new / delta.clamp_min_(tiny)).unsqueeze_(-1)
+        p.mul_(step).add_(r)
+        delta = delta_new
+    return x, iters
+
+
+# ---------------------------------------------------------------------------- references
+def mesa_states(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: State | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Per-token statistics by the recurrence (reference; ``O(T K^2)`` memory).
+
+    Returns:
+        ``H [B, T, H, K, K]`` and ``G [B, T, H, K, V]`` in the compute dtype.
+    """
+    dt = _compute_dtype(k)
+    k, v, g, beta = k.to(dt), v.to(dt), g.to(dt), beta.to(dt)
+    b, t, h, dk = k.shape
+    if initial_state is None:
+        h_kk = k.new_zeros(b, h, dk, dk)
+        h_kv = k.new_zeros(b, h, dk, v.shape[-1])
+    else:
+        h_kk, h_kv = (s.to(dt) for s in initial_state)
+    hs, gs = [], []
+    for i in range(t):
+        decay = g[:, i].exp()[..., None, None]
+        kb = k[:, i] * beta[:, i, :, None]
+        h_kk = decay * h_kk + kb.unsqueeze(-1) * k[:, i].unsqueeze(-2)
+        h_kv = decay * h_kv + kb.unsqueeze(-1) * v[:, i].unsqueeze(-2)
+        hs.append(h_kk)
+        gs.append(h_kv)
+    return torch.stack(hs, 1), torch.stack(gs, 1)
+
+
+def mesa_exact(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor,
+               initial_state: State | None = None, output_final_state: bool = False
+               ) -> tuple[Tensor, State | None]:
+    """Exact Mesa output with ``torch.linalg.solve`` per token (reference, differentiable).
+
+    Returns:
+        ``o [B, T, H, V]`` (dtype of v) and the final state or ``None``.
+    """
+    check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
+    dt = _compute_dtype(q)
+    hs, gs = mesa_states(k, v, g, beta, initial_state)
+    a = hs + torch.diag_embed(lamb.to(dt))
+    x = torch.linalg.solve(a, q.to(dt).unsqueeze(-1)).squeeze(-1)
+    o = torch.einsum("bthk,bthkv->bthv", x, gs)
+    final = (hs[:, -1], gs[:, -1]) if output_final_state and q.shape[1] else None
+    return o.to(v.dtype), final
+
+
+def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, state: State | None,
+              cg_iters: int = 30, cg_eps: float | None = None) -> tuple[Tensor, State, Tensor]:
+    """One token: q, k ``[B, H, K]``, v ``[B, H, V]``, g, beta ``[B, H]``, lamb ``[H, K]``.
+
+    Returns:
+        ``o [B, H, V]`` (compute dtype), the new state, CG iterations ``[B, H]``.
+    """
+    dt = _compute_dtype(q)
+    q, k, v, g, beta, lamb = (z.to(dt) for z in (q, k, v, g, beta, lamb))
+    b, h, dk = q.shape
+    if state is None:
+        h_kk, h_kv = q.new_zeros(b, h, dk, dk), q.new_zeros(b, h, dk, v.shape[-1])
+    else:
+        h_kk, h_kv = (s.to(dt) for s in state)
+    decay = g.exp()[..., None, None]
+    kb = k * beta.unsqueeze(-1)
+    h_kk = decay * h_kk + kb.unsqueeze(-1) * k.unsqueeze(-2)
+    h_kv = decay * h_kv + kb.unsqueeze(-1) * v.unsqueeze(-2)
+    x, iters = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps)
+    o = (x.unsqueeze(-2) @ h_kv).squeeze(-2)
+    return o, (h_kk, h_kv), iters
+
+
+def mesa_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
+                   cg_eps: float | None = None, initial_state: State | None = None, output_final_state: bool = False
+                   ) -> tuple[Tensor, State | None, Tensor]:
+    """Per-token loop with CG (reference; the decoding path).
+
+    Returns:
+        ``o [B, T, H, V]`` (dtype of v), final state or ``None``, CG iterations ``[B, T, H]`` int32.
+    """
+    check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
+    check_solver_args(cg_iters, cg_eps)
+    state = initial_state
+    os, its = [], []
+    for i in range(q.shape[1]):
+        o, state, it = mesa_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], lamb, state, cg_iters, cg_eps)
+        os.append(o)
+        its.append(it)
+    o = torch.stack(os, 1).to(v.dtype)
+    return o, (state if output_final_state else None), torch.stack(its, 1)
+
+
+# ---------------------------------------------------------------------------- chunkwise
+class _Chunks:
+    """Chunked view of one Mesa call: tensors ``[M = B*H*N, C, ...]`` plus chunk-start states.
+
+    Built differentiably from (k, v, g, beta, initial state) so the backward can reuse it
+    under autograd. ``D[t, i] = beta_i exp(gc_t - gc_i)`` for ``i <= t`` (0 above the diagonal),
+    ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate.
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: State | None, chunk_size: int) -> None:
+        b, t, h, dk = k.shape
+        dv = v.shape[-1]
+        c = max(1, min(chunk_size, t))
+        n = -(-t // c)
+        pad = n * c - t
+        self.shape = (b, t, h, dk, dv, c, n, pad)
+
+        def chunk(z: Tensor) -> Tensor:  # [B, T, H, ...] -> [B, H, N, C, ...]
+            if pad:
+                z = F.pad(z, (0, 0) * (z.dim() - 2) + (0, pad))
+            z = z.view(b, n, c, h, *z.shape[3:])
+            return z.permute(0, 3, 1, 2, *range(4, z.dim())).contiguous()
+
+        kc, vc = chunk(k), chunk(v)
+        gc = chunk(g).cumsum(-1)  # [B, H, N, C]
+        bc = chunk(beta)
+        tri = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
+        diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~tri, float("-inf"))
+        self.D = diff.exp() * bc.unsqueeze(-2)  # [B, H, N, C, C]
+        self.dq = gc.exp()  # [B, H, N, C]
+        # chunk-start states: S_{n+1} = exp(gc_last) S_n + sum_i exp(gc_last - gc_i) beta_i k_i (k_i | v_i)^T
+        kw = kc * ((gc[..., -1:] - gc).exp() * bc).unsqueeze(-1)  # [B, H, N, C, K]
+        last = gc[..., -1].exp()  # [B, H, N]
+        h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
+        h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
+        hk, hv = [], []
+        for i in range(n):
+            hk.append(h_kk)
+            hv.append(h_kv)
+            h_kk = last[:, :, i, None, None] * h_kk + kw[:, :, i].transpose(-1, -2) @ kc[:, :, i]
+            h_kv = last[:, :, i, None, None] * h_kv + kw[:, :, i].transpose(-1, -2) @ vc[:, :, i]
+        self.final = (h_kk, h_kv)
+        m = b * h * n
+        self.H = torch.stack(hk, 2).reshape(m, dk, dk)
+        self.G = torch.stack(hv, 2).reshape(m, dk, dv)
+        self.k = kc.reshape(m, c, dk)
+        self.v = vc.reshape(m, c, dv)
+        self.D = self.D.reshape(m, c, c)
+        self.dq = self.dq.reshape(m, c)
+
+    def chunk_view(self, z: Tensor) -> Tensor:
+        """``[B, T, H, d]`` -> ``[M, C, d]`` (zero-padded)."""
+        b, t, h, dk, dv, c, n, pad = self.shape
+        if pad:
+            z = F.pad(z, (0, 0, 0, 0, 0, pad))
+        return z.view(b, n, c, h, -1).permute(0, 3, 1, 2, 4).reshape(b * h * n, c, -1)
+
+    def token_view(self, z: Tensor) -> Tensor:
+        """``[M, C, ...]`` -> ``[B, T, H, ...]`` (padding dropped)."""
+        b, t, h, dk, dv, c, n, pad = self.shape
+        z = z.reshape(b, h, n, c, *z.shape[2:]).movedim(1, 3).reshape(b, n * c, h, *z.shape[2:])
+        return z[:, :t]
+
+
+def _matvec_kk(p: Tensor, H: Tensor, k: Tensor, D: Tensor, dq: Tensor) -> Tensor:
+    """``H_t p_t`` for every token of the chunks: ``[M, C, K]``."""
+    return torch.baddbmm(dq.unsqueeze(-1) * torch.bmm(p, H.transpose(-1, -2)), torch.bmm(p, k.transpose(-1, -2)) * D, k)
+
+
+def _readout_kv(x: Tensor, G: Tensor, k: Tensor, v: Tensor, D: Tensor, dq: Tensor) -> Tensor:
+    """``G_t^T x_t`` for every token: ``[M, C, V]``."""
+    return torch.baddbmm(dq.unsqueeze(-1) * torch.bmm(x, G), torch.bmm(x, k.transpose(-1, -2)) * D, v)
+
+
+def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: float | None) -> tuple[Tensor, Tensor]:
+    """CG on ``(H_t + Lambda) x_t = rhs_t`` for all tokens; adaptive mode shrinks the working
+    set to the chunks that still have unconverged tokens once half of them are done.
+
+    Returns ``x [M, C, K]`` and iterations ``[M, C]`` int32.
+    """
+    H, k, D, dq = ch.H, ch.k, ch.D, ch.dq
+    if cg_eps is None:
+        return conjugate_gradient(lambda p: _matvec_kk(p, H, k, D, dq) + lamb_m * p, rhs, cg_iters)
+    check_solver_args(cg_iters, cg_eps)
+    tiny = torch.finfo(rhs.dtype).tiny
+    x_out = torch.zeros_like(rhs)
+    it_out = torch.zeros(rhs.shape[:-1], dtype=torch.int32, device=rhs.device)
+    ws = torch.arange(rhs.shape[0], device=rhs.device)
+    lam = lamb_m
+    x = torch.zeros_like(rhs)
+    r = rhs.clone()
+    p = r.clone()
+    delta = (r * r).sum(-1)
+    thresh = delta * (cg_eps * cg_eps)
+    iters = torch.zeros_like(it_out)
+    for _ in range(cg_iters):
+        active = delta > thresh
+        alive = active.any(-1)
+        n_alive = int(alive.sum())
+        if n_alive == 0:
+            break
+        if n_alive <= ws.numel() // 2:  # compact: keep only chunks with unconverged tokens
+            x_out[ws], it_out[ws] = x, iters
+            keep = alive.nonzero().squeeze(-1)
+            ws = ws[keep]
+            x, r, p, delta, thresh, iters, active = (z[keep] for z in (x, r, p, delta, thresh, iters, active))
+            H, k, D, dq, lam = (z[keep] for z in (H, k, D, dq, lam))
+        ap = _matvec_kk(p, H, k, D, dq) + lam * p
+        alpha = torch.where(active, delta / (p * ap).sum(-1).clamp_min(tiny), torch.zeros_like(delta))
+        x = x + alpha.unsqueeze(-1) * p
+        r = r - alpha.unsqueeze(-1) * ap
+        delta_new = (r * r).sum(-1)
+        step = torch.where(active, delta_new / delta.clamp_min(tiny), torch.zeros_like(delta))
+        p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
+        delta = torch.where(active, delta_new, delta)
+        iters += active.to(torch.int32)
+    x_out[ws], it_out[ws] = x, iters
+    return x_out, it_out
+
+
+def _lamb_per_chunk(lamb: Tensor, ch: _Chunks) -> Tensor:
+    b, t, h, dk, dv, c, n, pad = ch.shape
+    return lamb.view(1, h, 1, 1, dk).expand(b, h, n, 1, dk).reshape(b * h * n, 1, dk)
+
+
+class _MesaChunkFunction(torch.autograd.Function):
+    """Chunkwise Mesa with the adjoint-solve backward (paper Appendix D).
+
+    Backward: ``u_t = (H_t + Lambda)^{-1} G_t do_t`` by the same CG; then
+    ``dq_t = u_t``, ``dLambda = -sum_t u_t * x_t``, and gradients for (k, v, g, beta, h0)
+    are those of the surrogate ``sum_t <do_t, G_t^T x_t> - <u_t, H_t x_t>`` (+ final-state
+    terms) with ``x, u`` held fixed, obtained by autograd through the chunked statistics.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size):
+        dt = _compute_dtype(q)
+        h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
+        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size)
+        lam = _lamb_per_chunk(lamb.to(dt), ch)
+        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps)
+        o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
+        ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x)
+        ctx.cfg = (cg_iters, cg_eps, chunk_size)
+        iters = ch.token_view(iters)
+        ctx.mark_non_differentiable(iters)
+        return ch.token_view(o).to(v.dtype), ch.final[0], ch.final[1], iters
+
+    @staticmethod
+    def backward(ctx, do, dh_kk, dh_kv, _diters):
+        q, k, v, g, beta, lamb, h_kk0, h_kv0, x = ctx.saved_tensors
+        cg_iters, cg_eps, chunk_size = ctx.cfg
+        dt = _compute_dtype(q)
+        with torch.enable_grad():
+            leaves = [z.detach().to(dt).requires_grad_(True) for z in (k, v, g, beta)]
+            h0 = None
+            if h_kk0 is not None:
+                h0 = tuple(z.detach().to(dt).requires_grad_(True) for z in (h_kk0, h_kv0))
+            ch = _Chunks(*leaves, h0, chunk_size)
+            lam = _lamb_per_chunk(lamb.to(dt), ch)
+            do_c = ch.chunk_view(do.to(dt))
+            with torch.no_grad():  # adjoint right-hand side G_t do_t, then the adjoint solve
+                rhs = ch.dq.unsqueeze(-1) * (do_c @ ch.G.transpose(-1, -2)) + ((do_c @ ch.v.transpose(-1, -2)) * ch.D) @ ch.k
+                u, _ = _chunk_cg(ch, lam, rhs, cg_iters, cg_eps)
+            surrogate = (do_c * _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)).sum() \
+                - (u * _matvec_kk(x, ch.H, ch.k, ch.D, ch.dq)).sum()
+            if dh_kk is not None:
+                surrogate = surrogate + (dh_kk.to(dt) * ch.final[0]).sum()
+            if dh_kv is not None:
+                surrogate = surrogate + (dh_kv.to(dt) * ch.final[1]).sum()
+            inputs = leaves + (list(h0) if h0 is not None else [])
+            grads = torch.autograd.grad(surrogate, inputs, allow_unused=True)
+        grads = [torch.zeros_like(z) if gz is None else gz for z, gz in zip(inputs, grads)]
+        dk, dv, dg, dbeta = grads[:4]
+        dh0 = grads[4:] if h0 is not None else [None, None]
+        dq = ch.token_view(u)
+        b, t, h, dk_, dv_, c, n, pad = ch.shape
+        dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
+        cast = lambda gz, ref: None if ref is None or gz is None else gz.to(ref.dtype)
+        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
+                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None)
+
+
+def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
+               cg_eps: float | None = None, chunk_size: int = 64, initial_state: State | None = None,
+               output_final_state: bool = False) -> tuple[Tensor, State | None, Tensor]:
+    """Chunkwise torch Mesa (CPU and GPU; the adaptive-CG inference path).
+
+    Args:
+        q, k: ``[B, T, H, K]`` (normalised by the caller); v ``[B, T, H, V]``;
+        g: ``[B, T, H]`` log forget gate ``<= 0``; beta: ``[B, T, H]`` input gate in [0, 1];
+        lamb: ``[H, K]`` > 0; cg_iters: fixed count or cap; cg_eps: adaptive tolerance or None;
+        chunk_size: tokens per chunk (any T works; the tail is zero-padded);
+        initial_state: ``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` or None.
+
+    Returns:
+        ``o [B, T, H, V]`` (dtype of v), final state (compute dtype) or None, CG iterations
+        ``[B, T, H]`` int32. Differentiable in q, k, v, g, beta, lamb and the initial state
+        through the adjoint solve.
+
+    Raises:
+        ValueError: bad shapes, ``cg_iters < 1``, ``cg_eps <= 0``, ``chunk_size < 1``.
+    """
+    check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
+    check_solver_args(cg_iters, cg_eps)
+    if chunk_size < 1:
+        raise ValueError(f"mesa: chunk_size must be >= 1; got {chunk_size}")
+    h_kk0, h_kv0 = initial_state if initial_state is not None else (None, None)
+    o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size)
+    return o, ((h_kk, h_kv) if output_final_state else None), iters
+
+
+# ---------------------------------------------------------------------------- dispatch
+def mesa_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
+             initial_state: State | None = None, output_final_state: bool = False) -> tuple[Tensor, State | None]:
+    """fla-core ``chunk_mesa_net`` (CUDA, fixed CG count).
+
+    Raises:
+        ValueError: not CUDA, ``K > 128``, ``K != V``, ``cg_iters < 1``.
+    """
+    check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
+    check_solver_args(cg_iters, None)
+    dk, dv = q.shape[-1], v.shape[-1]
+    if dk > FLA_MAX_HEAD_DIM:
+        raise ValueError(f"mesa: impl='fla' supports head dim K <= {FLA_MAX_HEAD_DIM}; got K={dk} "
+                         "(use impl='chunk' or a smaller head_dim)")
+    if dk != dv:
+        raise ValueError(f"mesa: impl='fla' needs K == V; got K={dk}, V={dv}")
+    if not q.is_cuda:
+        raise ValueError("mesa: impl='fla' (fla-core chunk_mesa_net) needs CUDA tensors")
+    from fla.ops.mesa_net import chunk_mesa_net  # CUDA only
+
+    h_kk0, h_kv0 = (None, None) if initial_state is None else (initial_state[0].float(), initial_state[1].float())
+    o, h_kk, h_kv = chunk_mesa_net(q, k, v, g.float(), beta.float(), lamb.float(), h_kk_init=h_kk0, h_kv_init=h_kv0,
+                                   output_final_state=output_final_state, max_CG_iteration=cg_iters)
+    return o, ((h_kk, h_kv) if output_final_state else None)
+
+
+def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
+             cg_eps: float | None = None, chunk_size: int = 64, initial_state: State | None = None,
+             output_final_state: bool = False, impl: str = "auto") -> tuple[Tensor, State | None, Tensor | None]:
+    """Mesa layer core with implementation dispatch (arguments as :func:`mesa_chunk`).
+
+    ``impl``: ``"auto"`` (fla on CUDA for a fixed count with K == V <= 128 and T > 1,
+    else ``"chunk"``), ``"chunk"``, ``"fla"``, ``"recurrent"``, ``"exact"``.
+
+    Returns:
+        ``o``, final state or None, CG iterations ``[B, T, H]`` (None for fla and exact).
+
+    Raises:
+        ValueError: bad shapes, solver arguments, unknown ``impl``, fla limits.
+    """
+    check_solver_args(cg_iters, cg_eps)
+    if impl == "auto":
+        fla_ok = q.is_cuda and cg_eps is None and q.shape[-1] == v.shape[-1] <= FLA_MAX_HEAD_DIM and q.shape[1] > 1
+        impl = "fla" if fla_ok else "chunk"
+    if impl == "chunk":
+        return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state)
+    if impl == "fla":
+        if cg_eps is not None:
+            raise ValueError("mesa: impl='fla' has a fixed CG count; set cg_eps=None or use impl='chunk'")
+        o, st = mesa_fla(q, k, v, g, beta, lamb, cg_iters, initial_state, output_final_state)
+        return o, st, None
+    if impl == "recurrent":
+        return mesa_recurrent(q, k, v, g, beta, lamb, cg_iters, cg_eps, initial_state, output_final_state)
+    if impl == "exact":
+        o, st = mesa_exact(q, k, v, g, beta, lamb, initial_state, output_final_state)
+        return o, st, None
+    raise ValueError(f"mesa: impl must be 'auto', 'chunk', 'fla', 'recurrent' or 'exact'; got {impl!r}")
