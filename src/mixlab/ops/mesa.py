@@ -52,6 +52,21 @@ State = tuple[Tensor, Tensor]
 
 
 # ---------------------------------------------------------------------------- checks
+
+def _cg_update(x: Tensor, r: Tensor, p: Tensor, delta: Tensor, ap: Tensor, active: Tensor, tiny: float):
+    """One conjugate-gradient step (Hestenes-Stiefel) for the ``active`` systems; others unchanged.
+
+    ``x, r, p, ap [..., K]``, ``delta = r.r [...]``, ``active [...]`` bool. Returns the new
+    ``(x, r, p, delta)``.
+    """
+    alpha = torch.where(active, delta / (p * ap).sum(-1).clamp_min(tiny), torch.zeros_like(delta))
+    x = x + alpha.unsqueeze(-1) * p
+    r = r - alpha.unsqueeze(-1) * ap
+    delta_new = (r * r).sum(-1)
+    step = torch.where(active, delta_new / delta.clamp_min(tiny), torch.zeros_like(delta))
+    p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
+    return x, r, p, torch.where(active, delta_new, delta)
+
 def check_solver_args(cg_iters: int, cg_eps: float | None) -> None:
     """Raises ValueError for a CG cap < 1 or a non-positive tolerance."""
     if not isinstance(cg_iters, int) or cg_iters < 1:
@@ -123,14 +138,7 @@ def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: 
         active = delta > thresh
         if eps is not None and not bool(active.any()):
             break
-        ap = matvec(p)
-        alpha = torch.where(active, delta / (p * ap).sum(-1).clamp_min(tiny), torch.zeros_like(delta))
-        x = x + alpha.unsqueeze(-1) * p
-        r = r - alpha.unsqueeze(-1) * ap
-        delta_new = (r * r).sum(-1)
-        step = torch.where(active, delta_new / delta.clamp_min(tiny), torch.zeros_like(delta))
-        p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
-        delta = torch.where(active, delta_new, delta)
+        x, r, p, delta = _cg_update(x, r, p, delta, matvec(p), active, tiny)
         iters += active.to(torch.int32)
     return x, iters
 
@@ -351,14 +359,7 @@ def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: f
             ws = ws[keep]
             x, r, p, delta, thresh, iters, active = (z[keep] for z in (x, r, p, delta, thresh, iters, active))
             H, k, D, dq, lam = (z[keep] for z in (H, k, D, dq, lam))
-        ap = _matvec_kk(p, H, k, D, dq) + lam * p
-        alpha = torch.where(active, delta / (p * ap).sum(-1).clamp_min(tiny), torch.zeros_like(delta))
-        x = x + alpha.unsqueeze(-1) * p
-        r = r - alpha.unsqueeze(-1) * ap
-        delta_new = (r * r).sum(-1)
-        step = torch.where(active, delta_new / delta.clamp_min(tiny), torch.zeros_like(delta))
-        p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
-        delta = torch.where(active, delta_new, delta)
+        x, r, p, delta = _cg_update(x, r, p, delta, _matvec_kk(p, H, k, D, dq) + lam * p, active, tiny)
         iters += active.to(torch.int32)
     x_out[ws], it_out[ws] = x, iters
     return x_out, it_out
