@@ -124,11 +124,11 @@ def _resolve(target: str) -> Callable[[list[str]], Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in COMMANDS:
-        _resolve(COMMANDS[argv[0]])(argv[1:])
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] in COMMANDS:
+        _resolve(COMMANDS[words[0]])(words[1:])
         return
-    MixlabCLI(args=argv)
+    MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
 
 register_command("length-extrapolation", "mixlab.eval.length:main")
 register_command("passkey", "mixlab.eval.retrieval:passkey_main")
