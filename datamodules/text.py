@@ -145,7 +145,7 @@ def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
         else:
             files = sorted(Path(f) for f in glob.glob(str(e), recursive=True) if Path(f).is_file())
         if not files:
-            raise FileNotFoundError(f"text data path {str(e)!r} matches no file (data.path)")
+            raise FileNotFoundError(f"text data path {str(e)!r} matches no file (data.init_args.path)")
         out += files
     return out
 
@@ -157,7 +157,7 @@ def _open_text(path: Path):
 def _json_text(obj: dict, field: str, where: str) -> str:
     if not isinstance(obj, dict) or field not in obj:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise ValueError(f"{where}: no text field {field!r} (data.text_field); found {keys}")
+        raise ValueError(f"{where}: no text field {field!r} (data.init_args.text_field); found {keys}")
     return str(obj[field])
 
 
@@ -186,7 +186,7 @@ def iter_documents(path, text_field: str = "text") -> Iterator[str]:
                 raise ImportError(f"reading {f} needs pyarrow (pip install pyarrow)") from err
             pf = pq.ParquetFile(f)
             if text_field not in pf.schema_arrow.names:
-                raise ValueError(f"{f}: no column {text_field!r} (data.text_field); columns {pf.schema_arrow.names}")
+                raise ValueError(f"{f}: no column {text_field!r} (data.init_args.text_field); columns {pf.schema_arrow.names}")
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
         elif name.endswith(_TAR_SUFFIXES):
@@ -234,11 +234,11 @@ def read_token_shards(tokens_dir: str | os.PathLike, split: str) -> tuple[dict, 
     """
     d = Path(tokens_dir)
     if not (d / "meta.json").is_file():
-        raise FileNotFoundError(f"{d}/meta.json not found (data.tokens_dir); run scripts/pretokenize.py first")
+        raise FileNotFoundError(f"{d}/meta.json not found (data.init_args.tokens_dir); run scripts/pretokenize.py first")
     meta = json.loads((d / "meta.json").read_text())
     files = sorted(d.glob(f"{split}_*.bin"))
     if not files:
-        raise FileNotFoundError(f"no {split}_*.bin shard in {d} (data.tokens_dir)")
+        raise FileNotFoundError(f"no {split}_*.bin shard in {d} (data.init_args.tokens_dir)")
     return meta, [np.memmap(f, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r") for f in files]
 
 
@@ -320,7 +320,7 @@ class TextDataModule(pl.LightningDataModule):
         self.num_workers, self.seed = num_workers, seed
         self._splits: dict[str, list[np.ndarray]] | None = None
         if tokenizer not in ("gpt2", "byte"):
-            raise ValueError(f"data.tokenizer must be 'gpt2' or 'byte'; got {tokenizer!r}")
+            raise ValueError(f"data.init_args.tokenizer must be 'gpt2' or 'byte'; got {tokenizer!r}")
 
     @cached_property
     def tokenizer(self):
@@ -344,7 +344,7 @@ class TextDataModule(pl.LightningDataModule):
             _, val = read_token_shards(self.tokens_dir, "val")
             if meta.get("tokenizer", self.tokenizer_name) != self.tokenizer_name:
                 raise ValueError(f"{self.tokens_dir}/meta.json tokenizer {meta.get('tokenizer')!r} != "
-                                 f"data.tokenizer {self.tokenizer_name!r}")
+                                 f"data.init_args.tokenizer {self.tokenizer_name!r}")
             self._splits = {"train": train, "val": val}
             return self._splits
         docs = list(iter_documents(self.path if self.path is not None else shipped_file("tinyshakespeare.txt"),

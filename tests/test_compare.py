@@ -88,8 +88,11 @@ def test_mad_score(tmp_path: Path) -> None:
     root = tmp_path / "runs"
     _write(root / "mad_a/goat/version_0", {"test/acc": [(1, 0.4)]})
     _write(root / "mad_b/goat/version_0", {"test/acc": [(1, 0.8)]})
+    _write(root / "mad_b/rope/version_0", {"test/acc": [(1, 0.5)]})
     cmp = collect(root)
-    assert cmp.table["goat"][("MAD", "score")] == pytest.approx(0.6)
+    # 2 of the 6 MAD tasks: the column says so; a mixer missing one of them gets no score
+    assert cmp.table["goat"][("MAD", "score (2/6 tasks)")] == pytest.approx(0.6)
+    assert ("MAD", "score (2/6 tasks)") not in cmp.table["rope"]
 
 
 def test_real_fit_run_and_hparams(tmp_path: Path) -> None:

@@ -186,11 +186,13 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
                                 f"(tasks={tasks or 'all'}, mixers={mixers or 'all'})")
     mad = [(t, lab) for t, lab, _ in columns if t.startswith("mad_") and lab == "acc"]
     if mad:
+        # a score over fewer tasks than the suite has would read as the MAD score: label the count
+        label = "score" if len(mad) >= 6 else f"score ({len(mad)}/6 tasks)"
         for row in table.values():
             accs = [row[c] for c in mad if c in row]
-            if accs:
-                row[("MAD", "score")] = sum(accs) / len(accs)
-        columns.append(("MAD", "score", True))
+            if len(accs) == len(mad):
+                row[("MAD", label)] = sum(accs) / len(accs)
+        columns.append(("MAD", label, True))
     return Comparison(columns, table, missing, all_scalars)
 
 

@@ -13,8 +13,10 @@ stays bounded at long lengths. Outputs in ``--out``:
 * ``position_nll.png``: mean NLL at every position of the longest windows (moving average
   over ``--smooth`` positions), log-x, training length marked (MesaNet Fig. 3 style);
 * ``position_nll.csv``: the raw per-position curves;
-* ``tb/<label>``: TensorBoard scalars ``length/ppl`` and ``length/loss`` (step = length in
-  tokens) and ``position_nll/len_<L>`` (step = position), plus the figure.
+* TensorBoard scalars ``length/ppl`` and ``length/loss`` (step = length in tokens) and
+  ``position_nll/len_<L>`` (step = position) in the checkpoint's run folder
+  (``version_N/length_extrapolation/tb``, where ``mixlab compare`` finds them; ``tb/<label>``
+  under ``--out`` for checkpoints outside a run folder), and the figure in ``tb/``.
 """
 
 from __future__ import annotations
@@ -152,7 +154,10 @@ def main(argv: list[str] | None = None) -> dict:
         if label in results:
             label = f"{label}-{i}"
         train_len[label], results[label] = l_train, {}
-        writer = SummaryWriter(str(out / "tb" / label))
+        ck = Path(ckpt).resolve()
+        # scalars go into the checkpoint's own run folder (where `mixlab compare` looks), whatever --out is
+        tb_dir = ck.parent.parent / "length_extrapolation" / "tb" if ck.parent.name == "checkpoints" else out / "tb" / label
+        writer = SummaryWriter(str(tb_dir))
         for m in args.lengths:
             length = int(round(m * l_train))
             ds = dm.windows(args.split, length + 1, max_windows=args.max_windows)
