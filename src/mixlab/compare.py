@@ -166,7 +166,9 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
         runs = {}
         for run_dir in sorted(p for p in task_dir.iterdir() if p.is_dir()):
             if _match(run_dir.name, mixers) and next(run_dir.rglob("events.out.tfevents.*"), None) is not None:
-                runs[run_dir.name] = load_scalars(run_dir)
+                scalars = load_scalars(run_dir)
+                if scalars:  # a run that crashed before logging anything is not a run to compare
+                    runs[run_dir.name] = scalars
         if not runs:
             continue
         all_scalars[task] = runs
