@@ -19,6 +19,7 @@ Defaults added to every run:
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -77,6 +78,8 @@ class MixlabCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        if self.subcommand and self.subcommand != "fit":  # keep the training run's config.yaml
+            self.save_config_kwargs["config_filename"] = f"config_{self.subcommand}.yaml"
         logger = cfg["trainer"].get("logger")
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
@@ -125,6 +128,16 @@ def _resolve(target: str) -> Callable[[list[str]], Any]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
+    log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    if words[:1] in (["-h"], ["--help"]) or not words:
+        print("mixlab: python -m mixlab {fit,validate,test,predict} --config configs/<task>/<name>.yaml [...]\n"
+              f"extra commands: {', '.join(sorted(COMMANDS))} (python -m mixlab <command> --help)\n"
+              "model options: python -m mixlab fit --model.help mixlab.heads.CausalLM\n")
     if words and words[0] in COMMANDS:
         _resolve(COMMANDS[words[0]])(words[1:])
         return
