@@ -1,13 +1,15 @@
-"""Helpers shared by heads: checkpoint-safe hyperparameters."""
+"""Helpers shared by heads: checkpoint-safe hyperparameters and the common Lightning hooks."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, TypeVar
 
+from mixlab.optim import build_optimizer
+
 T = TypeVar("T")
 
-__all__ = ["as_config", "plain_hparams"]
+__all__ = ["EvalSumsHooks", "as_config", "plain_hparams"]
 
 
 def as_config(cls: type[T], value: T | dict | None) -> T:
@@ -41,3 +43,21 @@ def plain_hparams(module: Any) -> None:
         for k, v in list(store.items()):
             if dataclasses.is_dataclass(v) and not isinstance(v, type):
                 store[k] = dataclasses.asdict(v)
+
+
+class EvalSumsHooks:
+    """Lightning hooks shared by the heads (mixed in before ``LightningModule``).
+
+    A head accumulates exact metric sums in ``*_step`` and implements
+    ``_eval_epoch_end(stage)`` to log and reset them; it keeps its optimiser settings in
+    ``self.optim_cfg`` (:class:`mixlab.optim.OptimConfig`).
+    """
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def configure_optimizers(self):
+        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))

@@ -12,8 +12,8 @@ from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig
 from mixlab.coords import Coords
-from mixlab.heads.common import as_config, plain_hparams
-from mixlab.optim import OptimConfig, build_optimizer
+from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
+from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "pattern_name"]
 
@@ -24,7 +24,7 @@ def pattern_name(mixer: str | list[str]) -> str:
     return "-".join(i.strip() for i in items if i.strip())
 
 
-class CausalLM(pl.LightningModule):
+class CausalLM(EvalSumsHooks, pl.LightningModule):
     """Decoder LM: token embedding -> :class:`~mixlab.backbone.Backbone` -> tied/untied output.
 
     Batches are ``LongTensor [B, L + 1]`` token ids; inputs are ``[:, :-1]``, targets
@@ -154,12 +154,3 @@ class CausalLM(pl.LightningModule):
         self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=stage == "val", sync_dist=False)
         for m in sums.values():
             m.reset()
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def configure_optimizers(self):
-        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))

@@ -38,11 +38,11 @@ from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 
-from mixlab.heads.common import as_config, plain_hparams
+from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
 from mixlab.backbone import Backbone, BackboneConfig
 from mixlab.coords import Coords
 from mixlab.heads.lm import pattern_name
-from mixlab.optim import OptimConfig, build_optimizer
+from mixlab.optim import OptimConfig
 
 __all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "POSITIONS", "to_hw"]
 
@@ -238,7 +238,7 @@ class MixupConfig:
     mode: str = "batch"
 
 
-class ImageClassifier(pl.LightningModule):
+class ImageClassifier(EvalSumsHooks, pl.LightningModule):
     """Image classification with :class:`MixViT` (batches ``(images [B, C, H, W] float, labels [B] int64)``).
 
     Loss: cross-entropy with ``label_smoothing``; with ``mixup`` set, timm ``Mixup`` (which folds
@@ -360,21 +360,12 @@ class ImageClassifier(pl.LightningModule):
         for m in s.values():
             m.reset()
 
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Store the datamodule's class and arguments so the resolution evaluation can rebuild it."""
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         if dm is not None:
             checkpoint["mixlab_datamodule"] = {"class_path": f"{type(dm).__module__}.{type(dm).__qualname__}",
                                                "init_args": dict(getattr(dm, "hparams", {}))}
-
-    def configure_optimizers(self):
-        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
 
 
 # ---------------------------------------------------------------------- timm registration

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from mixlab.heads.common import as_config, plain_hparams
+from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
 from mixlab.backbone import Backbone, BackboneConfig
 from mixlab.coords import Coords
 from mixlab.heads.lm import pattern_name
 from mixlab.mixers.positions import NoPositions
-from mixlab.optim import OptimConfig, build_optimizer
+from mixlab.optim import OptimConfig
 
 __all__ = ["SpatialVQA", "GroupedSums"]
 
@@ -55,7 +55,7 @@ class GroupedSums(Metric):
         return self.sums
 
 
-class SpatialVQA(pl.LightningModule):
+class SpatialVQA(EvalSumsHooks, pl.LightningModule):
     """Patch + word embeddings -> :class:`~mixlab.backbone.Backbone` (bidirectional) -> answer.
 
     Sequence: ``N`` image patches in the batch's scan order, then ``L`` text tokens ending
@@ -221,12 +221,3 @@ class SpatialVQA(pl.LightningModule):
         self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=stage == "val", sync_dist=False)
         self.metric_orders[stage].reset()
         self.metric_qtypes[stage].reset()
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def configure_optimizers(self):
-        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
