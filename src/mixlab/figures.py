@@ -63,6 +63,16 @@ def _plt():
     return plt
 
 
+def _log_per_layer(writer: Any, figure: str, layers, values: dict, stats: dict) -> None:
+    """Log ``figures/<figure>/<name>`` = ``fn(stats[layer])`` for each layer (step = layer index)."""
+    if writer is None:
+        return
+    for i in layers:
+        for name, fn in values.items():
+            writer.add_scalar(f"figures/{figure}/{name}", float(fn(stats[i])), i)
+    writer.flush()
+
+
 def _save(fig, out: str | Path, name: str, writer: Any = None, step: int = 0) -> Path:
     """Save ``fig`` as ``<out>/<name>.png`` and log it to ``writer`` as ``figures/<name>``."""
     out = Path(out)
@@ -209,12 +219,9 @@ def goat_spectrum_figure(model: nn.Module, out: str | Path = "figures", writer: 
     axes[2].set(title="median |beta|/|alpha| per layer", xlabel="layer", xticks=range(len(ls)), xticklabels=ls)
     fig.tight_layout()
     _save(fig, out, "goat_spectrum", writer, step)
-    if writer is not None:
-        for i in ls:
-            writer.add_scalar("figures/goat_spectrum/mean_amplitude", float(stats[i]["amplitude"].mean()), i)
-            writer.add_scalar("figures/goat_spectrum/antisym_share", float(stats[i]["antisym_share"]), i)
-            writer.add_scalar("figures/goat_spectrum/median_ratio", float(stats[i]["median_ratio"]), i)
-        writer.flush()
+    _log_per_layer(writer, "goat_spectrum", ls, {
+        "mean_amplitude": lambda s: s["amplitude"].mean(), "antisym_share": lambda s: s["antisym_share"],
+        "median_ratio": lambda s: s["median_ratio"]}, stats)
     return stats
 
 
@@ -337,12 +344,9 @@ def write_rate_figure(model: nn.Module, inputs: Any, out: str | Path = "figures"
     axes[2].set(title=f"beta over tokens and channels, layer {ls[0]}", xlabel="beta")
     fig.tight_layout()
     _save(fig, out, "write_rates", writer, step)
-    if writer is not None:
-        for i in ls:
-            writer.add_scalar("figures/write_rates/mean", float(stats[i]["channel_mean"].mean()), i)
-            writer.add_scalar("figures/write_rates/token_spread", float(stats[i]["token_spread"]), i)
-            writer.add_scalar("figures/write_rates/between_channel_std", float(stats[i]["between_channel_std"]), i)
-        writer.flush()
+    _log_per_layer(writer, "write_rates", ls, {
+        "mean": lambda s: s["channel_mean"].mean(), "token_spread": lambda s: s["token_spread"],
+        "between_channel_std": lambda s: s["between_channel_std"]}, stats)
     return stats
 
 
@@ -435,11 +439,8 @@ def mesa_solver_figure(model: nn.Module, inputs: Any, out: str | Path = "figures
         fig.colorbar(img, ax=ax, fraction=0.046)
     fig.tight_layout()
     _save(fig, out, "mesa_solver", writer, step)
-    if writer is not None:
-        for i in ls:
-            writer.add_scalar("figures/mesa_solver/cg_iters", float(stats[i]["cg_iters"].mean()), i)
-            writer.add_scalar("figures/mesa_solver/cond_median", float(np.median(stats[i]["cond"])), i)
-        writer.flush()
+    _log_per_layer(writer, "mesa_solver", ls, {
+        "cg_iters": lambda s: s["cg_iters"].mean(), "cond_median": lambda s: np.median(s["cond"])}, stats)
     return stats
 
 
