@@ -17,9 +17,10 @@ import importlib.resources
 import io
 from pathlib import Path
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
+
+from mixlab.distributed import ResumableDataModule
 
 __all__ = ["load_uci_digits", "DigitsDataModule", "DigitsDataset"]
 
@@ -113,7 +114,7 @@ class DigitsDataset(torch.utils.data.Dataset):
         return x, self.labels[i]
 
 
-class DigitsDataModule(pl.LightningDataModule):
+class DigitsDataModule(ResumableDataModule):
     """UCI digits (real 8x8 handwriting) upsampled to ``image_size`` for the ViT head.
 
     Args:
@@ -129,6 +130,10 @@ class DigitsDataModule(pl.LightningDataModule):
         path: optional CSV file instead of the shipped copy.
 
     Attributes: ``task_name = "digits"``, ``num_classes = 10``, ``in_chans = 3``.
+
+    Under DDP rank r of W reads images r::W of one seeded order and the train position is
+    saved in checkpoints (:class:`mixlab.distributed.ResumableDataModule`); the random
+    shifts draw from torch's global generator and are not part of that state.
     """
 
     task_name = "digits"
@@ -180,9 +185,8 @@ class DigitsDataModule(pl.LightningDataModule):
     def _loader(self, split: str, size, shuffle: bool, augment: bool, drop_last: bool = False):
         ims, labs = self._split()[split]
         ds = DigitsDataset(ims, labs, size, augment=augment)
-        return torch.utils.data.DataLoader(
-            ds, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last,
-            num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return self.resumable_loader(ds, self.batch_size, shuffle, seed=self.seed,
+                                     num_workers=self.num_workers, drop_last=drop_last)
 
     def train_dataloader(self):
         # drop_last keeps every batch even (timm Mixup asserts an even batch)

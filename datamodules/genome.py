@@ -17,15 +17,16 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from itertools import chain
 from pathlib import Path
 from typing import Literal
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
+from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableSampler, restore_sampler, sampler_state
+from mixlab.distributed import ResumableDataModule
 
 log = logging.getLogger("mixlab.genome")
 
@@ -103,12 +104,15 @@ def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n
                ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
     """Parse one FASTA or FASTA.gz file into ``([(record id, uint8 ids [n_bases])], skipped)``.
 
-    Gzip is detected by magic bytes or a ``.gz`` suffix. Lines are read in text mode with
-    newline translation, so LF, CRLF and bare-CR files parse alike. Records without bases
-    are skipped (WARNING log naming them, returned in ``skipped``). Raises
-    FileNotFoundError (missing file) or ValueError naming the file: empty, not FASTA (first
-    non-empty line is not a '>' header), unreadable gzip, no record with bases, or a bad
-    character (see :func:`encode_sequence`).
+    Records are split by biopython's ``Bio.SeqIO.FastaIO.SimpleFastaParser``; the record id
+    is the first word of the title. Gzip is detected by magic bytes or a ``.gz`` suffix.
+    The file is read in text mode with newline translation, so LF, CRLF and bare-CR files
+    parse alike; blank lines, trailing whitespace and spaces inside sequence lines are
+    dropped (biopython). Records without bases are skipped (WARNING log naming them,
+    returned in ``skipped``). Raises FileNotFoundError (missing file) or ValueError naming
+    the file: empty, not FASTA (first non-empty line is not a '>' header; biopython alone
+    would skip such a preamble silently), unreadable gzip, no record with bases, or a bad
+    character such as a tab or digit (see :func:`encode_sequence`).
     """
     path = Path(path)
     _check_file(path)
@@ -116,39 +120,28 @@ def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n
         gz = fh.read(2) == b"\x1f\x8b" or path.suffix == ".gz"
     records: list[tuple[str, np.ndarray]] = []
     skipped: list[str] = []
-    name, chunks = None, []
-
-    def flush() -> None:
-        if name is None:
-            return
-        if not chunks:
-            log.warning("%s: record %r has no bases; skipped", path, name)
-            skipped.append(name)
-            return
-        seq = "".join(chunks)
-        records.append((name, encode_sequence(seq, lowercase, iupac, f"{path}: record {name!r}")))
-
     opener = gzip.open if gz else open
     try:
         with opener(path, "rt", encoding="latin-1") as fh:  # newline=None: universal newlines
-            for line in fh:
-                if line.startswith(">"):
-                    flush()
-                    words = line[1:].split()
-                    name, chunks = (words[0] if words else ""), []
+            for first in fh:
+                if first.strip():
+                    break
+            else:
+                raise ValueError(f"FASTA file {path} is empty (no '>' header)")
+            if not first.startswith(">"):
+                raise ValueError(f"{path} is not FASTA: the first non-empty line does not "
+                                 f"start with '>' (got {first.strip()[:40]!r})")
+            for title, seq in SimpleFastaParser(chain([first], fh)):
+                words = title.split()
+                name = words[0] if words else ""
+                if not seq:
+                    log.warning("%s: record %r has no bases; skipped", path, name)
+                    skipped.append(name)
                     continue
-                line = line.strip()
-                if not line:
-                    continue
-                if name is None:
-                    raise ValueError(f"{path} is not FASTA: the first non-empty line does not "
-                                     f"start with '>' (got {line[:40]!r})")
-                chunks.append(line)
-            flush()
+                records.append((name, encode_sequence(seq, lowercase, iupac,
+                                                      f"{path}: record {name!r}")))
     except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
         raise ValueError(f"cannot read FASTA file {path}: {err}") from err
-    if name is None:
-        raise ValueError(f"FASTA file {path} is empty (no '>' header)")
     if not records:
         raise ValueError(f"FASTA file {path}: no record has any bases "
                          f"({len(skipped)} empty record(s): {skipped[:5]})")
@@ -222,7 +215,7 @@ class GenomeEvalDataset(GenomeCropDataset):
         super().__init__(sequences, rec, start, length, context_length, context_length + 1)
 
 
-class GenomeDataModule(pl.LightningDataModule):
+class GenomeDataModule(ResumableDataModule):
     """FASTA genome(s) -> batches ``LongTensor [batch, context_length + 1]`` of base ids.
 
     Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each;
@@ -288,8 +281,6 @@ class GenomeDataModule(pl.LightningDataModule):
         self.records: list[GenomeRecord] = []
         self.regions: dict[str, np.ndarray] = {}  # rec, start, length, split (-1 = dropped)
         self.datasets: dict[str, GenomeCropDataset] = {}
-        self._train_sampler: ResumableSampler | None = None
-        self._pending_sampler_state: dict | None = None
 
     # -- reading ---------------------------------------------------------------------------
     def _load_file(self, path: Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
@@ -424,29 +415,12 @@ class GenomeDataModule(pl.LightningDataModule):
     def _loader(self, split: str, train: bool) -> DataLoader:
         """Loader with a :class:`~mixlab.distributed.ResumableSampler`: rank r of W gets items
         r::W of one seeded order (training: permuted per epoch, tail of n % W dropped;
-        evaluation: in order, every window exactly once - padded to even ranks only under
-        FSDP, whose forward is collective)."""
+        evaluation: in order, every window exactly once - padded to even ranks only where the
+        forward is collective, see :class:`~mixlab.distributed.ResumableDataModule`)."""
         self.setup()
-        strategy = type(getattr(self.trainer, "strategy", None)).__name__ if self.trainer else ""
-        # order seed: the split seed and seed_everything's (so seed sweeps reshuffle too)
-        order_seed = self.seed * 1_000_003 + int(os.environ.get("PL_GLOBAL_SEED", 0))
-        sampler = ResumableSampler(self.datasets[split], shuffle=train, seed=order_seed,
-                                   drop_last=train, pad=not train and "FSDP" in strategy)
-        if train:
-            self._train_sampler = sampler
-            restore_sampler(sampler, self._pending_sampler_state)
-            self._pending_sampler_state = None
-        return DataLoader(self.datasets[split], batch_size=self.batch_size if train
-                          else self.eval_batch_size, sampler=sampler, drop_last=train,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
-
-    def state_dict(self) -> dict:
-        """Train sampler (epoch, seed, position) for exact mid-epoch resume (saved in .ckpt)."""
-        return sampler_state(self.trainer, self._train_sampler, self.batch_size)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the train sampler position saved by :meth:`state_dict`."""
-        self._pending_sampler_state = state_dict.get("train_sampler")
+        return self.resumable_loader(self.datasets[split], self.batch_size if train
+                                     else self.eval_batch_size, train, seed=self.seed,
+                                     num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled crops, ``LongTensor [batch_size, context_length + 1]``, drop_last=True."""

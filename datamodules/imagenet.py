@@ -4,10 +4,10 @@ Nothing is downloaded: point the module at shards or folders you already have.
 
 WebDataset convention (timm's reader): shards such as ``/data/imagenet1k-train-{0000..1023}.tar``
 (brace patterns; a comma-free list of patterns is also accepted), each sample with ``__key__``,
-``jpg`` (encoded image bytes) and ``cls`` (ASCII integer label). Shards are split by node (DDP
-rank) and then by DataLoader worker before shuffling, so no sample is read twice; training then
-shuffles shards and samples (``shuffle_buffer``). :func:`write_imagefolder_shards` (and
-``scripts/make_wds_shards.py``) writes such shards from an ImageFolder tree.
+``jpg`` (encoded image bytes) and ``cls`` (ASCII integer label). Every shard goes to one DDP rank x
+DataLoader worker, so no sample is read twice; training permutes the shards every epoch and shuffles
+samples (``shuffle_buffer``), all seeded (:class:`ShardStream`). :func:`write_imagefolder_shards`
+(and ``scripts/make_wds_shards.py``) writes such shards from an ImageFolder tree.
 
 Transforms (timm ``create_transform``):
 
@@ -19,29 +19,57 @@ Transforms (timm ``create_transform``):
   (``crop_pct = 0.875``) then center crop ``r``; non-square ``[H, W]`` keeps the aspect ratio and
   center crops ``H x W``.
 
+Under DDP: shards go to rank x DataLoader worker (the ranks as webdataset sees them: ``RANK``/
+``WORLD_SIZE`` or ``torch.distributed``), each shard to exactly one consumer: evaluation uses
+``wds.split_by_node`` then ``split_by_worker`` (shard order), training consumer ``g`` of ``G`` reads
+shards ``g::G`` of the epoch's seeded permutation (:func:`mixlab.distributed.consumer_slice`). Fewer
+shards than ``world_size * num_workers`` is an error, not resampling (webdataset would hang or let a
+rank stop early): the ValueError names the split's pattern and both numbers. Training streams repeat
+with a fixed per-worker epoch length (``train_samples``), so every rank runs the same steps.
+
+Exact resume (``format: wds``): the training stream is a function of (seed, epoch, rank, worker):
+shard order per epoch from ``stream_seed(seed, epoch, .)``, the sample shuffle buffer seeded per
+(seed, epoch, rank, worker), and each sample's augmentation seeded by its position in that stream
+(:class:`ShardStream`; the epoch comes from the trainer through
+:class:`mixlab.distributed.EpochSyncLoader`, as Lightning only tells samplers). The datamodule's
+``state_dict()`` (saved in every checkpoint) holds ``train_stream = {epoch, seed, consumed_batches,
+world, num_workers, batch_size, shards}``, the batches from the trainer's fit-loop progress; after
+``load_state_dict`` each worker skips, before decoding, the raw samples of the batches it had
+produced (DataLoader workers take turns: worker ``w`` of ``W`` made ``ceil((k - w) / W)`` of the
+first ``k`` batches), so the resumed run's next batches are the uninterrupted run's, bitwise. Resume
+with the same ``world_size``, ``num_workers``, ``batch_size``, seed and shards (else a
+RuntimeWarning and the epoch restarts); a corrupt image before the checkpoint shifts its worker by
+one sample. The ``folder`` format is map-style: :class:`mixlab.distributed.ResumableDataModule`
+splits it by rank and saves its train position for exact resume.
+
 Bad input: a missing shard / folder raises FileNotFoundError naming the pattern; fewer shards than
-``world_size * num_workers`` raises ValueError (webdataset would hang or yield nothing); a label
+``world_size * num_workers`` raises ValueError (see above); a label
 outside ``[0, num_classes)`` raises ValueError naming the sample key and shard; a corrupt image is
 skipped with a warning that counts the skipped samples (:data:`SKIPPED`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import math
 import os
+import random
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Iterator, Literal
 
-import lightning.pytorch as pl
+import numpy as np
 import torch
 from PIL import Image
 
-__all__ = ["ImageNetDataModule", "expand_shards", "decode_sample", "write_imagefolder_shards", "SKIPPED",
-           "eval_transform", "train_transform"]
+from mixlab.distributed import (EpochSyncLoader, ResumableDataModule, consumer_slice, fit_progress, stream_seed,
+                                worker_skip)
+
+__all__ = ["ImageNetDataModule", "ShardStream", "expand_shards", "decode_sample", "write_imagefolder_shards",
+           "SKIPPED", "eval_transform", "train_transform"]
 
 SKIPPED = {"corrupt": 0}
 """Number of corrupt images skipped so far in this process (each DataLoader worker counts its own)."""
@@ -127,7 +155,171 @@ def eval_transform(size, crop_pct: float = 224 / 256, interpolation: str = "bicu
                             interpolation=interpolation, mean=mean, std=std)
 
 
-class ImageNetDataModule(pl.LightningDataModule):
+@contextlib.contextmanager
+def seeded_rngs(seed: int) -> Iterator[None]:
+    """Seed Python's ``random``, NumPy's global RNG and torch's CPU generator with ``seed`` (the RNGs
+    timm/torchvision augmentations draw from) and restore their previous states on exit, so the
+    caller's random streams (e.g. dropout when ``num_workers=0``) are untouched. CUDA RNGs are not used."""
+    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    random.seed(seed)
+    np.random.seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
+    torch.default_generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+        torch.set_rng_state(th)
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """Seeded, resumable training stream over WebDataset shards: ``(image, label)`` samples.
+
+    Consumer ``g = rank * W + w`` of ``G = world * W`` (``W`` DataLoader workers, ``w`` the worker).
+    In epoch ``e``, pass ``p`` over the shards (a repeating stream reads them again):
+
+    * shard order: the URL list permuted by ``random.Random(stream_seed(seed, e, -1 - p))``
+      (kept as is when ``shard_shuffle`` is falsy); consumer ``g`` reads positions ``g::G``
+      (:func:`mixlab.distributed.consumer_slice`), so every pass reads each shard exactly once
+      over all consumers and every epoch (and pass) has its own order;
+    * samples: webdataset's shuffle buffer (``shuffle_buffer`` samples, rng
+      ``random.Random(stream_seed(seed, e, g))``) over the consumer's raw samples; raw sample
+      ``i`` of the shuffled stream is decoded by ``decode`` under :func:`seeded_rngs` with seed
+      ``stream_seed(seed, e, g) + 1 + i``, so its augmentation depends on ``(seed, e, g, i)`` only;
+    * ``length`` decoded samples per worker per epoch (``None``: one pass; corrupt images, for
+      which ``decode`` returns ``None``, are dropped and do not count).
+
+    The epoch comes from :meth:`set_epoch` (stored in shared memory, so persistent workers see
+    it; :class:`mixlab.distributed.EpochSyncLoader` calls it with the trainer's epoch).
+    Resume: after :meth:`load_state_dict` of a state taken after ``k`` batches of epoch ``e``,
+    iterating epoch ``e`` again makes physical worker ``w`` play worker ``(w + k) % W`` (a fresh
+    DataLoader asks worker 0 first, but batch ``k`` is due from worker ``k % W``), which drops
+    the first :func:`mixlab.distributed.worker_skip` ``(k, w', W) x batch_size`` raw samples of
+    its shuffled stream before decoding them; the DataLoader then yields the uninterrupted run's
+    batches ``k, k+1, ...`` (batching happens in the workers, ``batch_size`` each). Exact as long
+    as ``world``, ``W``, ``seed``, the shards and the batch size are unchanged, no image before
+    the checkpoint was corrupt, and (for ``length=None``) no worker has run out of samples.
+
+    Args:
+        urls: shard URLs (all of them; the stream picks its own).
+        decode: ``raw webdataset sample (dict) -> (image, label) | None``.
+        seed: base seed. rank, world: this process's rank and the world size.
+        batch_size: the DataLoader's batch size. shuffle_buffer: samples (``< 1``: no shuffle).
+        shard_shuffle: permute the shard list per epoch and pass. length: see above.
+        num_workers: the DataLoader's ``num_workers`` (for ``len`` and the saved state).
+
+    Raises:
+        ValueError: fewer shards than ``world x W`` (from ``consumer_slice``); shards of one
+            consumer that hold no sample in a repeating stream.
+    """
+
+    def __init__(self, urls: list[str], decode: Callable[[dict], Any], seed: int = 0, rank: int = 0, world: int = 1,
+                 batch_size: int = 1, shuffle_buffer: int = 0, shard_shuffle: bool | int = True,
+                 length: int | None = None, num_workers: int = 0) -> None:
+        self.urls, self.decode, self.seed, self.rank, self.world = list(urls), decode, int(seed), rank, world
+        self.batch_size, self.shuffle_buffer, self.shard_shuffle = batch_size, shuffle_buffer, bool(shard_shuffle)
+        self.length, self.num_workers = length, num_workers
+        # [epoch, resume epoch, batches consumed in the resume epoch], shared with worker processes
+        self._state = torch.tensor([0, -1, 0], dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state[0])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read epoch ``epoch``'s order next time the stream is iterated (also in persistent workers).
+
+        The epoch of a loaded state whose batches were all consumed (a checkpoint written at the last
+        batch) becomes the next one: Lightning creates the resumed run's iterator before it moves on to
+        the next epoch, and trains that epoch on it."""
+        epoch = int(epoch)
+        if epoch == int(self._state[1]) and self._epoch_done(int(self._state[2])):
+            epoch += 1
+        self._state[0] = epoch
+
+    def _epoch_done(self, batches: int) -> bool:
+        return self.length is not None and batches * self.batch_size >= self.length * max(1, self.num_workers)
+
+    def __len__(self) -> int:
+        """Samples per epoch on this rank (``length x W``); TypeError for a one-pass stream."""
+        if self.length is None:
+            raise TypeError("a one-pass ShardStream has no length")
+        return self.length * max(1, self.num_workers)
+
+    def state_dict(self, consumed_batches: int = 0) -> dict[str, int]:
+        """State to resume after ``consumed_batches`` batches (of this rank) of the current epoch."""
+        return {"epoch": self.epoch, "seed": self.seed, "consumed_batches": int(consumed_batches),
+                "world": self.world, "num_workers": self.num_workers, "batch_size": self.batch_size,
+                "shards": len(self.urls)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue epoch ``state["epoch"]`` after ``state["consumed_batches"]`` batches (next iteration
+        of that epoch only; the next epoch if none is left, see :meth:`set_epoch`). A state saved under another world size, worker count, batch size, seed or
+        shard count cannot be replayed: RuntimeWarning naming both values, and the epoch starts afresh."""
+        mine = self.state_dict()
+        changed = [f"{k} {state.get(k)} -> {mine[k]}" for k in ("seed", "world", "num_workers", "batch_size", "shards")
+                   if state.get(k) != mine[k]]
+        if changed:
+            warnings.warn(f"ShardStream: cannot resume the WebDataset stream exactly ({', '.join(changed)} since the "
+                          f"checkpoint); epoch {state['epoch']} restarts from its first sample", RuntimeWarning)
+            self._state[1], self._state[2] = -1, 0
+        else:
+            self._state[1], self._state[2] = int(state["epoch"]), int(state["consumed_batches"])
+        self.set_epoch(int(state["epoch"]))
+
+    def consumer_shards(self, epoch: int, pass_: int, worker: int, num_workers: int) -> list[str]:
+        """URLs read by worker ``worker`` of ``num_workers`` (this rank) in pass ``pass_`` of ``epoch``."""
+        order = list(range(len(self.urls)))
+        if self.shard_shuffle:
+            random.Random(stream_seed(self.seed, epoch, -1 - pass_)).shuffle(order)
+        return [self.urls[order[j]] for j in consumer_slice(len(order), self.rank, self.world, worker, num_workers)]
+
+    def _raw(self, epoch: int, worker: int, num_workers: int) -> Iterator[dict]:
+        import webdataset as wds
+
+        pass_ = 0
+        while True:
+            urls = self.consumer_shards(epoch, pass_, worker, num_workers)
+            n = 0
+            for sample in wds.tarfile_samples([{"url": u} for u in urls]):
+                n += 1
+                yield sample
+            if self.length is None:
+                return
+            if n == 0:
+                raise ValueError(f"shards {urls} hold no sample: a repeating stream cannot fill an epoch")
+            pass_ += 1
+
+    def __iter__(self) -> Iterator[Any]:
+        import webdataset as wds
+
+        info = torch.utils.data.get_worker_info()
+        physical, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, resume_epoch, resume_batches = self._state.tolist()
+        consumed = resume_batches if epoch == resume_epoch else 0
+        worker = (physical + consumed) % n_workers  # the role of this worker in the uninterrupted run
+        base = stream_seed(self.seed, epoch, self.rank * n_workers + worker)
+        skip = worker_skip(consumed, worker, n_workers) * self.batch_size
+        produced = skip
+        if self.length is not None and produced >= self.length:
+            return
+        raw = self._raw(epoch, worker, n_workers)
+        if self.shuffle_buffer > 0:
+            raw = wds.filters.shuffle(self.shuffle_buffer, rng=random.Random(base))(raw)
+        for i, sample in enumerate(raw):
+            if i < skip:  # produced before the checkpoint: skipped undecoded
+                continue
+            with seeded_rngs((base + 1 + i) % 2**63):
+                out = self.decode(sample)
+            if out is None:
+                continue
+            yield out
+            produced += 1
+            if self.length is not None and produced >= self.length:
+                return
+
+
+class ImageNetDataModule(ResumableDataModule):
     """ImageNet (or any ImageNet-format classification set) as WebDataset shards or ImageFolder trees.
 
     Args:
@@ -141,17 +333,21 @@ class ImageNetDataModule(pl.LightningDataModule):
         batch_size: per-device batch size (training batches are full: drop_last, even for Mixup).
         eval_batch_size: per-device eval batch size (default ``batch_size``).
         num_workers: DataLoader workers per device.
-        shuffle_buffer: sample shuffle buffer (WebDataset training); shard_shuffle: shard buffer.
+        shuffle_buffer: sample shuffle buffer (WebDataset training); shard_shuffle: ``> 0`` permutes
+            the training shards each epoch (a full seeded permutation, not a buffer size); 0 keeps
+            their order.
         train_samples: samples per epoch over all ranks (ImageNet-1k: 1,281,167). For shards it
             sets a fixed per-worker epoch length (timm/webdataset ``with_epoch`` on a repeating
             stream) so every rank runs the same number of steps under DDP; ``None`` = one pass.
         crop_pct, interpolation, auto_augment, re_prob, color_jitter, hflip, scale: transforms.
-        seed: shuffle seed.
+        seed: shuffle seed (combined with ``seed_everything``'s, see ``order_seed``).
         persistent_workers: keep training DataLoader workers alive between epochs.
     """
 
     task_name = "imagenet"
     in_chans = 3
+    _train_stream: ShardStream | None = None
+    _pending_stream_state: dict[str, int] | None = None
 
     def __init__(
         self,
@@ -203,43 +399,43 @@ class ImageNetDataModule(pl.LightningDataModule):
             raise ValueError(f"ImageNetDataModule: {split}_path is not set (needed for the {split} dataloader)")
         return p
 
-    def _world(self) -> tuple[int, int]:
-        trainer = getattr(self, "trainer", None)
-        if trainer is not None:
-            return trainer.world_size, trainer.global_rank
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return torch.distributed.get_world_size(), torch.distributed.get_rank()
-        return 1, 0
-
     def transform(self, split: str):
         if split == "train":
             return train_transform(self.image_size, **self.tf_args)
         return eval_transform(self.eval_size, self.crop_pct, self.interpolation)
 
     def wds_dataset(self, split: str, num_workers: int | None = None):
-        """The WebDataset pipeline of ``split`` (yields ``(image tensor, label)``)."""
+        """The WebDataset pipeline of ``split`` (yields ``(image tensor, label)``): a :class:`ShardStream`
+        for ``train``, shards split by rank then worker and read in order for evaluation.
+
+        Raises:
+            ValueError: fewer shards than ``world_size x num_workers`` (names the pattern and numbers).
+        """
         import webdataset as wds
 
         workers = self.num_workers if num_workers is None else num_workers
-        urls = expand_shards(self._path(split), f"{split}_path")
-        world, _ = self._world()
-        if len(urls) < world * max(1, workers):
-            raise ValueError(f"{split}_path has {len(urls)} shards but world_size x num_workers = {world} x "
-                             f"{max(1, workers)}: every worker needs at least one shard (write more shards or use fewer workers)")
-        train = split == "train"
-        per_worker = None
-        if train and self.train_samples:
-            per_worker = math.ceil(self.train_samples / (world * max(1, workers)))
-            per_worker = max(1, per_worker // self.batch_size) * self.batch_size
+        pattern = self._path(split)
+        urls = expand_shards(pattern, f"{split}_path")
+        _, world, _, _ = wds.utils.pytorch_worker_info()  # the ranks split_by_node will use
+        consumers = world * max(1, workers)
+        if len(urls) < consumers:
+            raise ValueError(f"{split}_path {pattern!r}: {len(urls)} shards but world_size x num_workers = {world} x "
+                             f"{max(1, workers)} = {consumers} readers, and every rank/worker needs at least one shard "
+                             f"(webdataset would hang or stop a rank early); write at least {consumers} shards "
+                             f"or lower data.init_args.num_workers")
+        decode = functools.partial(decode_sample, num_classes=self.num_classes, transform=self.transform(split))
+        if split == "train":  # seeded per epoch, resumable (see ShardStream)
+            per_worker = None
+            if self.train_samples:
+                per_worker = math.ceil(self.train_samples / consumers)
+                per_worker = max(1, per_worker // self.batch_size) * self.batch_size
+            rank, _, _, _ = wds.utils.pytorch_worker_info()
+            return ShardStream(urls, decode, seed=self.order_seed(self.seed), rank=rank, world=world,
+                               batch_size=self.batch_size, shuffle_buffer=self.shuffle_buffer,
+                               shard_shuffle=self.shard_shuffle, length=per_worker, num_workers=workers)
         ds = wds.WebDataset(urls, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker,
-                            shardshuffle=self.shard_shuffle if train else False, repeat=per_worker is not None,
-                            empty_check=True, seed=self.seed)
-        if train:
-            ds = ds.shuffle(self.shuffle_buffer)
-        ds = ds.map(functools.partial(decode_sample, num_classes=self.num_classes, transform=self.transform(split)))
-        if per_worker is not None:
-            ds = ds.with_epoch(per_worker).with_length(per_worker * max(1, workers))
-        return ds
+                            shardshuffle=False, empty_check=True, seed=self.seed)
+        return ds.map(decode)
 
     def folder_dataset(self, split: str):
         """``torchvision.datasets.ImageFolder`` of ``split`` with the split's transform."""
@@ -257,15 +453,34 @@ class ImageNetDataModule(pl.LightningDataModule):
         train = split == "train"
         bs = self.batch_size if train else self.eval_batch_size
         ds = self.wds_dataset(split) if self.format == "wds" else self.folder_dataset(split)
-        kw: dict[str, Any] = dict(batch_size=bs, num_workers=self.num_workers, drop_last=train,
+        kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
                                   pin_memory=torch.cuda.is_available(), persistent_workers=train and self.num_workers > 0 and self.persistent_workers)
-        if self.format == "folder":
-            sampler = None
-            world, rank = self._world()
-            if world > 1:  # Lightning replaces samplers only for map datasets it sees; be explicit
-                sampler = torch.utils.data.DistributedSampler(ds, world, rank, shuffle=train, seed=self.seed, drop_last=train)
-            kw.update(shuffle=train and sampler is None, sampler=sampler)
-        return torch.utils.data.DataLoader(ds, **kw)
+        if self.format == "folder":  # map-style: rank split + resumable train position
+            return self.resumable_loader(ds, bs, train, seed=self.seed, **kw)
+        if isinstance(ds, ShardStream):  # wds training: seeded per epoch, resumable
+            self._train_stream = ds
+            if self._pending_stream_state:
+                ds.load_state_dict(self._pending_stream_state)
+                self._pending_stream_state = None
+            return EpochSyncLoader(ds, batch_size=bs, epoch_fn=self._fit_epoch, **kw)
+        return torch.utils.data.DataLoader(ds, batch_size=bs, **kw)
+
+    def _fit_epoch(self) -> int | None:
+        """The trainer's epoch (what Lightning gives samplers' ``set_epoch``); ``None`` without one."""
+        return fit_progress(self.trainer)[0] if self.trainer is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The map-style train position (``train_sampler``, ``format: folder``) or the WebDataset
+        stream's (``train_stream``: epoch, seed, consumed_batches and the settings they depend on)."""
+        state = super().state_dict()
+        if self._train_stream is not None and self.trainer is not None:
+            state["train_stream"] = self._train_stream.state_dict(fit_progress(self.trainer)[1])
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the position saved by :meth:`state_dict` (applied to the next train loader)."""
+        super().load_state_dict(state_dict)
+        self._pending_stream_state = state_dict.get("train_stream")
 
     def train_dataloader(self):
         return self._loader("train")

@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Sequence
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from mixlab.distributed import ResumableDataModule
 
 log = logging.getLogger("mixlab.spatial_vqa")
 
@@ -423,7 +424,7 @@ class SpatialVQADataset(Dataset):
 
 
 # ---------------------------------------------------------------------------- datamodule
-class SpatialVQADataModule(pl.LightningDataModule):
+class SpatialVQADataModule(ResumableDataModule):
     """Four-image spatial VQA scenes with train and held-out scan orders.
 
     Args:
@@ -440,6 +441,10 @@ class SpatialVQADataModule(pl.LightningDataModule):
         verify_md5: CIFAR-10 only: check torchvision's md5 sums of the pickle files.
         batch_size, num_workers: DataLoader settings.
         seed: scene seed (train, val and test scenes differ by split).
+
+    Scenes are map-style (scene ``i`` is a pure function of ``seed``, split and ``i``): under
+    DDP rank r of W reads scenes r::W of one seeded order and the train position is saved in
+    checkpoints (:class:`mixlab.distributed.ResumableDataModule`).
 
     Attributes (read by :class:`mixlab.heads.vqa.SpatialVQA`): ``task_name``
     (``vqa_<source>``), ``vocab_size``, ``n_answers``, ``patch_dim`` (``C p p``),
@@ -546,8 +551,8 @@ class SpatialVQADataModule(pl.LightningDataModule):
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         self.setup()
-        return DataLoader(self.datasets[split], batch_size=self.batch_size, shuffle=shuffle,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0, drop_last=False)
+        return self.resumable_loader(self.datasets[split], self.batch_size, shuffle, seed=self.seed,
+                                     num_workers=self.num_workers, drop_last=False)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

@@ -5,16 +5,21 @@ so every split is a fixed, reproducible set (train: ``n_train`` examples - a fin
 training set, as the MAD protocol needs), independent of workers and epochs. Samples are
 dicts of arrays (``inputs``, ``targets`` and task extras; see
 :mod:`mixlab.heads.synthetic`); batches are their stacked tensors.
+
+The splits are map-style (sample ``i`` is a pure function of ``i``), so under DDP rank r of
+W reads samples r::W of one seeded order and the train position is saved in checkpoints
+(:class:`mixlab.distributed.ResumableDataModule`): a resumed run sees the same next batch.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from mixlab.distributed import ResumableDataModule
 
 __all__ = ["GeneratedDataset", "SyntheticDataModule", "SPLIT_IDS"]
 
@@ -37,7 +42,7 @@ class GeneratedDataset(Dataset):
         return {k: torch.as_tensor(v) for k, v in self.make(rng, self.split).items()}
 
 
-class SyntheticDataModule(pl.LightningDataModule):
+class SyntheticDataModule(ResumableDataModule):
     """Subclasses set ``task_name``/``vocab_size`` and implement ``sample(rng, split)``.
 
     Args:
@@ -67,9 +72,9 @@ class SyntheticDataModule(pl.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         train = split == "train"
-        return DataLoader(self.dataset(split), batch_size=self.batch_size, shuffle=train,
-                          drop_last=train and self.sizes[split] >= self.batch_size,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return self.resumable_loader(self.dataset(split), self.batch_size, train, seed=self.seed,
+                                     num_workers=self.num_workers,
+                                     drop_last=train and self.sizes[split] >= self.batch_size)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

@@ -34,10 +34,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterator, Literal, Sequence
 
-import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from mixlab.distributed import ResumableDataModule
 
 __all__ = [
     "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
@@ -267,7 +268,7 @@ class TokenWindows(Dataset):
         return torch.from_numpy(np.asarray(self.arrays[a][s:s + self.length], dtype=np.int64))
 
 
-class TextDataModule(pl.LightningDataModule):
+class TextDataModule(ResumableDataModule):
     """Packed text for :class:`mixlab.heads.CausalLM` (``task_name = "text"``).
 
     Args:
@@ -284,7 +285,11 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: fraction of the stream (one document) or of documents (several).
         max_val_windows: cap on validation/test windows.
         num_workers: DataLoader workers.
-        seed: split seed.
+        seed: split seed (and, with ``seed_everything``, the seed of the window order).
+
+    Under DDP/FSDP rank r of W reads windows r::W of one seeded order (no duplicates; see
+    :class:`mixlab.distributed.ResumableDataModule`); the train position is saved in
+    checkpoints, so a run resumed mid-epoch continues with the next unseen batch.
 
     Raises:
         ValueError: bad tokenizer name; a split too short for one window (names the
@@ -384,8 +389,9 @@ class TextDataModule(pl.LightningDataModule):
         self.token_splits()
 
     def _loader(self, ds: Dataset, shuffle: bool) -> DataLoader:
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=shuffle, drop_last=shuffle,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        """Rank-split loader (training: shuffled per epoch, full batches, resumable)."""
+        return self.resumable_loader(ds, self.batch_size, shuffle, seed=self.seed,
+                                     num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.windows("train", self.context_length + 1, self.train_stride), True)

@@ -18,6 +18,12 @@ One command runs everything and writes Markdown tables (stdout and ``OUT/bench_r
    (RoPE attention layer, SDPA restricted to the flash backend).
 
 ``--smoke`` runs tiny shapes (works on CPU with the torch paths, to check the script).
+Progress goes to stdout (flushed) per section, variant and shape; the report files are
+rewritten after every section, so a run cut by a time limit keeps what it finished. The
+first call of each fla kernel at a new shape/dtype runs Triton autotuning (tens of seconds
+per section on an H200); ``--skip compile`` drops the torch.compile row.
+
+    python scripts/bench_recurrent.py --out OUT --warmup 2 --iters 8 --skip compile
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ from mixlab.ops.fg2_gate import fg2_gate_prep, fg2_gate_prep_torch
 from mixlab.registry import build_mixer
 
 VARIANTS = ["deltanet", "gdn", "kda", "fg2gdn", "fg2gdn_plus", "fgbgdn", "kda_kvbeta"]
+_T0 = time.perf_counter()
+WARMUP, ITERS = 3, 10  # set from --warmup / --iters
+
+
+def log(msg: str) -> None:
+    """Progress line on stdout, flushed (seconds since start)."""
+    print(f"[bench_recurrent {time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
 
 
 def sync(dev):
@@ -122,6 +135,7 @@ def section_correctness(dev, smoke, report):
     fast = "fla" if dev.type == "cuda" else "recurrent"
     rows, data = [], {}
     for name in VARIANTS:
+        log(f"correctness: {name} (B={B} T={T} D={D} H={H}, {fast} vs chunk float64)")
         r = check_variant(name, dev, B, T, D, H, fast)
         data[name] = r
         f = lambda p: f"{p[0]:.2e} / {p[1]:.2e}"  # noqa: E731
@@ -129,11 +143,42 @@ def section_correctness(dev, smoke, report):
     report.append(f"## 1. CUDA path ({fast}, float32) vs torch chunk reference (float64)\n\n"
                   f"Layer B={B} T={T} D={D} H={H} (K=V={D // H}); max abs / max relative error.\n")
     report.append(md_table(["variant", "output", "final state", "worst param grad", "varlen output"], rows))
+    log("correctness: mla (sdpa vs reference float64)")
+    data["mla"] = check_mla(dev, B, T, D, H)
+    report.append(f"\nMLA (impl sdpa, float32) vs its reference path (float64), same shape: output "
+                  f"{data['mla']['out'][0]:.2e} / {data['mla']['out'][1]:.2e}, worst param grad "
+                  f"{data['mla']['grad'][0]:.2e} / {data['mla']['grad'][1]:.2e} ({data['mla']['grad_param']}).")
     return data
 
 
+def check_mla(dev, B, T, D, H):
+    """MLA layer: ``impl="sdpa"`` in float32 vs ``impl="reference"`` in float64 (output, parameter grads)."""
+    torch.manual_seed(0)
+    m = build_mixer("mla", d_model=D, n_heads=H, causal=True).to(dev)
+    ref = copy.deepcopy(m).double()
+    m.impl, ref.impl = "sdpa", "reference"
+    x = torch.randn(B, T, D, device=dev)
+    up = torch.randn(B, T, D, device=dev)
+
+    def run(mod, xx):
+        y = mod(xx)
+        (y * up.to(y.dtype)).sum().backward()
+        grads = {n: p.grad.detach().clone() for n, p in mod.named_parameters() if p.grad is not None}
+        mod.zero_grad(set_to_none=True)
+        return y.detach(), grads
+
+    (y, g), (yr, gr) = run(m, x), run(ref, x.double())
+
+    def err(a, b):
+        d = (a.double() - b).abs().max().item()
+        return d, d / max(b.abs().max().item(), 1e-30)
+
+    worst = max(((n,) + err(g[n], gr[n]) for n in gr), key=lambda t: t[2])
+    return {"out": err(y, yr), "grad": worst[1:], "grad_param": worst[0]}
+
+
 # ---------------------------------------------------------------------------------- 2. fwd+bwd
-def section_fwd_bwd(dev, smoke, report):
+def section_fwd_bwd(dev, smoke, report, skip=()):
     B, T, H, K = (1, 128, 2, 16) if smoke else (4, 4096, 16, 128)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     impl = "fla" if dev.type == "cuda" else "chunk"
@@ -174,12 +219,15 @@ def section_fwd_bwd(dev, smoke, report):
     fused = lambda *a: fg2_gate_prep(*a, impl="triton" if dev.type == "cuda" else "torch")  # noqa: E731
     cases = [("raw chunk_kda (l2norm in kernel)", raw_kda), ("KDA", kda), ("GDN (chunk_kda, broadcast gate)", gdn),
              ("FG²-GDN, fused gate prep", fg2(fused)), ("FG²-GDN, eager gate prep", fg2(fg2_gate_prep_torch)),
-             ("FG²-GDN, compiled gate prep", fg2(compiled_prep)),
              ("FG²-GDN+, fused gate prep", fg2(fused, True)), ("FG²-GDN+, eager gate prep", fg2(fg2_gate_prep_torch, True))]
+    if "compile" not in skip:
+        cases.append(("FG²-GDN, compiled gate prep", fg2(compiled_prep)))
     times = {}
     for name, fn in cases:
+        log(f"fwd+bwd op: {name} (B={B} T={T} H={H} K={K})")
         try:
-            times[name] = timeit(fn, dev, warmup=2 if smoke else 5, iters=3 if smoke else 20)
+            times[name] = timeit(fn, dev, warmup=2 if smoke else WARMUP, iters=3 if smoke else ITERS)
+            log(f"  {times[name]:.3f} ms")
         except Exception as e:  # report, keep going
             times[name] = float("nan")
             print(f"[fwd+bwd] {name}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -195,13 +243,15 @@ def section_fwd_bwd(dev, smoke, report):
     x = torch.randn(B, T, D, device=dev, dtype=dt)
     ltimes = {}
     for name in ["kda", "fg2gdn", "fg2gdn_plus", "gdn"]:
+        log(f"fwd+bwd layer: {name} (D={D})")
         torch.manual_seed(0)
         m = build_mixer(name, d_model=D, n_heads=H, causal=True, impl=impl).to(dev, dt)
 
         def step(m=m):
             m(x).float().square().mean().backward()
         try:
-            ltimes[name] = timeit(step, dev, warmup=2 if smoke else 5, iters=3 if smoke else 20)
+            ltimes[name] = timeit(step, dev, warmup=2 if smoke else WARMUP, iters=3 if smoke else ITERS)
+            log(f"  {ltimes[name]:.3f} ms")
         except Exception as e:
             ltimes[name] = float("nan")
             print(f"[layer] {name}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -228,6 +278,8 @@ def section_prefill(dev, smoke, report, out):
         B = max(1, total // T)
         x = torch.randn(B, T, D, device=dev, dtype=dt)
         for n, m in layers.items():
+            log(f"prefill: {n} T={T} B={B}")
+
             def fwd(m=m, n=n):
                 with torch.no_grad():
                     if n == "flash attention" and dev.type == "cuda":
@@ -237,8 +289,9 @@ def section_prefill(dev, smoke, report, out):
                     else:
                         m(x)
             try:
-                ms = timeit(fwd, dev, warmup=1 if smoke else 3, iters=2 if smoke else 10)
+                ms = timeit(fwd, dev, warmup=1 if smoke else WARMUP, iters=2 if smoke else ITERS)
                 tput[n][T] = B * T / ms * 1e3
+                log(f"  {ms:.3f} ms, {tput[n][T] / 1e6:.3f} M tokens/s")
             except Exception as e:
                 tput[n][T] = float("nan")
                 print(f"[prefill] {n} T={T}: {type(e).__name__}: {e}", file=sys.stderr)
@@ -273,11 +326,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="bench_out/recurrent", help="output directory (tables, JSON, PNG)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script; runs on CPU)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "fwd_bwd", "prefill"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["correctness", "fwd_bwd", "prefill", "compile"],
+                    help="sections to leave out; 'compile' drops the torch.compile gate-prep row")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls per case (after autotuning)")
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per case (median reported)")
+    ap.add_argument("--fla-max-configs", type=int, default=3,
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
     args = ap.parse_args(argv)
+    global WARMUP, ITERS
+    WARMUP, ITERS = args.warmup, args.iters
     dev = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    from _fla_tune import limit_for_device
+    limit_for_device(dev, args.fla_max_configs)
     env = f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
     try:
         import triton
@@ -291,16 +353,23 @@ def main(argv: list[str] | None = None) -> None:
         pass
     report = [f"# bench_recurrent ({env})\n"]
     data = {"env": env}
-    if "correctness" not in args.skip:
-        data["correctness"] = section_correctness(dev, args.smoke, report)
-    if "fwd_bwd" not in args.skip:
-        data["fwd_bwd"] = section_fwd_bwd(dev, args.smoke, report)
-    if "prefill" not in args.skip:
-        data["prefill_tokens_per_s"] = section_prefill(dev, args.smoke, report, out)
-    text = "\n".join(report) + "\n"
-    print(text)
-    (out / "bench_recurrent.md").write_text(text)
-    (out / "bench_recurrent.json").write_text(json.dumps(data, indent=1, default=str))
+    log(env)
+
+    def save():
+        (out / "bench_recurrent.md").write_text("\n".join(report) + "\n")
+        (out / "bench_recurrent.json").write_text(json.dumps(data, indent=1, default=str))
+
+    for name, fn in (("correctness", lambda: section_correctness(dev, args.smoke, report)),
+                     ("fwd_bwd", lambda: section_fwd_bwd(dev, args.smoke, report, args.skip)),
+                     ("prefill_tokens_per_s", lambda: section_prefill(dev, args.smoke, report, out))):
+        if name.split("_tokens")[0] in args.skip:
+            continue
+        log(f"section {name}")
+        data[name] = fn()
+        save()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    print("\n".join(report) + "\n", flush=True)
 
 
 if __name__ == "__main__":

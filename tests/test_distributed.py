@@ -335,3 +335,33 @@ def test_fsdp_strategy_keeps_weight_decay_on_sharded_matrices(monkeypatch):
     assert all(p.ndim == 1 for p in model.parameters())
     after = [[id(p) for p in g["params"]] for g in param_groups(model, 0.1)]
     assert after == before and len(before[0]) > 0
+
+
+def test_fsdp_clipping_goes_through_the_root_modules_global_norm():
+    """Lightning's FSDP precision plugin refuses clipping by norm; the heads call the root FSDP
+    module's ``clip_grad_norm_`` instead (any other strategy: Lightning's own clipping)."""
+    from mixlab.backbone import BackboneConfig
+    from mixlab.heads.lm import CausalLM
+
+    model = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="nope"))
+    calls = []
+
+    class FSDPRoot:  # stands in for torch's FullyShardedDataParallel root module
+        def clip_grad_norm_(self, max_norm):
+            calls.append(("fsdp", max_norm))
+
+    class Strategy:
+        model = FSDPRoot()
+
+    class FakeTrainer:
+        strategy = Strategy()
+
+    model._trainer = FakeTrainer()
+    model.clip_gradients = lambda opt, gradient_clip_val=None, gradient_clip_algorithm=None: calls.append(
+        ("lightning", gradient_clip_val, gradient_clip_algorithm))
+    model.configure_gradient_clipping(None, 1.0, "norm")
+    model.configure_gradient_clipping(None, 0.5, None)
+    model.configure_gradient_clipping(None, 0.5, "value")  # by value: Lightning's path
+    Strategy.model = object()  # DDP-like root without clip_grad_norm_
+    model.configure_gradient_clipping(None, 1.0, "norm")
+    assert calls == [("fsdp", 1.0), ("fsdp", 0.5), ("lightning", 0.5, "value"), ("lightning", 1.0, "norm")]

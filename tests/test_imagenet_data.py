@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import tarfile
 import warnings
 
@@ -112,6 +113,31 @@ def test_missing_shards_and_too_few_shards_are_clear_errors(shards, tmp_path):
         ImageNetDataModule(format="folder", val_path=str(tmp_path / "nope")).val_dataloader()
 
 
+def test_shards_split_by_rank_and_worker_exactly_once_and_too_few_is_a_clear_error(shards, monkeypatch):
+    """2 simulated ranks (RANK/WORLD_SIZE, read by webdataset's split_by_node) x 2 workers over 4
+    shards: every image exactly once; 3 shards for 4 readers: an error naming pattern and numbers."""
+    out, _ = shards
+    pattern = str(out / "train-{0000..0003}.tar")
+    ref = ImageNetDataModule(format="wds", val_path=pattern, num_classes=N_CLASSES, eval_size=16, num_workers=0)
+    x_ref, y_ref = _read_all(ref)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    parts = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        dm = ImageNetDataModule(format="wds", val_path=pattern, num_classes=N_CLASSES, eval_size=16, num_workers=2)
+        parts.append(_read_all(dm))
+    x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    assert len(x) == len(x_ref) == N_CLASSES * PER_CLASS
+    match = [next(j for j in range(len(x_ref)) if torch.equal(x[i], x_ref[j])) for i in range(len(x))]
+    assert sorted(match) == list(range(len(x_ref))) and torch.equal(y, y_ref[match])  # a bijection
+    assert 0 < len(parts[0][1]) < len(x)  # both ranks read something
+    short = str(out / "train-{0000..0002}.tar")
+    dm = ImageNetDataModule(format="wds", train_path=short, num_classes=N_CLASSES, num_workers=2)
+    with pytest.raises(ValueError) as err:
+        dm.train_dataloader()
+    msg = str(err.value)
+    assert short in msg and "3 shards but world_size x num_workers = 2 x 2 = 4 readers" in msg
+
 def test_label_out_of_range_names_sample_and_shard(shards):
     out, paths = shards
     dm = ImageNetDataModule(format="wds", val_path=str(out / "train-{0000..0003}.tar"), num_classes=2,
@@ -144,3 +170,119 @@ def test_eval_transform_resizes_by_256_over_224_then_center_crops():
     resize = [t for t in tf.transforms if type(t).__name__ == "Resize"][0]
     assert resize.size == 73
     assert eval_transform([64, 96])(img).shape == (3, 64, 96)
+
+
+# ---------------------------------------------------------------- exact resume of the WebDataset stream
+def _fit_trainer(epoch: int, batches: int):
+    """What the datamodule reads from a Trainer: the fit loop's epoch and batches processed in it."""
+    from types import SimpleNamespace as NS
+    return NS(strategy=None, fit_loop=NS(epoch_progress=NS(current=NS(processed=epoch)),
+                                         epoch_loop=NS(batch_progress=NS(current=NS(processed=batches)))))
+
+
+@pytest.mark.parametrize("workers,world", [(0, 1), (2, 1), (2, 2)])
+def test_wds_stream_resumes_with_the_next_batch_bitwise(shards, monkeypatch, workers, world):
+    """Uninterrupted: epoch 0, then epoch 1 on the same (persistent) workers; at batch k=3 of epoch 1
+    the state goes through a checkpoint into a fresh datamodule, whose first 3 batches must equal
+    batches 3..5 bitwise (random DeiT augmentation included). world=2: rank 1 of 2 (RANK/WORLD_SIZE)."""
+    out, _ = shards
+    if world == 2:
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "1")
+
+    def make():
+        return ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                                  image_size=16, batch_size=2, num_workers=workers, train_samples=24,
+                                  shuffle_buffer=4, persistent_workers=True)
+
+    k, n_next = 3, 3
+    dm = make()
+    dm.trainer = _fit_trainer(0, 0)
+    loader = dm.train_dataloader()
+    it = iter(loader)  # (draws the DataLoader's base seed from torch's RNG)
+    rng_before = torch.get_rng_state()
+    epoch0 = list(it)
+    assert len(epoch0) == len(loader) == 24 // world // 2
+    if workers == 0:  # per-sample seeding restores the caller's RNG (dropout etc. unaffected)
+        assert torch.equal(torch.get_rng_state(), rng_before)
+    dm.trainer = _fit_trainer(1, 0)  # Lightning's next epoch: EpochSyncLoader passes it to the workers
+    full = [b for _, b in zip(range(k + n_next), loader)]
+    assert loader.dataset.epoch == 1 and not torch.equal(full[0][0], epoch0[0][0])
+    dm.trainer = _fit_trainer(1, k)  # checkpoint after k batches of epoch 1
+    state = dm.state_dict()
+    assert state == {"train_stream": {"epoch": 1, "seed": dm.order_seed(0), "consumed_batches": k, "world": world,
+                                      "num_workers": workers, "batch_size": 2, "shards": 4}}
+    buf = io.BytesIO()
+    torch.save({"ImageNetDataModule": state}, buf)  # as in a Lightning checkpoint
+    buf.seek(0)
+    fresh = make()
+    fresh.load_state_dict(torch.load(buf, weights_only=True)["ImageNetDataModule"])
+    fresh.trainer = _fit_trainer(1, k)  # Lightning restored the loop progress
+    rest = [b for _, b in zip(range(n_next), fresh.train_dataloader())]
+    for j in range(n_next):
+        assert torch.equal(rest[j][0], full[k + j][0]) and torch.equal(rest[j][1], full[k + j][1]), j
+    assert not torch.equal(rest[0][0], full[0][0])
+
+
+def test_wds_epochs_read_shards_in_different_seeded_orders_each_shard_once(shards):
+    out, _ = shards
+    dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                            image_size=16, batch_size=2, num_workers=2, train_samples=12)
+    stream, again = dm.wds_dataset("train"), dm.wds_dataset("train")
+    orders = {}
+    for epoch, pass_ in [(0, 0), (0, 1), (1, 0), (2, 0)]:
+        per_worker = [stream.consumer_shards(epoch, pass_, w, 2) for w in range(2)]
+        assert sorted(per_worker[0] + per_worker[1]) == sorted(stream.urls)  # every shard once per pass
+        assert per_worker == [again.consumer_shards(epoch, pass_, w, 2) for w in range(2)]  # seeded
+        orders[epoch, pass_] = per_worker
+    assert len({str(o) for o in orders.values()}) == len(orders)  # a new order every epoch and pass
+    # end to end, one pass (train_samples=None): every sample once, in another order next epoch
+    one = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                             image_size=16, batch_size=12, num_workers=0, train_samples=None, shuffle_buffer=4)
+    loader = one.train_dataloader()
+    (_, y0), = list(loader)
+    loader.dataset.set_epoch(1)
+    (_, y1), = list(loader)
+    assert sorted(y0.tolist()) == sorted(y1.tolist()) == [c for c in range(N_CLASSES) for _ in range(PER_CLASS)]
+    assert y0.tolist() != y1.tolist()
+
+
+def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_path):
+    """Real Trainer, 2 epochs x 4 steps, checkpoints every 3 steps: resuming from step 3 (mid epoch 0)
+    and from step 4 (the last batch of epoch 0: Lightning builds the resumed iterator before it moves
+    on to epoch 1) trains on exactly the uninterrupted run's remaining batches."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Rec(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(3 * 8 * 8, N_CLASSES), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, batch[0].clone(), batch[1].clone()))
+            return torch.nn.functional.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(ckpt=None, every=None):
+        pl.seed_everything(3)
+        dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
+                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
+                                shuffle_buffer=4)
+        model = Rec()
+        cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")] if every else []
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=bool(every),
+                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, dm, ckpt_path=ckpt)
+        return model.seen
+
+    out, _ = shards
+    full = fit(every=1)
+    assert [e for e, _, _ in full] == [0] * 4 + [1] * 4 and not torch.equal(full[0][1], full[4][1])
+    for step in (3, 4):
+        rest = fit(str(tmp_path / f"step={step}.ckpt"))
+        assert len(rest) == 8 - step
+        for (e, x, y), (e_ref, x_ref, y_ref) in zip(rest, full[step:]):
+            assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref)

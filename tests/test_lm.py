@@ -115,7 +115,7 @@ def test_param_groups_exclude_norms_biases_embeddings_and_priors():
     assert any("pos.alpha" in n for n in no_decay_names) and any("pos.mlp_w1" in n for n in no_decay_names)
     assert any("norm1.weight" in n for n in no_decay_names)
     assert all(("pos." not in n) and ("norm" not in n) for n in decay_names)
-    assert any(n.endswith("qk.weight") for n in decay_names) and any("mlp.fc2.weight" in n for n in decay_names)
+    assert any(n.endswith("qkv.weight") for n in decay_names) and any("mlp.fc2.weight" in n for n in decay_names)
     assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
 
 
@@ -129,7 +129,7 @@ def test_pattern_parsing_and_residual_init():
     torch.manual_seed(0)
     bb = Backbone(BackboneConfig(d_model=256, n_layers=8, n_heads=4, mixer="rope"))
     std_proj = bb.blocks[0].mixer.proj.weight.std().item()
-    std_qk = bb.blocks[0].mixer.qk.weight.std().item()
+    std_qk = bb.blocks[0].mixer.qkv.weight.std().item()
     assert std_qk == pytest.approx(0.02, rel=0.05)
     assert std_proj == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 

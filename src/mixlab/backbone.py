@@ -68,7 +68,9 @@ class BackboneConfig:
         mlp: ``"swiglu"`` (timm SwiGLU) or ``"gelu"`` (timm Mlp), hidden ``mlp_ratio * D``
             (SwiGLU uses ``2/3`` of it per branch to match parameters).
         mlp_ratio: MLP expansion.
-        norm_eps: RMSNorm epsilon.
+        norm: ``"rmsnorm"`` (default, LM practice) or ``"layernorm"`` (ViT/DeiT practice, as
+            timm's ViT), used for both pre-norms and the final norm.
+        norm_eps: norm epsilon.
         drop_path: stochastic depth, linearly increasing to this value.
         bias: biases in MLP linears.
         init_std: std of the N(0, std) GPT-style init; residual output projections use
@@ -83,10 +85,24 @@ class BackboneConfig:
     causal: bool = True
     mlp: Literal["swiglu", "gelu"] = "swiglu"
     mlp_ratio: float = 4.0
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     norm_eps: float = 1e-6
     drop_path: float = 0.0
     bias: bool = False
     init_std: float = 0.02
+
+
+def make_norm(cfg: BackboneConfig) -> nn.Module:
+    """``nn.RMSNorm`` or ``nn.LayerNorm`` over ``d_model`` as ``cfg.norm`` says.
+
+    Raises:
+        ValueError: unknown ``cfg.norm``.
+    """
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+    raise ValueError(f"BackboneConfig.norm must be 'rmsnorm' or 'layernorm'; got {cfg.norm!r}")
 
 
 class Block(nn.Module):
@@ -96,10 +112,10 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.mixer_name = mixer_name
-        self.norm1 = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.norm1 = make_norm(cfg)
         self.mixer = build_mixer(mixer_name, d_model=d, n_heads=cfg.n_heads, causal=cfg.causal,
                                  layer_idx=layer_idx, n_layers=cfg.n_layers, **cfg.mixer_args.get(mixer_name, {}))
-        self.norm2 = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.norm2 = make_norm(cfg)
         hidden = int(cfg.mlp_ratio * d)
         if cfg.mlp == "swiglu":
             hidden = 8 * math.ceil(2 * hidden / 3 / 8)
@@ -117,7 +133,7 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    """Stack of :class:`Block` with a final RMSNorm.
+    """Stack of :class:`Block` with a final norm.
 
     Forward: ``x [B, T, D]``, ``coords`` (default 1D positions), optional ``caches``
     (a list with one dict per layer, filled in place for decoding) -> ``[B, T, D]``.
@@ -129,7 +145,7 @@ class Backbone(nn.Module):
         self.pattern = parse_pattern(cfg.mixer, cfg.n_layers)
         dpr = [cfg.drop_path * i / max(cfg.n_layers - 1, 1) for i in range(cfg.n_layers)]
         self.blocks = nn.ModuleList(Block(cfg, name, i, dpr[i]) for i, name in enumerate(self.pattern))
-        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = make_norm(cfg)
         self.apply(self._init_linear)
         for m in self.modules():  # mixer-specific init (gates, priors) after the generic one
             if type(m).__module__.startswith("mixlab.mixers") and hasattr(m, "reset_parameters"):

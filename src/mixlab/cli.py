@@ -14,13 +14,22 @@ Defaults added to every run:
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
   run resumed, validated or tested from its own checkpoint logs into the same
   TensorBoard run directory.
+
+Bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
+FileNotFoundError raised in mixlab's source, at construction or in ``setup``) ends the run
+with one line ``error: <field>: <message>`` on stderr and exit status 2, like
+jsonargparse's own errors, instead of a traceback wrapped in jsonargparse's Union dump
+(``<field>`` is ``model``, ``data`` or ``trainer.callbacks``). Set ``MIXLAB_TRACEBACK=1``
+to get the full traceback instead.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -120,6 +129,41 @@ def _run_version(ckpt_path: str | None, run_dir: Path) -> str | None:
     return None
 
 
+def _our_roots() -> tuple[str, ...]:
+    """Source folders of mixlab and mixlab.datamodules (each ending in a path separator)."""
+    import mixlab
+    import mixlab.datamodules
+    return tuple(os.path.join(os.path.realpath(p), "") for p in
+                 [*mixlab.__path__, *mixlab.datamodules.__path__])
+
+
+def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | None:
+    """``(config field or None, error)`` when ``exc`` is, or was raised from, bad input found by mixlab.
+
+    Walks the exception chain (``__cause__``, else ``__context__``), as jsonargparse wraps a
+    constructor's error in its Union error ``from`` the original, and returns the first
+    ``ValueError`` / ``OSError`` whose ``raise`` statement is in mixlab's source. The field is
+    ``model``, ``data`` or ``trainer.callbacks`` from the innermost LightningModule,
+    LightningDataModule or Callback method on its traceback. None for anything else (bugs,
+    errors of other libraries): those keep their traceback.
+    """
+    roots, seen = _our_roots(), set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+        if (isinstance(exc, (ValueError, OSError)) and frames
+                and os.path.realpath(frames[-1].f_code.co_filename).startswith(roots)):
+            for frame in reversed(frames):
+                owner = frame.f_locals.get("self")
+                for cls, field in ((pl.LightningModule, "model"), (pl.LightningDataModule, "data"),
+                                   (pl.Callback, "trainer.callbacks")):
+                    if isinstance(owner, cls):
+                        return field, exc
+            return None, exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return None
+
+
 def _resolve(target: str) -> Callable[[list[str]], Any]:
     module, _, fn = target.partition(":")
     return getattr(importlib.import_module(module), fn)
@@ -141,7 +185,15 @@ def main(argv: list[str] | None = None) -> None:
     if words and words[0] in COMMANDS:
         _resolve(COMMANDS[words[0]])(words[1:])
         return
-    MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    try:
+        MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except Exception as err:
+        found = None if os.environ.get("MIXLAB_TRACEBACK") else bad_input_error(err)
+        if found is None:
+            raise
+        field, cause = found
+        print(f"error: {field + ': ' if field else ''}{cause}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 register_command("length-extrapolation", "mixlab.eval.length:main")
 register_command("passkey", "mixlab.eval.retrieval:passkey_main")

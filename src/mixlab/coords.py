@@ -31,6 +31,8 @@ from torch import Tensor
 
 __all__ = ["Coords"]
 
+_SEQ_CACHE: dict[tuple, "Coords"] = {}  # Coords.seq memo
+
 
 @dataclass
 class Coords:
@@ -75,9 +77,21 @@ class Coords:
     # ------------------------------------------------------------------ builders
     @staticmethod
     def seq(length: int, offset: int = 0, device: torch.device | str | None = None) -> "Coords":
-        """1D positions ``offset, ..., offset + length - 1`` as ``[1, T, 1]``."""
+        """1D positions ``offset, ..., offset + length - 1`` as ``[1, T, 1]``.
+
+        Memoised per (length, offset, device) (last 64): layers that build their own
+        coordinates every call then launch no ``arange`` kernel. Treat the result as read-only.
+        """
+        key = (length, offset, str(torch.device(device)) if device is not None else "cpu")
+        hit = _SEQ_CACHE.get(key)
+        if hit is not None:
+            return hit
         pos = torch.arange(offset, offset + length, device=device, dtype=torch.long)
-        return Coords(pos.view(1, length, 1), key=("seq", length, offset))
+        out = Coords(pos.view(1, length, 1), key=("seq", length, offset))
+        if len(_SEQ_CACHE) >= 64:
+            _SEQ_CACHE.pop(next(iter(_SEQ_CACHE)))
+        _SEQ_CACHE[key] = out
+        return out
 
     @staticmethod
     def grid(height: int, width: int, device: torch.device | str | None = None) -> "Coords":

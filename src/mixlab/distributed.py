@@ -13,42 +13,46 @@ Three pieces, all CPU-only and independent of the model:
   every checkpoint (Lightning stores ``datamodule.state_dict()`` in the ``.ckpt``). The
   position comes from the trainer's batch progress, not from the loader's iterator, so
   prefetching and worker processes cannot shift it.
+* :class:`ResumableDataModule` - the LightningDataModule base that wires both into every
+  map-style datamodule (genome, text, synthetic tasks, digits, spatial VQA, ImageFolder).
 * :func:`consumer_slice`, :func:`stream_seed`, :func:`worker_skip` and
   :class:`SeededStream` - for iterable data (synthetic streams, WebDataset shards): every
   (rank, worker) pair gets a disjoint slice of the shards or its own seed, with a clear
   error (or explicit resampling) when there are fewer shards than ranks x workers.
+  :func:`fit_progress` and :class:`EpochSyncLoader` give a stream the trainer's epoch and
+  position (``datamodules/imagenet.py``'s ``ShardStream`` resumes WebDataset shards exactly).
 * :class:`FSDPStrategy` - Lightning's, keeping weight decay on sharded matrices
   (``configs/trainer/fsdp.yaml``).
 
 Typical use in a datamodule (see ``datamodules/genome.py``)::
 
-    def train_dataloader(self):
-        self._train_sampler = ResumableSampler(self.train_dataset, shuffle=True, seed=self.seed)
-        restore_sampler(self._train_sampler, self._pending_sampler_state)
-        return DataLoader(self.train_dataset, self.batch_size, sampler=self._train_sampler,
-                          drop_last=True)
+    class MyData(ResumableDataModule):
+        def train_dataloader(self):
+            return self.resumable_loader(self.train_dataset, self.batch_size, train=True,
+                                         seed=self.seed, num_workers=self.num_workers)
 
-    def state_dict(self):
-        return sampler_state(self.trainer, self._train_sampler, self.batch_size)
-
-    def load_state_dict(self, state):
-        self._pending_sampler_state = state.get("train_sampler")
+        def val_dataloader(self):
+            return self.resumable_loader(self.val_dataset, self.batch_size, train=False,
+                                         seed=self.seed, num_workers=self.num_workers)
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from typing import Any, Callable, Iterator, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDP
-from torch.utils.data import DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
-__all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler", "consumer_slice",
-           "stream_seed", "worker_skip", "SeededStream"]
+__all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
+           "ResumableDataModule", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
+           "fit_progress", "EpochSyncLoader"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -92,6 +96,12 @@ class ResumableSampler(DistributedSampler):
     per-rank count so Lightning's epoch length is unchanged. A different world size on
     resume is accepted when the consumed prefix splits evenly over the new ranks.
 
+    A state whose position covers the whole epoch (a checkpoint written at the epoch's last
+    batch or at its end) loads as the start of epoch ``epoch + 1``: Lightning builds the
+    resumed run's iterator (which already pulls indices from the sampler, in the prefetch or
+    the workers) before it calls ``set_epoch(epoch + 1)``, so the sampler must already be
+    there. ``set_epoch`` with either number then keeps position 0 of ``epoch + 1``.
+
     Raises:
         ValueError: bad rank; on ``load_state_dict``, a dataset length or seed that differs
             from the checkpoint, or a position that cannot be split over the new world size.
@@ -104,6 +114,7 @@ class ResumableSampler(DistributedSampler):
         self.dataset, self.num_replicas, self.rank = dataset, world, rank
         self.shuffle, self.seed, self.drop_last, self.pad = shuffle, int(seed), drop_last, pad
         self.epoch, self._start = 0, 0
+        self._done_epoch: int | None = None  # a loaded, fully consumed epoch (see load_state_dict)
         n = len(dataset)
         if drop_last:
             self.total_size = n - n % world
@@ -133,7 +144,15 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the permutation of ``epoch``; a new epoch forgets any resume position."""
+        """Select the permutation of ``epoch``; a new epoch forgets any resume position.
+
+        The same epoch keeps a loaded mid-epoch position. The number of a loaded, fully
+        consumed epoch means the next one (see :meth:`load_state_dict`)."""
+        epoch = int(epoch)
+        if epoch == self._done_epoch:
+            epoch += 1
+        else:
+            self._done_epoch = None
         if epoch != self.epoch:
             self._start = 0
         self.epoch = epoch
@@ -144,7 +163,8 @@ class ResumableSampler(DistributedSampler):
                 "num_replicas": self.num_replicas, "length": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at ``state["position"]`` of ``state["epoch"]`` (rescaled to this world size)."""
+        """Continue at ``state["position"]`` of ``state["epoch"]`` (rescaled to this world size);
+        a position covering the whole epoch continues at the start of ``state["epoch"] + 1``."""
         if state["length"] != len(self.dataset):
             raise ValueError(f"ResumableSampler.load_state_dict: the checkpoint's dataset has "
                              f"{state['length']} items, this one {len(self.dataset)}; the data "
@@ -153,6 +173,12 @@ class ResumableSampler(DistributedSampler):
             raise ValueError(f"ResumableSampler.load_state_dict: checkpoint seed {state['seed']} "
                              f"!= seed {self.seed}")
         consumed = state["position"] * state["num_replicas"]  # global prefix of the order
+        n, world = len(self.dataset), state["num_replicas"]
+        epoch_total = n - n % world if self.drop_last else (-(-n // world) * world if self.pad else n)
+        self._done_epoch = None
+        if consumed >= epoch_total:  # the epoch is over: resume at the start of the next one
+            self._done_epoch, self.epoch, self._start = int(state["epoch"]), int(state["epoch"]) + 1, 0
+            return
         if consumed % self.num_replicas:
             raise ValueError(f"cannot resume {state['num_replicas']} rank(s) at position "
                              f"{state['position']} on {self.num_replicas} rank(s): "
@@ -165,18 +191,101 @@ def sampler_state(trainer: Any, sampler: ResumableSampler | None, batch_size: in
 
     The position is ``batch_size`` x the batches the trainer has processed in the current
     epoch (``fit_loop.epoch_loop.batch_progress.current.processed``), i.e. what the model
-    has seen when the checkpoint is written, whatever the loader prefetched.
+    has seen when the checkpoint is written, whatever the loader prefetched. At the epoch's
+    last batch (``batch_progress.is_last_batch``) it is the whole epoch (``len(sampler)``,
+    including a tail that ``drop_last`` or ``limit_train_batches`` leaves unread), so the
+    resume starts the next epoch.
     """
     if sampler is None or trainer is None:
         return {}
-    progress = trainer.fit_loop.epoch_loop.batch_progress.current
-    return {"train_sampler": sampler.state_dict(progress.processed * batch_size)}
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    position = progress.current.processed * batch_size
+    if getattr(progress, "is_last_batch", False):
+        position = max(position, len(sampler))
+    return {"train_sampler": sampler.state_dict(position)}
 
 
 def restore_sampler(sampler: ResumableSampler, state: dict[str, Any] | None) -> None:
     """Apply a state saved by :func:`sampler_state` (no-op for ``None``)."""
     if state:
         sampler.load_state_dict(state)
+
+
+class ResumableDataModule(pl.LightningDataModule):
+    """LightningDataModule base for map-style data: rank-split loaders and exact resume.
+
+    :meth:`resumable_loader` builds every loader on a :class:`ResumableSampler` (rank ``r``
+    of ``W`` reads items ``r::W`` of one seeded order; DataLoader workers only fetch what the
+    sampler yields, so the split by worker is implicit and never duplicates an item).
+    Training: a new permutation per epoch, the ``n % W`` tail dropped so ranks stay even.
+    Evaluation: dataset order, every item exactly once (uneven ranks) outside a trainer and
+    under DDP with ``broadcast_buffers: false`` (``configs/trainer/ddp.yaml``); under any
+    other multi-process strategy (FSDP, DDP broadcasting buffers) the forward is collective,
+    so ranks are padded to even counts with up to ``W - 1`` repeated items (no hang).
+
+    :meth:`state_dict` returns ``{"train_sampler": {"epoch", "seed", "position",
+    "num_replicas", "length"}}`` (``{}`` before a train loader exists or outside a
+    trainer); Lightning stores it in every checkpoint under the datamodule's class name,
+    and :meth:`load_state_dict` makes the next train loader start at the first unseen
+    sample. Subclasses call ``super().__init__()`` and do not override the two methods
+    (extend them with ``super()`` if they need more state).
+    """
+
+    _train_sampler: ResumableSampler | None = None
+    _train_batch_size: int = 1
+    _pending_sampler_state: dict[str, Any] | None = None
+
+    @staticmethod
+    def order_seed(seed: int) -> int:
+        """Seed of the sample order: the data seed and ``seed_everything``'s
+        (``PL_GLOBAL_SEED``), so seed sweeps reshuffle too."""
+        return int(seed) * 1_000_003 + int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+    def resumable_loader(self, dataset: Any, batch_size: int, train: bool, seed: int = 0,
+                         num_workers: int = 0, drop_last: bool | None = None,
+                         **loader_kwargs: Any) -> DataLoader:
+        """DataLoader over ``dataset`` with a :class:`ResumableSampler` (see the class doc).
+
+        Args:
+            dataset: a sized map-style dataset.
+            batch_size: per-device batch size (the train one also scales the saved position).
+            train: shuffle per epoch, drop the rank tail and record the sampler for
+                :meth:`state_dict` (a pending checkpoint state is applied here).
+            seed: the datamodule's data seed (combined by :meth:`order_seed`).
+            num_workers: DataLoader workers (``persistent_workers`` defaults to ``> 0``).
+            drop_last: the DataLoader's (default ``train``: full batches only).
+            loader_kwargs: other DataLoader arguments (``collate_fn``, ``pin_memory``...).
+        """
+        sampler = ResumableSampler(dataset, shuffle=train, seed=self.order_seed(seed),
+                                   drop_last=train, pad=not train and self._collective_forward())
+        if train:
+            self._train_sampler, self._train_batch_size = sampler, batch_size
+            restore_sampler(sampler, self._pending_sampler_state)
+            self._pending_sampler_state = None
+        loader_kwargs.setdefault("persistent_workers", num_workers > 0)
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
+                          drop_last=train if drop_last is None else drop_last,
+                          num_workers=num_workers, **loader_kwargs)
+
+    def _collective_forward(self) -> bool:
+        """Whether the trainer's strategy may run a collective in every forward (then
+        evaluation ranks need even batch counts): all but DDP with ``broadcast_buffers=False``
+        (no trainer: ``False``; one process: padding is a no-op)."""
+        from lightning.pytorch.strategies import DDPStrategy
+
+        strategy = getattr(self.trainer, "strategy", None) if self.trainer is not None else None
+        if strategy is None:
+            return False
+        return not (isinstance(strategy, DDPStrategy)
+                    and strategy._ddp_kwargs.get("broadcast_buffers", True) is False)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Train sampler (epoch, seed, position) for exact mid-epoch resume (saved in .ckpt)."""
+        return sampler_state(self.trainer, self._train_sampler, self._train_batch_size)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the train sampler position saved by :meth:`state_dict` (next train loader)."""
+        self._pending_sampler_state = state_dict.get("train_sampler")
 
 
 # --------------------------------------------------------------------------- iterable data
@@ -284,6 +393,41 @@ class SeededStream(IterableDataset):
             gen.manual_seed((base + i) % 2**63)
             yield self.make_sample(gen)
             i += 1
+
+
+def fit_progress(trainer: Any) -> tuple[int, int]:
+    """``(epoch, batches)`` of a trainer's fit loop: the epoch Lightning passes to samplers'
+    ``set_epoch`` (``fit_loop.epoch_progress.current.processed``) and the batches trained on in
+    it (``fit_loop.epoch_loop.batch_progress.current.processed``, as :func:`sampler_state`);
+    ``(0, 0)`` for ``trainer=None``."""
+    if trainer is None:
+        return 0, 0
+    loop = trainer.fit_loop
+    return int(loop.epoch_progress.current.processed), int(loop.epoch_loop.batch_progress.current.processed)
+
+
+class EpochSyncLoader(DataLoader):
+    """DataLoader for an iterable dataset with ``set_epoch(epoch)``: every ``iter()`` first calls
+    ``dataset.set_epoch(epoch_fn())`` (skipped when ``epoch_fn`` is ``None`` or returns ``None``).
+
+    Lightning calls ``set_epoch`` on samplers only, and an IterableDataset's DataLoader may not
+    have a custom sampler, so a stream would never learn the epoch. Pass e.g.
+    ``epoch_fn=lambda: fit_progress(dm.trainer)[0] if dm.trainer else None``. With
+    ``persistent_workers`` the workers keep their own copy of the dataset: its ``set_epoch``
+    must write to shared memory (a ``share_memory_()`` tensor) for them to see it.
+    Other arguments: :class:`torch.utils.data.DataLoader`'s.
+    """
+
+    def __init__(self, dataset: IterableDataset, *args: Any,
+                 epoch_fn: Callable[[], int | None] | None = None, **kwargs: Any) -> None:
+        super().__init__(dataset, *args, **kwargs)
+        self.epoch_fn = epoch_fn
+
+    def __iter__(self):
+        epoch = self.epoch_fn() if self.epoch_fn is not None else None
+        if epoch is not None:
+            self.dataset.set_epoch(epoch)
+        return super().__iter__()
 
 
 # --------------------------------------------------------------------------- FSDP

@@ -56,6 +56,17 @@ class EvalSumsHooks:
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, except under FSDP: Lightning's FSDP precision plugin refuses
+        ``gradient_clip_algorithm="norm"``, so the root FSDP module's ``clip_grad_norm_`` clips
+        by the global norm over all shards (the same rule as unsharded clipping)."""
+        root = getattr(self.trainer.strategy, "model", None)
+        if gradient_clip_val and gradient_clip_algorithm in (None, "norm") and hasattr(root, "clip_grad_norm_"):
+            root.clip_grad_norm_(gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                            gradient_clip_algorithm=gradient_clip_algorithm)
+
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
 

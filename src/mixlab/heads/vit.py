@@ -62,16 +62,18 @@ def to_hw(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 def vit_backbone(position: str = "goat2d", d_model: int = 384, n_layers: int = 12, n_heads: int = 6,
                  n_modes: int = 16, drop_path: float = 0.1, **kw: Any) -> BackboneConfig:
-    """ViT-S/16 defaults (dim 384, depth 12, 6 heads, MLP ratio 4 GELU, drop-path 0.1, bidirectional)
-    with the attention mixer for ``position`` (GOAT: ``n_modes`` Fourier modes over 2 axes)."""
+    """ViT-S/16 defaults as timm's ``vit_small_patch16_224`` (dim 384, depth 12, 6 heads, LayerNorm
+    eps 1e-6, MLP ratio 4 GELU, biases in qkv/proj/MLP, drop-path 0.1, bidirectional) with the
+    attention mixer for ``position`` (GOAT: ``n_modes`` Fourier modes over 2 axes)."""
     if position not in POSITIONS:
         raise ValueError(f"position must be one of {POSITIONS}; got {position!r}")
     mixer = _POSITION_MIXER[position]
-    args: dict[str, dict] = {}
+    args: dict[str, dict] = {mixer: {"bias": True}}
     if mixer == "goat":
-        args = {"goat": {"position_args": {"n_modes": n_modes, "axes": 2, "default_bias": True}}}
+        args[mixer]["position_args"] = {"n_modes": n_modes, "axes": 2, "default_bias": True}
     elif mixer == "rope":
-        args = {"rope": {"position_args": {"axes": 2}}}
+        args[mixer]["position_args"] = {"axes": 2}
+    kw.setdefault("norm", "layernorm")
     return BackboneConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, mixer_args=args,
                           causal=False, mlp="gelu", mlp_ratio=4.0, drop_path=drop_path, bias=True, **kw)
 

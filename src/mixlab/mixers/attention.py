@@ -85,59 +85,65 @@ class Attention(Mixer):
         self.position_name = position
         self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
         self.d_c = self.pos.content_dim
-        # q/k content and v are separate projections: with lanes appended, q' and k' are new
-        # tensors and the q/k buffer is freed, so saved activations match a plain layer's.
-        self.qk = nn.Linear(d_model, 2 * n_heads * self.d_c, bias=bias)
-        self.v = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        # One packed projection, per token [q | k | v], each [H, d_h], as in a plain layer. For
+        # lane schemes the last n_lanes rows of every q/k head are inert: those outputs are
+        # replaced by the lanes, so these rows get exactly zero gradient (kept at zero by
+        # reset_parameters; counted by `inert_params`).
+        self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
         self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.proj._is_residual = True  # type: ignore[attr-defined]
+
+    @property
+    def inert_params(self) -> int:
+        """Number of qkv weight/bias entries that feed lane dims (always zero, zero gradient)."""
+        per_row = self.d_model + (1 if self.qkv.bias is not None else 0)
+        return 2 * self.n_heads * self.pos.n_lanes * per_row
 
     def reset_parameters(self) -> None:
         if hasattr(self.pos, "reset_parameters"):
             self.pos.reset_parameters()
+        if self.pos.n_lanes:
+            with torch.no_grad():
+                rows = self.qkv.weight.view(3, self.n_heads, self.head_dim, -1)[:2, :, self.d_c:]
+                rows.zero_()
+                if self.qkv.bias is not None:
+                    self.qkv.bias.view(3, self.n_heads, self.head_dim)[:2, :, self.d_c:].zero_()
 
     # ------------------------------------------------------------------ pieces
     def _split(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``x [B, T, D]`` -> content ``q, k [B, H, T, d_c]`` and ``v [B, H, T, d_h]``."""
+        """``x [B, T, D]`` -> content ``q, k [B, H, T, d_c]`` and ``v [B, H, T, d_h]`` (views)."""
         b, t, _ = x.shape
-        h = self.n_heads
-        q, k = self.qk(x).view(b, t, 2, h, self.d_c).permute(2, 0, 3, 1, 4)
-        return q, k, self.v(x).view(b, t, h, self.head_dim).transpose(1, 2)
-
-    def _pack(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> tuple[Tensor, Tensor]:
-        """Content ``q, k [B, H, T, d_c]`` -> SDPA inputs ``[B, H, T, d_h]`` (lanes appended or RoPE)."""
-        if self.pos.n_lanes == 0:
-            return self.pos.rotate(q, cq), self.pos.rotate(k, ck)
-        ql, kl = self.pos.lanes(cq, ck, q.dtype)
-        b = q.shape[0]
-        return torch.cat([q, ql.expand(b, -1, -1, -1)], dim=-1), torch.cat([k, kl.expand(b, -1, -1, -1)], dim=-1)
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return q[..., : self.d_c], k[..., : self.d_c], v
 
     @staticmethod
     def _append(cache: dict | None, name: str, new: Tensor) -> Tensor:
         """Concatenate ``new`` after the cached tensor ``name`` (token dim 2) and store it."""
         if cache is None:
             return new
-        if name in cache:
-            new = torch.cat([cache[name], new], dim=2)
+        # cat (or contiguous) copies: the cache must not keep the whole packed qkv buffer alive
+        new = torch.cat([cache[name], new], dim=2) if name in cache else new.contiguous()
         cache[name] = new
         return new
 
     def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
         b, t, _ = x.shape
-        q, k, v = self._split(x)
         past = cache["v"].shape[2] if cache is not None and "v" in cache else 0
         cq = coords if coords is not None else Coords.seq(t, offset=past, device=x.device)
         ck = cq if not past else Coords.cat([cache["coords"], cq])
         if cache is not None:
             cache["coords"] = ck
-        v = self._append(cache, "v", v)
         if self.impl == "reference":
+            q, k, v = self._split(x)
+            v = self._append(cache, "v", v)
             p = self._probs(q, self._append(cache, "kc", k), cq, ck)
             if self.training and self.dropout:
                 p = F.dropout(p, self.dropout)
             y = p @ v
         else:
-            qp, kp = self._pack(q, k, cq, cq)
+            # 2-D projection: its output is a base tensor (GOAT may write lanes into it in place)
+            qp, kp, v = self.pos.pack(self.qkv(x.reshape(b * t, -1)), cq, b)
+            v = self._append(cache, "v", v)
             kp = self._append(cache, "k", kp)
             drop = self.dropout if self.training else 0.0
             scale = 1.0 / math.sqrt(self.d_c)  # content logits / sqrt(d_c); lanes carry sqrt(d_c)

@@ -8,7 +8,9 @@ Recurrent block: ``y = W_out( GeLU(W_gate x) * RG-LRU(Conv1D(W_in x)) )`` with::
     log a_t = -c * r_t * softplus(-Lambda)    (a_t = sigmoid(Lambda)^(c r_t), c = 8)
     h_t = a_t h_{t-1} + sqrt(1 - a_t^2) (i_t u_t)
 
-The scan is :func:`mixlab.ops.scan.linear_scan` (fla ``chunk_hgrn`` on CUDA).
+The scan is :func:`mixlab.ops.scan.linear_scan`: the hierarchical chunked torch scan on every
+device (``impl="auto"``). fla ``chunk_hgrn`` (``impl="fla"``) is opt-in only: it failed the
+device check on fla-core 0.6.0 + Triton 3.6 (H200; output 12% / gradients 27% off).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ class Hawk(Mixer):
         conv_size: temporal conv kernel (Griffin: 4; 0 disables).
         c: gate exponent constant (8 in the paper).
         a_min, a_max: ``a^c`` initialised uniform in [a_min, a_max] (paper 0.9, 0.999).
-        impl: scan implementation (``"auto"``, ``"chunk"``, ``"loop"``, ``"fla"``).
+        impl: scan implementation: ``"auto"`` = ``"chunk"`` (torch chunked scan, every device),
+            ``"loop"`` (reference), ``"fla"`` (fla ``chunk_hgrn``; WARNING: failed the device
+            check on fla-core 0.6.0 + Triton 3.6 (H200), explicit opt-in for re-checks only).
 
     Forward: ``x [B, T, D]`` -> ``[B, T, D]``; ``cache`` holds ``state [B, W]`` and the conv tail.
 

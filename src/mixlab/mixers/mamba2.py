@@ -3,8 +3,9 @@
 ``in_proj -> (z, x, B, C, dt)``; SiLU short conv on ``(x, B, C)``; ``dt = softplus(dt + dt_bias)``,
 ``A = -exp(A_log)`` per head; SSD ``h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T``,
 ``y_t = h_t^T C_t + D x_t``; ``y = RMSNorm(y * silu(z))``; ``out_proj``. The SSD runs as simple
-GLA (``q=C, k=B, v=dt*x, g=dt*A, scale=1``; fla ``chunk_simple_gla`` on CUDA), see
-:func:`mixlab.ops.gla.mamba2_ssd`.
+GLA (``q=C, k=B, v=dt*x, g=dt*A, scale=1``), see :func:`mixlab.ops.gla.mamba2_ssd`. On CUDA
+that is fla ``chunk_gla`` with the per-head log gate broadcast over the state dim (identical
+math); fla ``chunk_simple_gla`` cannot run its backward on Hopper with Triton 3.6 (fla #640).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ class Mamba2(Mixer):
         conv_size: short conv kernel (4).
         dt_min, dt_max: dt initialised log-uniform in this range (stored as inverse softplus).
         a_init_range: ``A = -exp(A_log)`` with ``exp(A_log) ~ U(a_init_range)``.
-        impl: ``"auto"`` | ``"chunk"`` | ``"recurrent"`` | ``"fla"`` (simple GLA dispatch).
+        impl: ``"auto"`` (fla ``chunk_gla`` on CUDA, torch chunk elsewhere) | ``"chunk"`` |
+            ``"recurrent"`` | ``"fla"`` | ``"fla_simple"`` (fla ``chunk_simple_gla``: opt-in only,
+            its backward fails on Hopper + Triton 3.6, fla #640); see :func:`mixlab.ops.gla.simple_gla`.
 
     Forward: ``x [B, T, D]`` -> ``[B, T, D]``; ``cache`` holds ``state [B, H, N, P]`` and the conv tail.
 

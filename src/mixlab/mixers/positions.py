@@ -64,6 +64,25 @@ class PositionScheme(nn.Module):
         """Rotate ``x [B, H, T, d]`` (RoPE only); identity by default."""
         return x
 
+    def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Packed projection ``qkv [B * T, 3 * H * d_h]`` (per token ``[q | k | v]``, each
+        ``[H, d_h]``; ``batch = B``) -> SDPA inputs ``q, k, v [B, H, T, d_h]`` (strided views or
+        new tensors).
+
+        Lane schemes replace the last ``n_lanes`` dims of every q/k head by the lanes (the
+        projection's outputs there are discarded, so they get no gradient); RoPE rotates.
+        Subclasses may write the lanes in place (GOAT's Triton path): pass the projection's
+        own 2-D output, not a view of it, or autograd copies the whole gradient twice.
+        """
+        t = qkv.shape[0] // batch
+        q, k, v = qkv.view(batch, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.n_lanes == 0:
+            return self.rotate(q, coords), self.rotate(k, coords), v
+        ql, kl = self.lanes(coords, coords, qkv.dtype)
+        d_c = self.content_dim
+        return (torch.cat([q[..., :d_c], ql.expand(batch, -1, -1, -1)], dim=-1),
+                torch.cat([k[..., :d_c], kl.expand(batch, -1, -1, -1)], dim=-1), v)
+
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor | None:
         """Explicit additive log-prior ``[B|1, H, Tq, Tk]`` for the reference path, or None."""
         return None
@@ -300,12 +319,39 @@ class GoatPrior(PositionScheme):
         cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
         p = self._params(calc)
         fn = G.GoatLanes
-        if self.lane_impl == "triton" or (self.lane_impl == "auto" and cos_q.is_cuda and calc == torch.float32
-                                          and self.log_freqs is None):
+        if self._use_triton(cos_q, calc):
             from mixlab.ops.goat_triton import GoatLanesTriton as fn  # one kernel forward, one backward
         return fn.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
                                  fk["j_hi"], fk["j_lo"], fk["is_bos"], fk["is_none"], p["alpha"], p["beta"],
                                  p["slope"], p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, dtype)
+
+    def _use_triton(self, feature: Tensor, calc: torch.dtype) -> bool:
+        """Triton lanes: forced by ``lane_impl="triton"``, or ``auto`` on CUDA for fp32 lane
+        math with fixed frequencies (learned frequencies need gradients into cos/sin)."""
+        if self.lane_impl == "triton":
+            if self.log_freqs is not None:
+                raise ValueError("GOAT lane_impl='triton' does not support learned_freqs=True; use 'auto' or 'torch'")
+            return True
+        return self.lane_impl == "auto" and feature.is_cuda and calc == torch.float32 and self.log_freqs is None
+
+    def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`PositionScheme.pack`. On the Triton path the lanes are written into
+        ``qkv``'s lane dims in place (:class:`~mixlab.ops.goat_triton.GoatLanesInplace`): the
+        layer then costs a plain qkv + SDPA + proj layer plus one kernel forward and one
+        backward, with no concatenation and no extra saved activation."""
+        calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
+        f = self._features(coords, calc)
+        if not self._use_triton(f["present"], calc) or f["present"].shape[0] not in (1, batch):
+            return super().pack(qkv, coords, batch)
+        from mixlab.ops.goat_triton import GoatLanesInplace
+
+        cos, sin = self._cos_sin(f, calc)
+        p = self._params(calc)
+        t, h, d_h = qkv.shape[0] // batch, self.n_heads, self.head_dim
+        qkv = GoatLanesInplace.apply(qkv, batch, cos, sin, f["present"], f.get("phi"), f["j_hi"],
+                                     f["j_lo"], f["is_bos"], f["is_none"], p["alpha"], p["beta"], p["slope"],
+                                     p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, d_h)
+        return qkv.view(batch, t, 3, h, d_h).permute(2, 0, 3, 1, 4).unbind(0)
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
         return self.prior_terms(coords_q, coords_k, dtype)["total"]

@@ -10,7 +10,10 @@ Recurrence per head, state ``S [K, V]``::
 state ``[B, H, K, V]`` float32 (float64 for float64 inputs).
 
 * ``*_recurrent`` - token loop (reference). * ``*_chunk`` - chunkwise torch (CPU).
-* :func:`gla`, :func:`simple_gla` - dispatch (fla ``chunk_gla`` / ``chunk_simple_gla`` on CUDA).
+* :func:`gla`, :func:`simple_gla` - dispatch (fla ``chunk_gla`` on CUDA for both: the scalar
+  gate is broadcast over K, ``gk = g[..., None].expand(B, T, H, K)``, which is the same
+  recurrence; fla ``chunk_simple_gla`` refuses its backward on Hopper with Triton 3.6, fla
+  #640, and is reachable only by ``impl="fla_simple"``).
 * :func:`mamba2_ssd_loop` - Mamba2's recurrence written out; :func:`mamba2_ssd` - the
   mapping ``simple_gla(q=C, k=B, v=dt*x, g=dt*A, scale=1)``.
 """
@@ -115,7 +118,8 @@ def gla_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = 
 
 def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = None, initial_state: Tensor | None = None,
         impl: str = "auto", chunk_size: int = 16) -> tuple[Tensor, Tensor]:
-    """GLA with a per-channel gate g ``[B, T, H, K]``; ``impl`` ``auto|chunk|recurrent|fla``.
+    """GLA with a per-channel gate g ``[B, T, H, K]``; ``impl`` ``auto|chunk|recurrent|fla``
+    (``"auto"``: fla ``chunk_gla`` for CUDA tensors that are not float64 and T > 1, else chunk).
 
     Returns ``o [B, T, H, V]`` and the final state ``[B, H, K, V]``.
 
@@ -128,30 +132,60 @@ def gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = None, 
 
 def simple_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None = None,
                initial_state: Tensor | None = None, impl: str = "auto", chunk_size: int = 16) -> tuple[Tensor, Tensor]:
-    """GLA with one gate per head g ``[B, T, H]`` (Mamba2 SSD, RetNet-like); as :func:`gla`."""
+    """GLA with one gate per head g ``[B, T, H]`` (Mamba2 SSD, RetNet-like); as :func:`gla`.
+
+    ``impl="fla"`` (and ``"auto"`` on CUDA) runs fla ``chunk_gla`` with the gate broadcast over
+    the key dim (``Diag(exp(g_t) 1_K) = exp(g_t) I``: identical math). ``impl="fla_simple"``
+    calls fla ``chunk_simple_gla`` directly; WARNING: its backward raises on Hopper GPUs with
+    Triton 3.6 (fla #640; seen with fla-core 0.6.0 on the H200), so it is opt-in only.
+    """
     _check(q, k, v, g, False, initial_state)
     return _dispatch(q, k, v, g, scale, initial_state, impl, chunk_size, "chunk_simple_gla")
 
 
+def _require_cuda(q: Tensor, fla_name: str) -> None:
+    if not q.is_cuda:
+        raise ValueError(f"gla: impl='fla' (fla-core {fla_name}) needs CUDA tensors")
+
+
+def _fla_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, initial_state: Tensor | None
+             ) -> tuple[Tensor, Tensor]:
+    """fla ``chunk_gla`` (imported here only; fla layout ``[B, T, H, K]``, not head-first).
+
+    A scalar per-head gate ``[B, T, H]`` is broadcast to ``[B, T, H, K]`` (the simple-GLA /
+    Mamba2 case; autograd sums dg over K). ``scale=None`` -> fla's ``K ** -0.5`` (same as the
+    torch paths); the initial state is passed as float32 ``[B, H, K, V]`` (fla asserts it).
+    Returns ``o [B, T, H, V]`` (dtype of v) and the float32 final state ``[B, H, K, V]``.
+    """
+    from fla.ops.gla import chunk_gla
+
+    if g.dim() == 3:
+        g = g.unsqueeze(-1).expand(*q.shape)
+    h0 = None if initial_state is None else initial_state.float()
+    q, k, v = (z.contiguous() for z in (q, k, v))
+    return chunk_gla(q, k, v, g.float().contiguous(), scale=scale, initial_state=h0, output_final_state=True)
+
+
 def _dispatch(q, k, v, g, scale, initial_state, impl, chunk_size, fla_name):
     if impl == "auto":
-        impl = "fla" if q.is_cuda and q.shape[1] > 1 else "chunk"
+        impl = "fla" if q.is_cuda and q.shape[1] > 1 and q.dtype != torch.float64 else "chunk"
     if impl == "chunk":
         return gla_chunk(q, k, v, g, scale, initial_state, chunk_size)
     if impl == "recurrent":
         return gla_recurrent(q, k, v, g, scale, initial_state)
     if impl == "fla":
-        if not q.is_cuda:
-            raise ValueError(f"gla: impl='fla' (fla-core {fla_name}) needs CUDA tensors")
-        import fla.ops.gla
-        import fla.ops.simple_gla
+        _require_cuda(q, "chunk_gla")
+        return _fla_gla(q, k, v, g, scale, initial_state)
+    if impl == "fla_simple" and fla_name == "chunk_simple_gla":  # opt-in: backward fails on Hopper (fla #640)
+        _require_cuda(q, fla_name)
+        from fla.ops.simple_gla import chunk_simple_gla
 
-        fn = fla.ops.gla.chunk_gla if fla_name == "chunk_gla" else fla.ops.simple_gla.chunk_simple_gla
         h0 = None if initial_state is None else initial_state.float()
         q, k, v = (z.contiguous() for z in (q, k, v))
-        o, s = fn(q, k, v, g.float().contiguous(), scale=scale, initial_state=h0, output_final_state=True)
-        return o, s
-    raise ValueError(f"gla: impl must be 'auto', 'chunk', 'recurrent' or 'fla'; got {impl!r}")
+        return chunk_simple_gla(q, k, v, g.float().contiguous(), scale=scale, initial_state=h0,
+                                output_final_state=True)
+    extra = ", 'fla' or 'fla_simple'" if fla_name == "chunk_simple_gla" else " or 'fla'"
+    raise ValueError(f"gla: impl must be 'auto', 'chunk', 'recurrent'{extra}; got {impl!r}")
 
 
 def simple_gla_recurrent(q, k, v, g, scale=None, initial_state=None):
@@ -192,7 +226,10 @@ def mamba2_ssd_loop(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, init
 def mamba2_ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, initial_state: Tensor | None = None,
                impl: str = "auto", chunk_size: int = 16) -> tuple[Tensor, Tensor]:
     """Mamba2 SSD through simple GLA: ``simple_gla(q=C, k=B, v=dt*x, g=dt*A, scale=1)``.
-    Arguments and returns as :func:`mamba2_ssd_loop`."""
+
+    On CUDA (``impl="auto"``/``"fla"``) this is fla ``chunk_gla`` with ``g = dt*A`` broadcast
+    over the state dim N (see :func:`simple_gla`). Arguments and returns as
+    :func:`mamba2_ssd_loop`."""
     v = x * dt.unsqueeze(-1).to(x.dtype)
     g = dt.float() * a.float() if x.dtype != torch.float64 else dt * a
     return simple_gla(c, b, v, g, scale=1.0, initial_state=initial_state, impl=impl, chunk_size=chunk_size)

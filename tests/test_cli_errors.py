@@ -1,0 +1,72 @@
+"""Bad input through ``python -m mixlab``: one line ``error: <field>: <message>``, exit status 2.
+
+In-process calls of :func:`mixlab.cli.main` (no subprocess): SystemExit and stderr are
+captured. jsonargparse's own messages for config typos must stay as they are.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixlab import cli
+from mixlab.registry import list_mixers
+
+GOAT = str(Path(__file__).resolve().parents[1] / "configs" / "genome" / "goat.yaml")
+
+
+def _fail(capsys, monkeypatch, tmp_path, *overrides: str) -> list[str]:
+    """Run ``fit`` on the goat config with ``overrides``; return the stderr lines after exit 2."""
+    monkeypatch.setattr(sys, "argv", ["mixlab"])  # pytest's own argv is not ours
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", GOAT, "--trainer.max_steps=1", "--run_root", str(tmp_path),
+                  *overrides])
+    assert info.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_constructor_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer=goatx")
+    assert err[-1] == f"error: model: unknown mixer 'goatx'; registered mixers: {', '.join(list_mixers())}"
+    assert not any("Union" in line or "Traceback" in line or "Namespace(" in line for line in err)
+
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: 20}}}")
+    assert err[-1] == ("error: model: head_dim=32 is too small for GOAT with n_modes=20: needs "
+                       "2R+2=42 positional lanes plus at least one content dim")
+
+
+def test_missing_fasta_at_setup_is_one_line(capsys, tmp_path, monkeypatch):
+    missing = tmp_path / "nonexistent.fa"
+    err = _fail(capsys, monkeypatch, tmp_path, f"--data.fasta={missing}")
+    assert err[-1] == f"error: data: FASTA file not found: {missing}"
+    assert not any("Traceback" in line for line in err)
+
+
+def test_config_typo_keeps_jsonargparse_message(capsys, tmp_path, monkeypatch):
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.d_modle=3")
+    assert any("d_modle" in line for line in err)
+    assert not any(line.startswith("error: model:") for line in err)
+
+
+def test_bad_input_error_walks_the_chain_and_skips_foreign_raises():
+    from mixlab.datamodules.genome import encode_sequence
+
+    try:
+        try:
+            encode_sequence("AC7", where="x.fa")  # raised in mixlab's source, no owner -> no field
+        except ValueError as inner:
+            raise ValueError("Does not validate against any of the Union subtypes") from inner
+    except ValueError as outer:
+        field, cause = cli.bad_input_error(outer)
+    assert field is None and str(cause) == "x.fa: character '7' at position 3 is not a DNA letter " \
+        "(expected ACGTN or IUPAC RYKMSWBDHV, any case)"
+    try:
+        raise ValueError("raised by a test, not by mixlab")  # a foreign raise keeps its traceback
+    except ValueError as foreign:
+        assert cli.bad_input_error(foreign) is None
+    try:
+        int("x")  # another library's ValueError
+    except ValueError as foreign:
+        assert cli.bad_input_error(foreign) is None
