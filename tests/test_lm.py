@@ -165,3 +165,18 @@ def test_every_shipped_config_parses(cfg):
     with pytest.raises(SystemExit) as e:
         main(["fit", "--config", str(ROOT / cfg), "--print_config"])
     assert e.value.code in (0, None)
+
+
+def test_abs_pos_decoding_equals_parallel_forward_with_a_recurrent_first_layer():
+    """Learned absolute positions in cached decoding come from the head's own counter, not from
+    layer 0's KV length (layer 0 here is recurrent and has none)."""
+    torch.manual_seed(0)
+    model = CausalLM(vocab_size=5, abs_pos_len=16,
+                     backbone=BackboneConfig(d_model=16, n_layers=2, n_heads=2, mixer="hawk,nope")).double().eval()
+    tokens = torch.randint(0, 5, (2, 9))
+    with torch.no_grad():
+        full = model(tokens)
+        caches = [{} for _ in model.backbone.blocks]
+        steps = torch.cat([model(tokens[:, :4], None, caches)] + [model(tokens[:, i:i + 1], None, caches)
+                                                                  for i in range(4, 9)], dim=1)
+    torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-9)

@@ -86,11 +86,14 @@ class CausalLM(EvalSumsHooks, pl.LightningModule):
         """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32)."""
         x = self.embed(tokens)
         if self.abs_pos is not None:
-            start = 0 if not caches or "v" not in caches[0] else caches[0]["v"].shape[2]
+            # decoding position kept by the head itself (layer 0 may be a recurrent mixer with no KV length)
+            start = caches[0].get("head_position", 0) if caches else 0
             end = start + tokens.shape[1]
             if end > self.abs_pos.num_embeddings:
                 raise ValueError(f"sequence of {end} tokens exceeds abs_pos_len={self.abs_pos.num_embeddings}")
             x = x + self.abs_pos.weight[start:end]
+            if caches:
+                caches[0]["head_position"] = end
         return self.lm_head(self.backbone(x, coords, caches)).float()
 
     @staticmethod
