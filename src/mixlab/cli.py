@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,6 +79,15 @@ class MixlabCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def before_fit(self) -> None:
+        """Silence Lightning's "dataloader is not resumable" warning for mixlab datamodules: it
+        checks the DataLoader object, while these restore the train position from the
+        checkpoint themselves (:class:`mixlab.distributed.ResumableDataModule`)."""
+        from mixlab.distributed import ResumableDataModule
+
+        if isinstance(self.datamodule, ResumableDataModule):
+            warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
