@@ -29,18 +29,19 @@ def _fail(capsys, monkeypatch, tmp_path, *overrides: str) -> list[str]:
 
 def test_constructor_errors_are_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer=goatx")
-    assert err[-1] == f"error: model: unknown mixer 'goatx'; registered mixers: {', '.join(list_mixers())}"
+    assert err[-2] == f"error: model: unknown mixer 'goatx'; registered mixers: {', '.join(list_mixers())}"
+    assert err[-1].startswith("(MIXLAB_TRACEBACK=1")
     assert not any("Union" in line or "Traceback" in line or "Namespace(" in line for line in err)
 
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: 20}}}")
-    assert err[-1] == ("error: model: head_dim=32 is too small for GOAT with n_modes=20: needs "
+    assert err[-2] == ("error: model: head_dim=32 is too small for GOAT with n_modes=20: needs "
                        "2R+2=42 positional lanes plus at least one content dim")
 
 
 def test_missing_fasta_at_setup_is_one_line(capsys, tmp_path, monkeypatch):
     missing = tmp_path / "nonexistent.fa"
     err = _fail(capsys, monkeypatch, tmp_path, f"--data.fasta={missing}")
-    assert err[-1] == f"error: data: FASTA file not found: {missing}"
+    assert err[-2] == f"error: data: FASTA file not found: {missing}"
     assert not any("Traceback" in line for line in err)
 
 

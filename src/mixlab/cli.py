@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         if found is None:
             raise
         field, cause = found
-        print(f"error: {field + ': ' if field else ''}{cause}", file=sys.stderr)
+        print(f"error: {field + ': ' if field else ''}{cause}\n(MIXLAB_TRACEBACK=1 shows the full traceback)",
+              file=sys.stderr)
         raise SystemExit(2) from None
 
 register_command("length-extrapolation", "mixlab.eval.length:main")
