@@ -71,3 +71,12 @@ def test_bad_input_error_walks_the_chain_and_skips_foreign_raises():
         int("x")  # another library's ValueError
     except ValueError as foreign:
         assert cli.bad_input_error(foreign) is None
+
+
+def test_trainer_misconfiguration_is_one_line(capsys, tmp_path, monkeypatch):
+    err = _fail(capsys, monkeypatch, tmp_path, "--trainer.strategy=dpp")
+    assert err[-2].startswith("error: trainer: You selected an invalid strategy name: `strategy='dpp'`")
+    fsdp = Path(GOAT).parents[1] / "trainer" / "fsdp.yaml"
+    err = _fail(capsys, monkeypatch, tmp_path, f"--config={fsdp}", "--trainer.accelerator=cpu", "--trainer.devices=1")
+    assert err[-2] == ("error: trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
+                       "configs/trainer/ddp.yaml (gloo)")

@@ -8,7 +8,8 @@ Defaults added to every run:
 * a TensorBoard logger at ``<run_root>/<task>/<run_name>/version_N`` (``task`` from the
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
   config sets ``trainer.logger``;
-* ModelCheckpoint (``last.ckpt`` + best on ``val/loss``), LearningRateMonitor,
+* ModelCheckpoints: ``last.ckpt`` rewritten at every validation (or epoch end without
+  validation) and the best on ``val/loss``; LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
@@ -39,6 +40,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from mixlab.callbacks import MixerMetrics, ThroughputMemory
 from mixlab.tb import HParams
@@ -62,7 +64,10 @@ class MixlabCLI(LightningCLI):
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
             "callbacks": [
-                ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_last=True, save_top_k=1),
+                # best on val/loss, and last.ckpt rewritten at EVERY validation / epoch end: Lightning 2.6's
+                # save_last only rewrites it when the monitored checkpoint improves
+                ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_top_k=1),
+                ModelCheckpoint(filename="last", save_top_k=1, enable_version_counter=False),
                 LearningRateMonitor(logging_interval="step"),
                 ThroughputMemory(),
                 MixerMetrics(),
@@ -81,13 +86,18 @@ class MixlabCLI(LightningCLI):
         )
 
     def before_fit(self) -> None:
-        """Silence Lightning's "dataloader is not resumable" warning for mixlab datamodules: it
-        checks the DataLoader object, while these restore the train position from the
-        checkpoint themselves (:class:`mixlab.distributed.ResumableDataModule`)."""
+        """Silence two Lightning warnings that are wrong for mixlab's own classes: "dataloader
+        is not resumable" (it checks the DataLoader object, while mixlab datamodules restore the
+        train position from the checkpoint, :class:`mixlab.distributed.ResumableDataModule`) and
+        "use sync_dist=True" for epoch-level eval metrics (the heads log exact sums that
+        torchmetrics already reduced over all ranks)."""
         from mixlab.distributed import ResumableDataModule
 
         if isinstance(self.datamodule, ResumableDataModule):
             warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
+        if type(self.model).__module__.startswith("mixlab.heads"):
+            # eval metrics are exact sums reduced across ranks by torchmetrics, identical on every rank
+            warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level.*")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
@@ -108,7 +118,16 @@ class MixlabCLI(LightningCLI):
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
-        return super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
+            raise ValueError(f"trainer: {err}") from err
+        from mixlab.distributed import FSDPStrategy
+
+        if isinstance(trainer.strategy, FSDPStrategy) and trainer.accelerator.__class__.__name__ == "CPUAccelerator":
+            raise ValueError("trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
+                             "configs/trainer/ddp.yaml (gloo)")
+        return trainer
 
 
 def _latest_checkpoint(run_dir: Path) -> str:

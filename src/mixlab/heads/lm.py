@@ -126,7 +126,7 @@ class CausalLM(EvalSumsHooks, pl.LightningModule):
         nll, valid, hits = self._nll(batch)
         n = valid.sum().clamp_min(1)
         loss = nll.sum() / n
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
         self.log("train/acc", hits.sum() / n)
         return loss
 

@@ -330,7 +330,7 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         else:
             logits = self(x)
             loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
         self.log("train/top1", (logits.argmax(-1) == y).float().mean() * 100)
         return loss
 

@@ -178,7 +178,7 @@ class SpatialVQA(EvalSumsHooks, pl.LightningModule):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         nll, hits = self._step(batch)
         loss = nll.mean()
-        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
         self.log("train/acc", hits.float().mean())
         return loss
 
