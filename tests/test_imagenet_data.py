@@ -286,3 +286,51 @@ def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_
         assert len(rest) == 8 - step
         for (e, x, y), (e_ref, x_ref, y_ref) in zip(rest, full[step:]):
             assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers):
+    """Real Trainer, 3 epochs x 4 steps; the module asks for ``trainer.estimated_stepping_batches`` in
+    ``configure_optimizers`` (as mixlab's heads do), so Lightning builds and iterates the train loader
+    before it restores the loops (the trainer's epoch still reads 0 then). Resuming mid epoch 1 (step 6),
+    at the last batch of epoch 1 (step 8) and mid epoch 2 (step 10) trains on exactly the uninterrupted
+    run's remaining batches, in the same epochs."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Rec(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = torch.nn.Linear(3 * 8 * 8, N_CLASSES), []
+
+        def training_step(self, batch, i):
+            self.seen.append((self.current_epoch, batch[0].clone(), batch[1].clone()))
+            return torch.nn.functional.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
+
+        def configure_optimizers(self):
+            assert self.trainer.estimated_stepping_batches == 12
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(ckpt=None):
+        pl.seed_everything(5)
+        dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
+                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=workers,
+                                train_samples=8, shuffle_buffer=4)
+        model = Rec()
+        cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")]
+        trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=not ckpt,
+                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, dm, ckpt_path=ckpt)
+        return model.seen
+
+    out, _ = shards
+    full = fit()
+    assert [e for e, _, _ in full] == [0] * 4 + [1] * 4 + [2] * 4
+    assert not torch.equal(full[4][1], full[0][1]) and not torch.equal(full[8][1], full[4][1])
+    for step in (6, 8, 10):
+        state = torch.load(tmp_path / f"step={step}.ckpt", weights_only=False)["ImageNetDataModule"]["train_stream"]
+        assert (state["epoch"], state["consumed_batches"]) == ((step - 1) // 4, (step - 1) % 4 + 1)
+        rest = fit(str(tmp_path / f"step={step}.ckpt"))
+        assert len(rest) == 12 - step
+        for j, ((e, x, y), (e_ref, x_ref, y_ref)) in enumerate(zip(rest, full[step:])):
+            assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref), (step, j)
