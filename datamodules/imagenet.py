@@ -219,8 +219,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.urls, self.decode, self.seed, self.rank, self.world = list(urls), decode, int(seed), rank, world
         self.batch_size, self.shuffle_buffer, self.shard_shuffle = batch_size, shuffle_buffer, bool(shard_shuffle)
         self.length, self.num_workers = length, num_workers
-        # [epoch, resume epoch, batches consumed in the resume epoch], shared with worker processes
-        self._state = torch.tensor([0, -1, 0], dtype=torch.int64).share_memory_()
+        # [epoch, resume epoch, batches consumed in the resume epoch, first epoch of the resumed run],
+        # shared with worker processes
+        self._state = torch.tensor([0, -1, 0, 0], dtype=torch.int64).share_memory_()
 
     @property
     def epoch(self) -> int:
@@ -229,13 +230,12 @@ class ShardStream(torch.utils.data.IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Read epoch ``epoch``'s order next time the stream is iterated (also in persistent workers).
 
-        The epoch of a loaded state whose batches were all consumed (a checkpoint written at the last
-        batch) becomes the next one: Lightning creates the resumed run's iterator before it moves on to
-        the next epoch, and trains that epoch on it."""
-        epoch = int(epoch)
-        if epoch == int(self._state[1]) and self._epoch_done(int(self._state[2])):
-            epoch += 1
-        self._state[0] = epoch
+        After :meth:`load_state_dict`, an epoch before the resumed one (the state's epoch, or the next
+        one when its batches were all consumed) reads as the resumed one. Lightning creates the resumed
+        run's iterator, and trains the resumed epoch on it, before it restores its loops (when the
+        model asks for ``trainer.estimated_stepping_batches``, so the trainer's epoch still reads 0)
+        or before it moves on to the next epoch (a checkpoint written at the last batch)."""
+        self._state[0] = max(int(epoch), int(self._state[3]))
 
     def _epoch_done(self, batches: int) -> bool:
         return self.length is not None and batches * self.batch_size >= self.length * max(1, self.num_workers)
@@ -254,7 +254,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue epoch ``state["epoch"]`` after ``state["consumed_batches"]`` batches (next iteration
-        of that epoch only; the next epoch if none is left, see :meth:`set_epoch`). A state saved under another world size, worker count, batch size, seed or
+        of that epoch only; the next epoch if none is left); earlier epochs given to :meth:`set_epoch`
+        from then on read as this one. A state saved under another world size, worker count, batch size, seed or
         shard count cannot be replayed: RuntimeWarning naming both values, and the epoch starts afresh."""
         mine = self.state_dict()
         changed = [f"{k} {state.get(k)} -> {mine[k]}" for k in ("seed", "world", "num_workers", "batch_size", "shards")
@@ -265,6 +266,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._state[1], self._state[2] = -1, 0
         else:
             self._state[1], self._state[2] = int(state["epoch"]), int(state["consumed_batches"])
+        done = not changed and self._epoch_done(int(state["consumed_batches"]))
+        self._state[3] = int(state["epoch"]) + int(done)  # the resumed run's first epoch
         self.set_epoch(int(state["epoch"]))
 
     def consumer_shards(self, epoch: int, pass_: int, worker: int, num_workers: int) -> list[str]:
@@ -295,7 +298,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
         info = torch.utils.data.get_worker_info()
         physical, n_workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, resume_epoch, resume_batches = self._state.tolist()
+        epoch, resume_epoch, resume_batches = self._state.tolist()[:3]
         consumed = resume_batches if epoch == resume_epoch else 0
         worker = (physical + consumed) % n_workers  # the role of this worker in the uninterrupted run
         base = stream_seed(self.seed, epoch, self.rank * n_workers + worker)
@@ -348,6 +351,7 @@ class ImageNetDataModule(ResumableDataModule):
     in_chans = 3
     _train_stream: ShardStream | None = None
     _pending_stream_state: dict[str, int] | None = None
+    _pending_stream_owner: Any = None  # the trainer that loaded _pending_stream_state
 
     def __init__(
         self,
@@ -459,11 +463,22 @@ class ImageNetDataModule(ResumableDataModule):
             return self.resumable_loader(ds, bs, train, seed=self.seed, **kw)
         if isinstance(ds, ShardStream):  # wds training: seeded per epoch, resumable
             self._train_stream = ds
-            if self._pending_stream_state:
-                ds.load_state_dict(self._pending_stream_state)
-                self._pending_stream_state = None
+            state = self._stream_state_to_apply()
+            if state:
+                ds.load_state_dict(state)
             return EpochSyncLoader(ds, batch_size=bs, epoch_fn=self._fit_epoch, **kw)
         return torch.utils.data.DataLoader(ds, batch_size=bs, **kw)
+
+    def _stream_state_to_apply(self) -> dict[str, int] | None:
+        """The loaded ``train_stream`` state while it still concerns the trainer's epoch. It is applied to
+        every train stream built in the resumed fit up to the epoch after its own (Lightning builds the
+        loader before it restores its loops, and again after them with ``reload_dataloaders_every_n_epochs``),
+        then dropped; a different trainer (a new fit) drops it too."""
+        state, epoch = self._pending_stream_state, self._fit_epoch()
+        if state and ((self._pending_stream_owner is not None and self.trainer is not self._pending_stream_owner)
+                      or (epoch is not None and epoch > int(state["epoch"]) + 1)):
+            state = self._pending_stream_state = None
+        return state
 
     def _fit_epoch(self) -> int | None:
         """The trainer's epoch (what Lightning gives samplers' ``set_epoch``); ``None`` without one."""
@@ -480,7 +495,7 @@ class ImageNetDataModule(ResumableDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the position saved by :meth:`state_dict` (applied to the next train loader)."""
         super().load_state_dict(state_dict)
-        self._pending_stream_state = state_dict.get("train_stream")
+        self._pending_stream_state, self._pending_stream_owner = state_dict.get("train_stream"), self.trainer
 
     def train_dataloader(self):
         return self._loader("train")

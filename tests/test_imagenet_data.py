@@ -288,13 +288,14 @@ def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_
             assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers):
+@pytest.mark.parametrize("workers,reload", [(0, 0), (2, 0), (0, 1)])
+def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, reload):
     """Real Trainer, 3 epochs x 4 steps; the module asks for ``trainer.estimated_stepping_batches`` in
     ``configure_optimizers`` (as mixlab's heads do), so Lightning builds and iterates the train loader
     before it restores the loops (the trainer's epoch still reads 0 then). Resuming mid epoch 1 (step 6),
     at the last batch of epoch 1 (step 8) and mid epoch 2 (step 10) trains on exactly the uninterrupted
-    run's remaining batches, in the same epochs."""
+    run's remaining batches, in the same epochs; also when Lightning rebuilds the loader every epoch
+    (``reload_dataloaders_every_n_epochs=1``: again after restoring its loops)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -319,7 +320,8 @@ def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers):
         model = Rec()
         cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")]
         trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=not ckpt,
-                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                             reload_dataloaders_every_n_epochs=reload)
         trainer.fit(model, dm, ckpt_path=ckpt)
         return model.seen
 

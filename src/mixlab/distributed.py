@@ -415,6 +415,9 @@ class EpochSyncLoader(DataLoader):
     ``epoch_fn=lambda: fit_progress(dm.trainer)[0] if dm.trainer else None``. With
     ``persistent_workers`` the workers keep their own copy of the dataset: its ``set_epoch``
     must write to shared memory (a ``share_memory_()`` tensor) for them to see it.
+    On resume Lightning may call ``iter()`` before it restores its loops (a model that reads
+    ``trainer.estimated_stepping_batches``), so ``epoch_fn`` then still gives 0: a dataset with
+    a loaded resume state must not go back to an earlier epoch (``ShardStream`` does not).
     Other arguments: :class:`torch.utils.data.DataLoader`'s.
     """
 
