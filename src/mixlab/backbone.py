@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
 from timm.layers import DropPath, Mlp, SwiGLU
 from torch import Tensor, nn
 

@@ -18,7 +18,6 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
