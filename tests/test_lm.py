@@ -182,19 +182,21 @@ def test_abs_pos_decoding_equals_parallel_forward_with_a_recurrent_first_layer()
     torch.testing.assert_close(steps, full, rtol=1e-9, atol=1e-9)
 
 
-def test_last_ckpt_is_rewritten_at_every_validation_even_when_val_loss_gets_worse(tmp_path, monkeypatch):
+def test_last_ckpt_holds_the_newest_state_not_the_best(tmp_path, monkeypatch):
     """``--ckpt_path last`` must resume where a run stopped: Lightning 2.6's ``save_last`` only
-    rewrites last.ckpt when the monitored (best) checkpoint improves, so the CLI adds its own."""
+    rewrites last.ckpt when the monitored (best) checkpoint improves, so the CLI adds its own
+    (every validation and the end of training)."""
     import sys
 
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     config = Path(__file__).resolve().parents[1] / "configs" / "genome" / "goat.yaml"
-    main(["fit", "--config", str(config), "--data.init_args.train_stride", "4096", "--trainer.max_steps", "6",
+    main(["fit", "--config", str(config), "--data.init_args.train_stride", "4096", "--trainer.max_steps", "7",
               "--trainer.val_check_interval", "null", "--trainer.check_val_every_n_epoch", "1",
               "--trainer.limit_val_batches", "1", "--model.init_args.optim.lr", "0.05",
               "--model.init_args.optim.warmup_steps", "1", "--model.init_args.optim.weight_decay", "0.0",
               "--trainer.enable_progress_bar", "false", "--run_root", str(tmp_path)])
     ckpts = sorted((tmp_path / "genome" / "goat" / "version_0" / "checkpoints").glob("*.ckpt"))
     steps = {p.name: torch.load(p, map_location="cpu", weights_only=False)["global_step"] for p in ckpts}
-    assert steps["last.ckpt"] == 6
-    assert [s for n, s in steps.items() if n != "last.ckpt"] == [3]  # val/loss got worse at step 6: best stays
+    assert steps["last.ckpt"] == 7  # the end of training (step 7 is mid-epoch, after the last validation)
+    best = [s for n, s in steps.items() if n != "last.ckpt"]
+    assert len(best) == 1 and best[0] in (3, 6)  # validations at steps 3 and 6 only

@@ -7,8 +7,9 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["ThroughputMemory", "MixerMetrics"]
+__all__ = ["ThroughputMemory", "MixerMetrics", "LastCheckpoint"]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -74,3 +75,22 @@ class MixerMetrics(pl.Callback):
 
     def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._log(pl_module, "test")
+
+
+class LastCheckpoint(ModelCheckpoint):
+    """``checkpoints/last.ckpt`` holding the NEWEST state, for ``--ckpt_path last``.
+
+    Rewritten at every validation (at every train epoch end when validation runs once per
+    epoch or not at all) and at the end of training, so a killed or finished run resumes
+    where it stopped. Lightning 2.6's ``ModelCheckpoint(save_last=True)`` rewrites
+    ``last.ckpt`` only when its monitored top-k checkpoint is saved, i.e. when the metric
+    improves. Keyword arguments go to :class:`~lightning.pytorch.callbacks.ModelCheckpoint`
+    (``dirpath``, ``every_n_train_steps``, ...).
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(filename="last", save_top_k=1, enable_version_counter=False, **kwargs)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._should_skip_saving_checkpoint(trainer):  # steps after the last save
+            self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))

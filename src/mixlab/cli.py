@@ -8,8 +8,8 @@ Defaults added to every run:
 * a TensorBoard logger at ``<run_root>/<task>/<run_name>/version_N`` (``task`` from the
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
   config sets ``trainer.logger``;
-* ModelCheckpoints: ``last.ckpt`` rewritten at every validation (or epoch end without
-  validation) and the best on ``val/loss``; LearningRateMonitor,
+* checkpoints: ``last.ckpt`` with the newest state (:class:`~mixlab.callbacks.LastCheckpoint`:
+  every validation and the end of training) and the best on ``val/loss``; LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
@@ -42,7 +42,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from mixlab.callbacks import MixerMetrics, ThroughputMemory
+from mixlab.callbacks import LastCheckpoint, MixerMetrics, ThroughputMemory
 from mixlab.tb import HParams
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
@@ -64,10 +64,9 @@ class MixlabCLI(LightningCLI):
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
             "callbacks": [
-                # best on val/loss, and last.ckpt rewritten at EVERY validation / epoch end: Lightning 2.6's
-                # save_last only rewrites it when the monitored checkpoint improves
+                # best on val/loss; last.ckpt = newest state (Lightning 2.6's save_last follows the best only)
                 ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_top_k=1),
-                ModelCheckpoint(filename="last", save_top_k=1, enable_version_counter=False),
+                LastCheckpoint(),
                 LearningRateMonitor(logging_interval="step"),
                 ThroughputMemory(),
                 MixerMetrics(),
