@@ -88,16 +88,10 @@ class Attention(Mixer):
         # One packed projection, per token [q | k | v], each [H, d_h], as in a plain layer. For
         # lane schemes the last n_lanes rows of every q/k head are inert: those outputs are
         # replaced by the lanes, so these rows get exactly zero gradient (kept at zero by
-        # reset_parameters; counted by `inert_params`).
+        # reset_parameters; they are included in parameter counts: 2 * H * n_lanes * (D + bias)).
         self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
         self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.proj._is_residual = True  # type: ignore[attr-defined]
-
-    @property
-    def inert_params(self) -> int:
-        """Number of qkv weight/bias entries that feed lane dims (always zero, zero gradient)."""
-        per_row = self.d_model + (1 if self.qkv.bias is not None else 0)
-        return 2 * self.n_heads * self.pos.n_lanes * per_row
 
     def reset_parameters(self) -> None:
         if hasattr(self.pos, "reset_parameters"):
