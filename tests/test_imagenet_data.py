@@ -6,6 +6,7 @@ import io
 import tarfile
 import warnings
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from PIL import Image
@@ -247,31 +248,37 @@ def test_wds_epochs_read_shards_in_different_seeded_orders_each_shard_once(shard
     assert y0.tolist() != y1.tolist()
 
 
+class _BatchRecorder(pl.LightningModule):
+    """Linear classifier that records ``(epoch, images, labels)`` of every training batch; with
+    ``expect_total_steps`` it reads ``trainer.estimated_stepping_batches`` in
+    ``configure_optimizers`` (as mixlab's heads do) and checks it."""
+
+    def __init__(self, expect_total_steps: int | None = None):
+        super().__init__()
+        self.lin, self.seen, self.expect = torch.nn.Linear(3 * 8 * 8, N_CLASSES), [], expect_total_steps
+
+    def training_step(self, batch, i):
+        self.seen.append((self.current_epoch, batch[0].clone(), batch[1].clone()))
+        return torch.nn.functional.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
+
+    def configure_optimizers(self):
+        if self.expect is not None:
+            assert self.trainer.estimated_stepping_batches == self.expect
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_path):
     """Real Trainer, 2 epochs x 4 steps, checkpoints every 3 steps: resuming from step 3 (mid epoch 0)
     and from step 4 (the last batch of epoch 0: Lightning builds the resumed iterator before it moves
     on to epoch 1) trains on exactly the uninterrupted run's remaining batches."""
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class Rec(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.seen = torch.nn.Linear(3 * 8 * 8, N_CLASSES), []
-
-        def training_step(self, batch, i):
-            self.seen.append((self.current_epoch, batch[0].clone(), batch[1].clone()))
-            return torch.nn.functional.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def fit(ckpt=None, every=None):
         pl.seed_everything(3)
         dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
                                 shuffle_buffer=4)
-        model = Rec()
+        model = _BatchRecorder()
         cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")] if every else []
         trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=bool(every),
                              limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
@@ -296,28 +303,14 @@ def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, r
     at the last batch of epoch 1 (step 8) and mid epoch 2 (step 10) trains on exactly the uninterrupted
     run's remaining batches, in the same epochs; also when Lightning rebuilds the loader every epoch
     (``reload_dataloaders_every_n_epochs=1``: again after restoring its loops)."""
-    import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
-
-    class Rec(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.seen = torch.nn.Linear(3 * 8 * 8, N_CLASSES), []
-
-        def training_step(self, batch, i):
-            self.seen.append((self.current_epoch, batch[0].clone(), batch[1].clone()))
-            return torch.nn.functional.cross_entropy(self.lin(batch[0].flatten(1)), batch[1])
-
-        def configure_optimizers(self):
-            assert self.trainer.estimated_stepping_batches == 12
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def fit(ckpt=None):
         pl.seed_everything(5)
         dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=workers,
                                 train_samples=8, shuffle_buffer=4)
-        model = Rec()
+        model = _BatchRecorder(expect_total_steps=12)
         cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")]
         trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=not ckpt,
                              limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
