@@ -8,7 +8,7 @@ Measures, in ONE process so every ratio is against an anchor measured in the sam
 
 1. Layer fwd+bwd time and peak memory at B8 T2048 d_model 768 H12 causal, bf16 autocast
    with fp32 parameters (as ``precision: bf16-mixed`` trains):
-   plain layer (anchor), mixlab goat (R=4), goat + torch.compile, rope, alibi, nope,
+   plain layer (anchor), plain + torch.compile, mixlab goat (R=4), goat + torch.compile, rope, alibi, nope,
    and goat-attention 0.1.1's ``GoatAttention`` when installed.
    Also checks that the GOAT fast path runs under the FLASH backend only.
 2. Genome-LM training tokens/s and peak memory, GOAT vs RoPE, 125M-class config
@@ -113,6 +113,8 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
     rows = []
     plain = Autocast(PlainAttention(D, H)).to(dev)
     rows.append(("plain qkv+SDPA+proj (anchor)", *time_fwd_bwd(plain, x)))
+    if not args.no_compile:  # compiled rows compare with the compiled plain layer (host overhead removed)
+        rows.append(("plain, torch.compile", *time_fwd_bwd(torch.compile(plain), x)))
     del plain
     for name, pa in [("goat", dict(n_modes=4)), ("goat", dict(n_modes=4, lane_impl="torch")),
                      ("rope", None), ("alibi", None), ("nope", None), ("goat", dict(n_modes=4))]:

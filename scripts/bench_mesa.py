@@ -188,7 +188,7 @@ def bench_inference(dev, shape, reps, err_heads: int) -> str:
 # ---------------------------------------------------------------------------- 3. decode
 @torch.no_grad()
 def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: int, n_heads: int, out_dir: str,
-                 steps: int = 32, warm: int = 4, no_cudnn: bool = True) -> str:
+                 steps: int = 32, warm: int = 4) -> str:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     known = set(list_mixers())
     variants = [("attention (rope, KV cache)", "rope", {}),
@@ -198,15 +198,7 @@ def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: in
         if name in known:
             variants.append((name, name, {}))
     curves: dict[str, list[float]] = {}
-    import contextlib
-
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    # cuDNN SDPA builds a graph per new key length (every decoding step); on the H200 (torch 2.11)
-    # cached attention decoded at ~100 tokens/s with the default backends. Keep flash / efficient / math.
-    backends = (sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-                if no_cudnn and dev.type == "cuda" else contextlib.nullcontext())
-    backends.__enter__()
+    # the attention mixers decode without cuDNN SDPA (mixlab.mixers.attention.sdpa)
     for label, mixer, margs in variants:
         try:
             torch.manual_seed(0)
@@ -234,7 +226,6 @@ def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: in
             traceback.print_exc()
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    backends.__exit__(None, None, None)
     anchor = curves[variants[0][0]]
     rows = []
     for label, tps in curves.items():
@@ -261,7 +252,7 @@ def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: in
         print(f"plot failed: {e}")
     title = (f"### 3. Decode tokens/s vs generated length (batch {batch}, {n_layers} layers, d_model {d_model}, "
              f"{n_heads} heads, {str(dtype)[6:]}; caches prefilled to L - {steps}, then {steps - warm} timed "
-             f"single-token steps ending at L; SDPA {'without cuDNN' if no_cudnn else 'default backends'}; "
+             f"single-token steps ending at L; SDPA without cuDNN while decoding; "
              f"ratio vs attention)\n\n")
     return title + md_table(["mixer"] + [str(n) for n in lengths], rows) + "\n\nPlot: decode_tokens_per_s.png"
 
@@ -274,8 +265,6 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--sections", default="train,inference,decode")
     ap.add_argument("--decode-steps", type=int, default=32, help="decoding steps per length (4 of them untimed)")
-    ap.add_argument("--decode-cudnn", action="store_true",
-                    help="let SDPA pick cuDNN attention while decoding (default: flash / efficient / math only)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
                     help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
     args = ap.parse_args()
@@ -296,8 +285,7 @@ def main() -> None:
     for name, fn in (("train", lambda: bench_train(dev, shape, reps)),
                      ("inference", lambda: bench_inference(dev, shape, reps, err_heads)),
                      ("decode", lambda: bench_decode(dev, lengths, 8, dm, nl, nh, args.out,
-                                                     steps=min(args.decode_steps, min(lengths) - 1),
-                                                     no_cudnn=not args.decode_cudnn))):
+                                                     steps=min(args.decode_steps, min(lengths) - 1)))):
         if name not in sections:
             continue
         try:

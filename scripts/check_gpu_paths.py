@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")
     ap.add_argument("--mixers", nargs="*", default=None, help="subset of mixer names (default: all in PATHS)")
+    ap.add_argument("--heads", type=int, default=4,
+                    help="heads of the D=512 layer (K=V=512/heads); fla's float32 Mesa/KDA backward kernels need "
+                         "K=V <= 64 (--heads 8) on an H200's shared memory")
     ap.add_argument("--fla-max-configs", type=int, default=3,
                     help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
     ap.add_argument("--fast-impl", nargs="*", default=[], metavar="MIXER=IMPL",
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     from _fla_tune import limit_for_device
     limit_for_device(dev, args.fla_max_configs)
-    B, T, D, H = (1, 48, 64, 2) if args.smoke else (2, 1000, 512, 4)
+    B, T, D, H = (1, 48, 64, 2) if args.smoke else (2, 1000, 512, args.heads)
     names = [n for n in PATHS if n in list_mixers() and (args.mixers is None or n in args.mixers)]
     unknown = [n for n in list_mixers() if n not in PATHS]
     dtypes = [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]

@@ -30,7 +30,7 @@ def _randomise_goat(pos) -> None:
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name in ("alpha", "beta", "slope", "bos"):
-            if hasattr(pos, name) and isinstance(getattr(pos, name), torch.nn.Parameter):
+            if name in pos.learned_terms:
                 p = getattr(pos, name)
                 p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
 

@@ -112,7 +112,7 @@ def test_param_groups_exclude_norms_biases_embeddings_and_priors():
     decay_names = {names[id(p)] for p in decay["params"]}
     no_decay_names = {names[id(p)] for p in no_decay["params"]}
     assert "embed.weight" in no_decay_names  # tied with lm_head
-    assert any("pos.alpha" in n for n in no_decay_names) and any("pos.mlp_w1" in n for n in no_decay_names)
+    assert any(n.endswith("pos.prior") for n in no_decay_names)  # alpha, beta, slope, MLP: one flat vector
     assert any("norm1.weight" in n for n in no_decay_names)
     assert all(("pos." not in n) and ("norm" not in n) for n in decay_names)
     assert any(n.endswith("qkv.weight") for n in decay_names) and any("mlp.fc2.weight" in n for n in decay_names)

@@ -5,14 +5,20 @@ whole attention layer (``lane_impl="triton"``: lanes written into the packed qkv
 the same layer with torch lanes + concatenation: outputs and every parameter gradient.
 
 Prints one JSON line {case: max_abs_error}. Used by tests/test_goat_triton.py.
+On a GPU (``GOAT_CHECK_DEVICE=cuda``, no interpreter) it checks the compiled kernels, plus a
+ViT-S-sized layer (batch chunks of several images).
 """
 
 import json
+import os
 
 import torch
 
 from mixlab.ops.goat import GoatLanes
-from mixlab.ops.goat_triton import GoatLanesTriton
+from mixlab.ops.goat_triton import GoatLanesTriton, kernel_meta, pack_features, pack_params
+
+
+DEV = torch.device(os.environ.get("GOAT_CHECK_DEVICE", "cpu"))
 
 
 def case(Bq, Bk, Tq, Tk, R, H, F, D, slope, bos, default, mlp, seed):
@@ -27,11 +33,22 @@ def case(Bq, Bk, Tq, Tk, R, H, F, D, slope, bos, default, mlp, seed):
              (j // 128).float(), (j % 128).float(), (j == 0).float(), (torch.rand(Bk, Tk, generator=g) > 0.8).float())
     params = [rn(H, R), rn(H, R), rn(H) if slope else None, rn(H) if bos else None, rn(H) if default else None,
               rn(H, F, D) if mlp else None, rn(H, D) if mlp else None, rn(H, D) if mlp else None]
+    feats = tuple(f.to(DEV) for f in feats)
+    params = [None if p is None else p.to(DEV) for p in params]
+    phi = phi.to(DEV)
+    zq = lambda *s: torch.zeros(Bq, Tq, *s, device=DEV)
     outs = []
     for fn in (GoatLanes, GoatLanesTriton):
         ps = [None if p is None else p.clone().requires_grad_() for p in params]
-        ql, kl = fn.apply(*feats, *ps, 2.5, torch.float32)
-        gq, gk = torch.randn(ql.shape, generator=torch.Generator().manual_seed(1)), torch.randn(kl.shape, generator=torch.Generator().manual_seed(2))
+        if fn is GoatLanes:
+            ql, kl = fn.apply(*feats, *ps, 2.5, torch.float32)
+        else:  # packed features (the q side reads only cos/sin/presence) and one flat parameter vector
+            feat_q = pack_features(*feats[:3], zq(F) if mlp else None, zq(), zq(), zq(), zq())
+            feat_k = pack_features(*feats[3:6], phi if mlp else None, *feats[7:])
+            meta = kernel_meta(H, R, F if mlp else 0, D if mlp else 0, 2.5, slope=slope, bos=bos, default=default)
+            ql, kl = fn.apply(feat_q, feat_k, pack_params(*ps), meta, Bq, Bk, torch.float32)
+        gq = torch.randn(ql.shape, generator=torch.Generator().manual_seed(1)).to(DEV)
+        gk = torch.randn(kl.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
         (ql * gq).sum().add((kl * gk).sum()).backward()
         outs.append((ql.detach(), kl.detach(), [None if p is None else p.grad for p in ps]))
     (q0, k0, g0), (q1, k1, g1) = outs
@@ -54,25 +71,30 @@ def _graph_names(fn, seen=None):
     return names
 
 
-def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, bias=False):
+def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, bias=False, programs=512,
+               mlp=(8, 2)):
+    from mixlab.ops import goat_triton
+
+    goat_triton._PROGRAMS = programs  # few programs: batch chunks of several images, the last one partial
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
 
     torch.manual_seed(seed)
     args = dict(d_model=H * d_h, n_heads=H, causal=causal, position="goat", bias=bias)
-    pa = dict(n_modes=n_modes, axes=axes, init="random", default_bias=default, key_mlp_hidden=8, key_mlp_freqs=2)
+    pa = dict(n_modes=n_modes, axes=axes, init="random", default_bias=default, key_mlp_hidden=mlp[0], key_mlp_freqs=mlp[1])
     ref = Attention(**args, position_args=dict(pa, lane_impl="torch"))
     fast = Attention(**args, position_args=dict(pa, lane_impl="triton"))
     ref.reset_parameters()
     fast.load_state_dict(ref.state_dict())
-    x = torch.randn(B, T, H * d_h)
+    ref, fast = ref.to(DEV), fast.to(DEV)
+    x = torch.randn(B, T, H * d_h).to(DEV)
     if axes == 1:
-        c = Coords.seq(T)
+        c = Coords.seq(T, device=DEV)
     else:
         pos = torch.randint(0, 9, (B if per_sample else 1, T, axes))
         mask = torch.rand(B if per_sample else 1, T, axes) > 0.2
-        c = Coords(pos, mask, key=None)
-    gy = torch.randn(B, T, H * d_h)
+        c = Coords(pos.to(DEV), mask.to(DEV), key=None)
+    gy = torch.randn(B, T, H * d_h).to(DEV)
     outs = []
     for m in (ref, fast):
         xx = x.clone().requires_grad_()
@@ -97,10 +119,13 @@ res = {
     "layer_T1": layer_case(2, 1, 2, 16, 1, 1, True, False, False, 11),
     "layer_bias": layer_case(2, 40, 2, 16, 2, 1, False, False, False, 13, bias=True),
     "layer_2d_per_sample_default": layer_case(2, 37, 3, 16, 2, 2, False, True, True, 12),
+    "layer_2d_shared_batch_chunks": layer_case(5, 37, 2, 16, 2, 2, False, False, True, 14, programs=8),
 
     "self_mlp": case(1, 1, 70, 70, 3, 2, 6, 5, True, True, False, True, 0),
     "batch_q_default": case(2, 1, 33, 20, 2, 3, 4, 8, True, False, True, True, 1),
     "no_mlp_T1": case(1, 1, 1, 1, 1, 2, 3, 3, False, True, False, False, 2),
     "alibi_like_R0": case(1, 1, 65, 65, 0, 2, 3, 3, True, False, False, False, 3),
 }
+if DEV.type == "cuda":  # ViT-S/16 at 224: 196 patches + [CLS] (no coordinates), 6 heads, R=16, default MLP
+    res["layer_vit_s_B64"] = layer_case(64, 197, 6, 64, 16, 2, False, False, True, 15, mlp=(32, 8))
 print(json.dumps(res))

@@ -30,6 +30,28 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
+_DECODE_BACKENDS = None
+
+
+def sdpa(q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs: Any) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, **kwargs)``; while ``decoding`` with a cache on
+    CUDA, without the cuDNN backend.
+
+    cuDNN's SDPA builds a new graph for every new key length, i.e. at every decoding step:
+    measured on an H200 (torch 2.11), 4 cached layers decoded ~100 tokens/s with the default
+    backends and ~1,600 tokens/s with flash / efficient / math only (BENCHMARKS.md, issue 4).
+    """
+    if not (decoding and q.is_cuda):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    global _DECODE_BACKENDS
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if _DECODE_BACKENDS is None:
+        _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(_DECODE_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
 @register_mixer("goat", position="goat")
 @register_mixer("rope", position="rope")
 @register_mixer("alibi", position="alibi")
@@ -142,10 +164,10 @@ class Attention(Mixer):
             drop = self.dropout if self.training else 0.0
             scale = 1.0 / math.sqrt(self.d_c)  # content logits / sqrt(d_c); lanes carry sqrt(d_c)
             if self.causal and past and t > 1:
-                y = F.scaled_dot_product_attention(qp, kp, v, attn_mask=causal_mask(t, kp.shape[2], x.device),
-                                                   dropout_p=drop, scale=scale)
+                y = sdpa(qp, kp, v, cache is not None, attn_mask=causal_mask(t, kp.shape[2], x.device),
+                         dropout_p=drop, scale=scale)
             else:
-                y = F.scaled_dot_product_attention(qp, kp, v, is_causal=self.causal and not past, dropout_p=drop, scale=scale)
+                y = sdpa(qp, kp, v, cache is not None, is_causal=self.causal and not past, dropout_p=drop, scale=scale)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
     def _probs(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> Tensor:

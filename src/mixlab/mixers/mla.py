@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.attention import causal_mask
+from mixlab.mixers.attention import causal_mask, sdpa
 from mixlab.mixers.base import Mixer
 from mixlab.mixers.positions import RotaryPositions
 from mixlab.registry import register_mixer
@@ -143,7 +143,7 @@ class MultiHeadLatentAttention(Mixer):
                 z = z.masked_fill(~mask, float("-inf"))
             y = torch.softmax(z, -1) @ v
         elif self.causal and past and t > 1:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+            y = sdpa(q, k, v, cache is not None, attn_mask=mask, scale=self.scale)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal and not past, scale=self.scale)
+            y = sdpa(q, k, v, cache is not None, is_causal=self.causal and not past, scale=self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))

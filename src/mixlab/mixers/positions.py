@@ -177,31 +177,34 @@ class GoatPrior(PositionScheme):
             # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
             self._freqs_fixed = freqs
             self.log_freqs = None
-        if n_modes:
-            self.alpha = nn.Parameter(torch.zeros(n_heads, n_modes))
-            self.beta = nn.Parameter(torch.zeros(n_heads, n_modes))
-            no_decay(self.alpha, self.beta)
-        else:  # no Fourier lanes (ALiBi): keep empty buffers so no parameter goes unused under DDP
-            self.register_buffer("alpha", torch.zeros(n_heads, 0), persistent=False)
-            self.register_buffer("beta", torch.zeros(n_heads, 0), persistent=False)
-        if self.key_linear and learn_slope:
-            self.slope = nn.Parameter(torch.zeros(n_heads))
-            no_decay(self.slope)
-        elif self.key_linear:  # fixed slopes (ALiBi) are a buffer, saved with the model
-            self.register_buffer("slope", torch.zeros(n_heads))
-        if self.use_bos:
-            self.bos = nn.Parameter(torch.zeros(n_heads))
-            no_decay(self.bos)
-        if self.use_default:
-            self.default = nn.Parameter(torch.zeros(n_heads))
-            no_decay(self.default)
+        # Every learned term lives in ONE flat float32 vector ``prior`` in the Triton kernels'
+        # layout (alpha [H, R] | beta [H, R] | slope [H] | bos [H] | default [H] | b1 [H, D] |
+        # w2 [H, D] | w1 [H, F, D], absent terms take no space); ``alpha``, ``slope``, ``mlp_w1``,
+        # ... are views of it. One leaf instead of eight: the fast path passes it to the kernel
+        # as is and gets one gradient back (no per-step concatenation, split or eight
+        # gradient accumulations: a short attention layer is host-bound on a fast GPU).
+        # A fixed slope (``learn_slope=False``, ALiBi) is the buffer ``fixed_slope`` instead.
         self.key_mlp_hidden = key_mlp_hidden
-        if key_mlp_hidden > 0:
-            n_feat = axes * (2 * key_mlp_freqs + 2)
-            self.mlp_w1 = nn.Parameter(torch.empty(n_heads, n_feat, key_mlp_hidden))
-            self.mlp_b1 = nn.Parameter(torch.zeros(n_heads, key_mlp_hidden))
-            self.mlp_w2 = nn.Parameter(torch.zeros(n_heads, key_mlp_hidden))
-            no_decay(self.mlp_w1, self.mlp_b1, self.mlp_w2)
+        H, D = n_heads, key_mlp_hidden
+        n_feat = axes * (2 * key_mlp_freqs + 2) if D > 0 else 0
+        self.learn_slope = learn_slope
+        shapes = {"alpha": (H, n_modes), "beta": (H, n_modes), "slope": (H,) if self.key_linear and learn_slope else None,
+                  "bos": (H,) if self.use_bos else None, "default": (H,) if self.use_default else None,
+                  "mlp_b1": (H, D) if D > 0 else None, "mlp_w2": (H, D) if D > 0 else None,
+                  "mlp_w1": (H, n_feat, D) if D > 0 else None}
+        self._segments: dict[str, tuple[int, tuple[int, ...]]] = {}
+        offset = 0
+        for name, shape in shapes.items():
+            if shape is not None:
+                self._segments[name] = (offset, shape)
+                offset += math.prod(shape)
+        if offset:
+            self.prior = nn.Parameter(torch.zeros(offset))
+            no_decay(self.prior)
+        else:  # nothing learned (ALiBi): an empty buffer keeps the code path uniform
+            self.register_buffer("prior", torch.zeros(0), persistent=False)
+        if self.key_linear and not learn_slope:  # fixed slopes (ALiBi) are a buffer, saved with the model
+            self.register_buffer("fixed_slope", torch.zeros(n_heads))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -236,7 +239,7 @@ class GoatPrior(PositionScheme):
         """``[R]`` float64 angular frequencies (radians per coordinate unit)."""
         if self.log_freqs is not None:
             return self.log_freqs.double().exp()
-        return self._freqs_fixed.to(self.alpha.device)
+        return self._freqs_fixed.to(self.prior.device)
 
     def _coords(self, coords: Coords) -> Coords:
         return coords.with_axes(self.axes)
@@ -278,15 +281,36 @@ class GoatPrior(PositionScheme):
         ang = f["pos_r"] * self.freqs().to(f["pos_r"].device)  # learned frequencies: differentiable
         return torch.cos(ang).to(calc), torch.sin(ang).to(calc)
 
+    def _segment(self, name: str) -> Tensor | None:
+        """View of the learned term ``name`` in ``prior`` (None if the term is absent)."""
+        seg = self._segments.get(name)
+        if seg is None:
+            return None
+        o, shape = seg
+        return self.prior[o:o + math.prod(shape)].view(shape)
+
+    alpha = property(lambda self: self._segment("alpha"), doc="``[H, R]`` cosine amplitudes (view of ``prior``).")
+    beta = property(lambda self: self._segment("beta"), doc="``[H, R]`` sine amplitudes (view of ``prior``).")
+    bos = property(lambda self: self._segment("bos"), doc="``[H]`` BOS bias ``b_h`` or None.")
+    default = property(lambda self: self._segment("default"), doc="``[H]`` default ``u`` of tokens without coordinates or None.")
+    mlp_w1 = property(lambda self: self._segment("mlp_w1"), doc="``[H, F, D]`` first layer of ``g_h`` or None.")
+    mlp_b1 = property(lambda self: self._segment("mlp_b1"), doc="``[H, D]`` hidden bias of ``g_h`` or None.")
+    mlp_w2 = property(lambda self: self._segment("mlp_w2"), doc="``[H, D]`` output weights of ``g_h`` or None.")
+
+    @property
+    def slope(self) -> Tensor | None:
+        """``[H]`` key-linear slope ``lambda_h`` (view of ``prior``, or the ``fixed_slope`` buffer), or None."""
+        return self.fixed_slope if "fixed_slope" in self._buffers else self._segment("slope")
+
+    @property
+    def learned_terms(self) -> tuple[str, ...]:
+        """Names of the terms stored (and trained) in ``prior``."""
+        return tuple(self._segments)
+
     def _params(self, calc: torch.dtype) -> dict[str, Tensor | None]:
-        get = lambda name: getattr(self, name).to(calc) if hasattr(self, name) else None
-        return {
-            "alpha": self.alpha.to(calc), "beta": self.beta.to(calc),
-            "slope": get("slope") if self.key_linear else None,
-            "bos": get("bos") if self.use_bos else None,
-            "default": get("default") if self.use_default else None,
-            "w1": get("mlp_w1"), "b1": get("mlp_b1"), "w2": get("mlp_w2"),
-        }
+        cast = lambda t: None if t is None else t.to(calc)
+        return {"alpha": cast(self.alpha), "beta": cast(self.beta), "slope": cast(self.slope), "bos": cast(self.bos),
+                "default": cast(self.default), "w1": cast(self.mlp_w1), "b1": cast(self.mlp_b1), "w2": cast(self.mlp_w2)}
 
     def key_only(self, coords: Coords, dtype: torch.dtype = torch.float64) -> Tensor:
         """``u_h(j) = lambda_h j + g_h(phi_abs(j)) + b_h 1{j=0} (+ default if no axes)``, ``[B|1, H, T]``.
@@ -316,13 +340,49 @@ class GoatPrior(PositionScheme):
         fk = fq if coords_k is coords_q else self._features(coords_k, calc)
         cos_q, sin_q = self._cos_sin(fq, calc)
         cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
+        if self._use_triton(cos_q, calc):  # one kernel forward, one backward
+            from mixlab.ops.goat_triton import GoatLanesTriton
+
+            feat_q = self._packed_features(fq)
+            feat_k = feat_q if fk is fq else self._packed_features(fk)
+            return GoatLanesTriton.apply(feat_q, feat_k, self._flat_params(), self._kernel_meta(),
+                                         feat_q.shape[0], feat_k.shape[0], dtype)
         p = self._params(calc)
-        fn = G.GoatLanes
-        if self._use_triton(cos_q, calc):
-            from mixlab.ops.goat_triton import GoatLanesTriton as fn  # one kernel forward, one backward
-        return fn.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
+        return G.GoatLanes.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
                                  fk["j_hi"], fk["j_lo"], fk["is_bos"], fk["is_none"], p["alpha"], p["beta"],
                                  p["slope"], p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, dtype)
+
+    # ------------------------------------------------------------------ Triton fast path inputs
+    def _packed_features(self, f: dict[str, Tensor]) -> Tensor:
+        """``[B|1, T, NF]`` float32 features for the Triton kernels, cached in the feature dict."""
+        if "packed" not in f:
+            from mixlab.ops.goat_triton import pack_features
+
+            f["packed"] = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"],
+                                        f["is_bos"], f["is_none"])
+        return f["packed"]
+
+    def _flat_params(self) -> Tensor:
+        """The prior parameters as one flat float32 vector in the kernels' layout: ``prior``
+        itself, or with the fixed slope spliced in (one ``cat``)."""
+        flat = self.prior
+        if "fixed_slope" in self._buffers:
+            o = 2 * self.n_heads * self.n_modes
+            flat = torch.cat([flat[:o], self.fixed_slope.to(flat.dtype), flat[o:]])
+        return flat if flat.dtype == torch.float32 else flat.float()
+
+    def _kernel_meta(self) -> dict:
+        """Compile-time constants of the Triton kernels for this prior (computed once)."""
+        meta = self.__dict__.get("_meta")
+        if meta is None:
+            from mixlab.ops.goat_triton import kernel_meta
+
+            mlp = self.key_mlp_hidden > 0
+            meta = kernel_meta(self.n_heads, self.n_modes, self._segments["mlp_w1"][1][1] if mlp else 0,
+                               self.key_mlp_hidden if mlp else 0, self.lane_scale, slope=self.key_linear,
+                               bos=self.use_bos, default=self.use_default)
+            self.__dict__["_meta"] = meta
+        return meta
 
     def _use_triton(self, feature: Tensor, calc: torch.dtype) -> bool:
         """Triton lanes: forced by ``lane_impl="triton"``, or ``auto`` on CUDA for fp32 lane
@@ -344,12 +404,9 @@ class GoatPrior(PositionScheme):
             return super().pack(qkv, coords, batch)
         from mixlab.ops.goat_triton import GoatLanesInplace
 
-        cos, sin = self._cos_sin(f, calc)
-        p = self._params(calc)
         t, h, d_h = qkv.shape[0] // batch, self.n_heads, self.head_dim
-        qkv = GoatLanesInplace.apply(qkv, batch, cos, sin, f["present"], f.get("phi"), f["j_hi"],
-                                     f["j_lo"], f["is_bos"], f["is_none"], p["alpha"], p["beta"], p["slope"],
-                                     p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, d_h)
+        qkv = GoatLanesInplace.apply(qkv, self._packed_features(f), self._flat_params(), self._kernel_meta(),
+                                     batch, d_h)
         return qkv.view(batch, t, 3, h, d_h).permute(2, 0, 3, 1, 4).unbind(0)
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:

@@ -7,23 +7,27 @@ fast GPU.
 
 Two entry points share the kernels:
 
-* :class:`GoatLanesTriton` - drop-in for ``GoatLanes`` (same argument list): returns new
-  ``q_lanes [Bq, H, Tq, L]`` and ``k_lanes [Bk, H, Tk, L]``.
+* :class:`GoatLanesTriton` - lanes as new tensors ``q_lanes [Bq, H, Tq, L]`` and
+  ``k_lanes [Bk, H, Tk, L]`` (query and key coordinates may differ, e.g. decoding).
 * :class:`GoatLanesInplace` - writes the lanes straight into the packed ``qkv`` projection
-  output ``[B, T, 3 * H * d_h]`` (lanes are the last ``L`` dims of every q and k head), so
+  output ``[B * T, 3 * H * d_h]`` (lanes are the last ``L`` dims of every q and k head), so
   the GOAT layer costs a plain ``qkv -> SDPA -> proj`` layer plus these two kernels: no
   concatenation, no extra activation memory. Its backward zeroes the lane columns of the
   incoming gradient (the lanes overwrite those projection outputs, so the projection gets
   no gradient through them - exact).
 
-Grid: (head, token block of 64, batch chunk). With coordinates shared by the batch (the
-usual case) a program evaluates the lane features and the key MLP once and loops over its
-chunk's batch entries only to store (forward) or to sum lane gradients (backward).
+Kernel arguments are few on purpose (a single layer is host-bound on a fast GPU, and every
+launch argument costs host time): the parameter-free position features come as ONE cached
+``[B|1, T, NF]`` float32 tensor (:func:`pack_features`), the prior parameters as ONE flat
+float32 vector (:func:`pack_params`), and everything fixed by the layer's configuration
+(head layout, offsets, lane scale) is a compile-time constant (:func:`kernel_meta`).
 
-The backward writes per-program partial parameter gradients into rows of one flat fp32
-buffer laid out as the parameters themselves (``alpha [H, R] | beta [H, R] | slope [H] |
-bos [H] | default [H] | b1 [H, D] | w2 [H, D] | w1 [H, F, D]``), and one deterministic
-``sum`` over rows yields every gradient as a contiguous view (no per-parameter copies).
+Grid: (head, token block of 64, batch chunk). With coordinates shared by the batch (the
+usual case) a program evaluates the lane features and the key MLP once (the MLP's hidden
+layer and its weight gradient as ``tl.dot`` in IEEE float32) and loops over its chunk's
+batch entries only to store (forward) or to sum lane gradients (backward). The backward
+writes per-program partial gradients in the flat parameter layout into rows of one fp32
+buffer; one deterministic ``sum`` over rows is the gradient of the flat vector.
 
 Used on CUDA for float32 lane math with fixed frequencies (no gradient into cos/sin);
 everything else (CPU, float64 tests, learned frequencies) uses the torch ``GoatLanes``.
@@ -38,39 +42,52 @@ import triton.language as tl
 
 from mixlab.ops.goat import KEY_LINEAR_BLOCK
 
-__all__ = ["GoatLanesTriton", "GoatLanesInplace"]
+__all__ = ["GoatLanesTriton", "GoatLanesInplace", "kernel_meta", "pack_features", "pack_params"]
+
+_BLOCK_T = 64
+_PROGRAMS = 512  # shared features: batch chunks until the grid has about this many programs
+
+
+# ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def _fourier(feat, rows, rmask, l, NF: tl.constexpr, R: tl.constexpr):
+    """Per-lane ``(cos, sin) * presence`` of feature rows ``rows [BT]``: ``[BT, LP]``, lane
+    ``l`` reading mode ``l // 2`` (zero outside the ``2R`` relative lanes)."""
+    m = rmask[:, None] & (l < 2 * R)[None, :]
+    base = feat + rows[:, None] * NF + (l // 2)[None, :]
+    p = tl.load(base + 2 * R, mask=m, other=0.0)
+    return tl.load(base, mask=m, other=0.0) * p, tl.load(base + R, mask=m, other=0.0) * p
 
 
 @triton.jit
-def _key_mlp_hidden(phi, tk, tmk, w1, b1, h, F: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Pre-activation ``[BT, DP]`` of g_h's hidden layer for key rows ``tk`` (F rank-1 updates)."""
+def _column(feat, rows, rmask, C: tl.constexpr, NF: tl.constexpr):
+    """Feature column ``C`` of rows ``rows [BT]`` (0 for masked rows)."""
+    return tl.load(feat + rows * NF + C, mask=rmask, other=0.0)
+
+
+@triton.jit
+def _key_mlp(feat, rows, rmask, prm, h, NF: tl.constexpr, C_PHI: tl.constexpr, O_W1: tl.constexpr,
+             O_B1: tl.constexpr, F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """``(phi [BT, FP], pre-activation [BT, DP])`` of g_h's hidden layer: ``phi @ W1_h + b1_h``."""
+    f = tl.arange(0, FP)
     d = tl.arange(0, DP)
-    dm = d < D
-    hp = tl.zeros([tk.shape[0], DP], dtype=tl.float32) + tl.load(b1 + h * D + d, mask=dm, other=0.0)[None, :]
-    for f in tl.static_range(F):
-        pf = tl.load(phi + tk * F + f, mask=tmk, other=0.0)
-        hp += pf[:, None] * tl.load(w1 + (h * F + f) * D + d, mask=dm, other=0.0)[None, :]
-    return hp
+    phi = tl.load(feat + rows[:, None] * NF + C_PHI + f[None, :], mask=rmask[:, None] & (f < F)[None, :], other=0.0)
+    w1 = tl.load(prm + O_W1 + (h * F + f[:, None]) * D + d[None, :], mask=(f < F)[:, None] & (d < D)[None, :],
+                 other=0.0)
+    b1 = tl.load(prm + O_B1 + h * D + d, mask=d < D, other=0.0)
+    return phi, tl.dot(phi, w1, input_precision="ieee") + b1[None, :]
 
 
+# ----------------------------------------------------------------------------- kernels
 @triton.jit
-def _lane_features(cos, sin, pres, row, tmask, l, R: tl.constexpr):
-    """Per-lane ``(cos, sin)`` of token rows ``row [BT]`` times axis presence: ``[BT, LP]``,
-    lane ``l`` reading mode ``l // 2`` (zero outside the ``2R`` relative lanes)."""
-    m = tmask[:, None] & (l < 2 * R)[None, :]
-    off = row[:, None] * R + (l // 2)[None, :]
-    p = tl.load(pres + off, mask=m, other=0.0)
-    return tl.load(cos + off, mask=m, other=0.0) * p, tl.load(sin + off, mask=m, other=0.0) * p
-
-
-@triton.jit
-def _lanes_fwd(cosq, sinq, presq, cosk, sink, presk, phi, jhi, jlo, isbos, isnone,
-               alpha, beta, slope, bos, default, w1, b1, w2,
-               qout, q_off, sqb, sqh, sqt, kout, k_off, skb, skh, skt,
-               NQ, NK, Tq, Tk, BB, scale, cblock,
-               R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BLOCK_T: tl.constexpr, Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr,
-               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr):
+def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
+               ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
+               SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+               F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+               O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+               O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
+               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
+               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
     """Program (head h, token block, batch chunk of BB outputs) builds the block's ``[BT, L]``
     q and k lane tiles once (per-sample features come with BB = 1) and stores each token's
     lanes as one contiguous run for every output batch of its chunk."""
@@ -81,56 +98,55 @@ def _lanes_fwd(cosq, sinq, presq, cosk, sink, presk, phi, jhi, jlo, isbos, isnon
     rel = l < 2 * R
     even = (l % 2) == 0
     lm = l < L
-    a = tl.load(alpha + h * R + l // 2, mask=rel, other=0.0)[None, :]
-    be = tl.load(beta + h * R + l // 2, mask=rel, other=0.0)[None, :]
+    a = tl.load(prm + h * R + l // 2, mask=rel, other=0.0)[None, :]
+    be = tl.load(prm + O_BETA + h * R + l // 2, mask=rel, other=0.0)[None, :]
     sl = 0.0
     if HAS_SLOPE:
-        sl = tl.load(slope + h)
+        sl = tl.load(prm + O_SLOPE + h)
     # ---- query lanes: scale * [q_rel(i), lambda * c, 1]
     tq = t < Tq
-    c, s = _lane_features(cosq, sinq, presq, (b0 if Q_BATCHED else 0) * Tq + t, tq, l, R)
+    rq = ((b0 if Q_BATCHED else 0) * Tq + t).to(tl.int64)
+    c, s = _fourier(featq, rq, tq, l, NF, R)
     q_rel = tl.where(even[None, :], a * c + be * s, a * s - be * c)
-    q_tile = tl.where(rel[None, :], q_rel, tl.where((l == 2 * R)[None, :], sl * cblock, 1.0)) * scale
+    q_tile = tl.where(rel[None, :], q_rel, tl.where((l == 2 * R)[None, :], sl * CBLOCK, 1.0)) * SCALE
     # ---- key lanes: [k_rel(j), j_hi, u_rest(j)]
-    tk_ok = t < Tk
-    tk = (b0 if K_BATCHED else 0) * Tk + t
-    ck, sk = _lane_features(cosk, sink, presk, tk, tk_ok, l, R)
+    tk = t < Tk
+    rk = ((b0 if K_BATCHED else 0) * Tk + t).to(tl.int64)
+    ck, sk = _fourier(featk, rk, tk, l, NF, R)
     u = tl.zeros([BLOCK_T], dtype=tl.float32)
     if HAS_MLP:
         d = tl.arange(0, DP)
-        hp = _key_mlp_hidden(phi, tk, tk_ok, w1, b1, h, F, D, DP)
-        u += tl.sum(hp * tl.sigmoid(hp) * tl.load(w2 + h * D + d, mask=d < D, other=0.0)[None, :], axis=1)
+        _, hp = _key_mlp(featk, rk, tk, prm, h, NF, 3 * R, O_W1, O_B1, F, FP, D, DP)
+        u += tl.sum(hp * tl.sigmoid(hp) * tl.load(prm + O_W2 + h * D + d, mask=d < D, other=0.0)[None, :], axis=1)
     khi = tl.zeros([BLOCK_T], dtype=tl.float32)
     if HAS_SLOPE:
-        u += sl * tl.load(jlo + tk, mask=tk_ok, other=0.0)
-        khi = tl.load(jhi + tk, mask=tk_ok, other=0.0)
+        u += sl * _column(featk, rk, tk, 3 * R + F + 1, NF)
+        khi = _column(featk, rk, tk, 3 * R + F, NF)
     if HAS_BOS:
-        u += tl.load(bos + h) * tl.load(isbos + tk, mask=tk_ok, other=0.0)
+        u += tl.load(prm + O_BOS + h) * _column(featk, rk, tk, 3 * R + F + 2, NF)
     if HAS_DEFAULT:
-        u += tl.load(default + h) * tl.load(isnone + tk, mask=tk_ok, other=0.0)
+        u += tl.load(prm + O_DEF + h) * _column(featk, rk, tk, 3 * R + F + 3, NF)
     k_tile = tl.where(rel[None, :], tl.where(even[None, :], ck, sk),
                       tl.where((l == 2 * R)[None, :], khi[:, None], u[:, None]))
     for i in range(0, BB):
         ob = b0 + i
-        tmq = tq & (ob < NQ)
-        qb = qout + q_off + ob.to(tl.int64) * sqb + h * sqh + t.to(tl.int64) * sqt
-        tl.store(qb[:, None] + l[None, :], q_tile, mask=tmq[:, None] & lm[None, :])
-        tmk = tk_ok & (ob < NK)
-        kb = kout + k_off + ob.to(tl.int64) * skb + h * skh + t.to(tl.int64) * skt
-        tl.store(kb[:, None] + l[None, :], k_tile, mask=tmk[:, None] & lm[None, :])
+        pq = qout + (ob * Tq + t).to(tl.int64) * ROW + h * HD + QOFF
+        tl.store(pq[:, None] + l[None, :], q_tile, mask=(tq & (ob < NQ))[:, None] & lm[None, :])
+        pk = kout + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF
+        tl.store(pk[:, None] + l[None, :], k_tile, mask=(tk & (ob < NK))[:, None] & lm[None, :])
 
 
 @triton.jit
-def _lanes_bwd(dq, q_off, sqb, sqh, sqt, dk, k_off, skb, skh, skt,
-               cosq, sinq, presq, phi, jlo, isbos, isnone, b1, w1, w2, part, PT,
-               o_alpha, o_beta, o_slope, o_bos, o_def, o_b1, o_w2, o_w1,
-               NQ, NK, Tq, Tk, BB, scale, cblock,
-               R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, F: tl.constexpr, D: tl.constexpr,
-               DP: tl.constexpr, BLOCK_T: tl.constexpr,
-               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, ZERO: tl.constexpr,
-               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr):
-    """Program (head h, token block, batch chunk of BB outputs) writes its partial parameter
-    gradients into one row of ``part`` (flat parameter layout, see module docstring).
+def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
+               ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
+               SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+               F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+               O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+               O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
+               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
+               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
+    """Program (head h, token block, batch chunk of BB outputs) writes its partial gradient
+    of the flat parameter vector into one row of ``part [rows, PT]``.
 
     The lane gradients are linear in the parameters' features, which are shared by the
     chunk (per-sample features come with BB = 1), so the chunk's ``[BT, L]`` lane-gradient
@@ -148,16 +164,16 @@ def _lanes_bwd(dq, q_off, sqb, sqh, sqt, dk, k_off, skb, skh, skt,
     even = (l % 2) == 0
     lm = l < L
     tq = t < Tq
-    tk_ok = t < Tk
+    tk = t < Tk
     gq = tl.zeros([BLOCK_T, LP], dtype=tl.float32)
     dus = tl.zeros([BLOCK_T], dtype=tl.float32)
     for i in range(0, BB):
         ob = b0 + i
         mq = (tq & (ob < NQ))[:, None] & lm[None, :]
-        pq = (dq + q_off + ob.to(tl.int64) * sqb + h * sqh + t.to(tl.int64) * sqt)[:, None] + l[None, :]
+        pq = (dq + (ob * Tq + t).to(tl.int64) * ROW + h * HD + QOFF)[:, None] + l[None, :]
         gq += tl.load(pq, mask=mq, other=0.0).to(tl.float32)
-        mk = (tk_ok & (ob < NK))[:, None] & lm[None, :]
-        pk = (dk + k_off + ob.to(tl.int64) * skb + h * skh + t.to(tl.int64) * skt)[:, None] + l[None, :]
+        mk = (tk & (ob < NK))[:, None] & lm[None, :]
+        pk = (dk + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF)[:, None] + l[None, :]
         gk = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
         dus += tl.sum(tl.where((l == 2 * R + 1)[None, :], gk, 0.0), axis=1)
         if ZERO:
@@ -165,141 +181,156 @@ def _lanes_bwd(dq, q_off, sqb, sqh, sqt, dk, k_off, skb, skh, skt,
             tl.store(pq, tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mq)
             tl.store(pk, tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mk)
     # ---- query side: alpha, beta (lane pairs) and the slope's q-lane part
-    c, s = _lane_features(cosq, sinq, presq, (b0 if Q_BATCHED else 0) * Tq + t, tq, l, R)
-    ga = tl.sum(gq * tl.where(even[None, :], c, s), axis=0) * scale  # [LP]: per lane
-    gb = tl.sum(gq * tl.where(even[None, :], s, -c), axis=0) * scale
+    rq = ((b0 if Q_BATCHED else 0) * Tq + t).to(tl.int64)
+    c, s = _fourier(featq, rq, tq, l, NF, R)
+    ga = tl.sum(gq * tl.where(even[None, :], c, s), axis=0) * SCALE  # [LP]: per lane
+    gb = tl.sum(gq * tl.where(even[None, :], s, -c), axis=0) * SCALE
     r2 = tl.arange(0, LP // 2)
-    tl.store(row + o_alpha + h * R + r2, tl.sum(tl.reshape(ga, [LP // 2, 2]), axis=1), mask=r2 < R)
-    tl.store(row + o_beta + h * R + r2, tl.sum(tl.reshape(gb, [LP // 2, 2]), axis=1), mask=r2 < R)
+    tl.store(row + h * R + r2, tl.sum(tl.reshape(ga, [LP // 2, 2]), axis=1), mask=r2 < R)
+    tl.store(row + O_BETA + h * R + r2, tl.sum(tl.reshape(gb, [LP // 2, 2]), axis=1), mask=r2 < R)
     # ---- key side: u_rest = g(phi) + lambda j_lo + b 1{j=0} + default
-    tk = (b0 if K_BATCHED else 0) * Tk + t
+    rk = ((b0 if K_BATCHED else 0) * Tk + t).to(tl.int64)
     if HAS_SLOPE:
         g_lin = tl.sum(tl.sum(tl.where((l == 2 * R)[None, :], gq, 0.0), axis=1), axis=0)
-        ds = g_lin * (scale * cblock) + tl.sum(dus * tl.load(jlo + tk, mask=tk_ok, other=0.0), axis=0)
-        tl.store(row + o_slope + h, ds)
+        ds = g_lin * (SCALE * CBLOCK) + tl.sum(dus * _column(featk, rk, tk, 3 * R + F + 1, NF), axis=0)
+        tl.store(row + O_SLOPE + h, ds)
     if HAS_BOS:
-        tl.store(row + o_bos + h, tl.sum(dus * tl.load(isbos + tk, mask=tk_ok, other=0.0), axis=0))
+        tl.store(row + O_BOS + h, tl.sum(dus * _column(featk, rk, tk, 3 * R + F + 2, NF), axis=0))
     if HAS_DEFAULT:
-        tl.store(row + o_def + h, tl.sum(dus * tl.load(isnone + tk, mask=tk_ok, other=0.0), axis=0))
+        tl.store(row + O_DEF + h, tl.sum(dus * _column(featk, rk, tk, 3 * R + F + 3, NF), axis=0))
     if HAS_MLP:
         d = tl.arange(0, DP)
         dm = d < D
-        hp = _key_mlp_hidden(phi, tk, tk_ok, w1, b1, h, F, D, DP)
+        phi, hp = _key_mlp(featk, rk, tk, prm, h, NF, 3 * R, O_W1, O_B1, F, FP, D, DP)
         sig = tl.sigmoid(hp)
-        dh = dus[:, None] * tl.load(w2 + h * D + d, mask=dm, other=0.0)[None, :] * (sig * (1 + hp * (1 - sig)))
-        tl.store(row + o_b1 + h * D + d, tl.sum(dh, axis=0), mask=dm)
-        tl.store(row + o_w2 + h * D + d, tl.sum(dus[:, None] * hp * sig, axis=0), mask=dm)
-        for f in tl.static_range(F):
-            pf = tl.load(phi + tk * F + f, mask=tk_ok, other=0.0)
-            tl.store(row + o_w1 + (h * F + f) * D + d, tl.sum(pf[:, None] * dh, axis=0), mask=dm)
+        dh = dus[:, None] * tl.load(prm + O_W2 + h * D + d, mask=dm, other=0.0)[None, :] * (sig * (1 + hp * (1 - sig)))
+        tl.store(row + O_B1 + h * D + d, tl.sum(dh, axis=0), mask=dm)
+        tl.store(row + O_W2 + h * D + d, tl.sum(dus[:, None] * hp * sig, axis=0), mask=dm)
+        f = tl.arange(0, FP)
+        dw1 = tl.dot(tl.trans(phi), dh, input_precision="ieee")  # [FP, DP]
+        tl.store(row + O_W1 + (h * F + f[:, None]) * D + d[None, :], dw1, mask=(f < F)[:, None] & dm[None, :])
 
 
+# ----------------------------------------------------------------------------- host side
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, triton.next_power_of_2(max(n, 1)))
 
 
-_DUMMY: dict[torch.device, torch.Tensor] = {}
-_BLOCK_T = 64
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _dummy(dev: torch.device) -> torch.Tensor:
-    if dev not in _DUMMY:
-        _DUMMY[dev] = torch.zeros(16, device=dev, dtype=torch.float32)
-    return _DUMMY[dev]
+def kernel_meta(n_heads: int, n_modes: int, n_feat: int, hidden: int, scale: float, *, slope: bool,
+                bos: bool, default: bool) -> dict:
+    """Compile-time constants of one prior configuration (computed once per layer).
+
+    Args:
+        n_heads, n_modes: ``H``, ``R``.
+        n_feat, hidden: ``F`` (columns of ``phi_abs``) and ``D`` (g_h's hidden width); 0 and 0
+            without the key MLP.
+        scale: query-lane scale (``sqrt(d_c)``, see ``PositionScheme.lane_scale``).
+        slope, bos, default: which key-only terms exist.
+
+    Returns a dict of the kernels' ``tl.constexpr`` arguments; the flat parameter layout is
+    ``alpha [H, R] | beta [H, R] | slope [H] | bos [H] | default [H] | b1 [H, D] | w2 [H, D]
+    | w1 [H, F, D]`` (absent terms take no space), as :func:`pack_params` writes it.
+    """
+    H, R, F, D = n_heads, n_modes, n_feat, hidden
+    sizes = [H * R, H * R, H * slope, H * bos, H * default, H * D, H * D, H * F * D]
+    off = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return dict(SCALE=float(scale), CBLOCK=float(KEY_LINEAR_BLOCK), R=R, L=2 * R + 2, LP=_pow2(2 * R + 2),
+                F=F, FP=_pow2(F, 16), D=D, DP=_pow2(D, 16), NF=3 * R + F + 4,
+                O_BETA=off[1], O_SLOPE=off[2], O_BOS=off[3], O_DEF=off[4], O_B1=off[5], O_W2=off[6], O_W1=off[7],
+                PT=max(off[8], 1), HAS_SLOPE=bool(slope), HAS_BOS=bool(bos), HAS_DEFAULT=bool(default),
+                HAS_MLP=D > 0, H=H)
 
 
-def _inputs(cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos, is_none,
-            alpha, beta, slope, bos, default, w1, b1, w2):
-    """Contiguous kernel arguments (dummies for absent terms) and compile-time metadata."""
-    dev = cos_q.device
-    dummy = _dummy(dev)
-    opt = lambda x: x.contiguous() if x is not None else dummy
-    H, R = alpha.shape
-    F = phi.shape[-1] if w1 is not None else 0
-    D = w1.shape[-1] if w1 is not None else 0
-    feats_q = [c.contiguous() for c in (cos_q, sin_q, pres_q)]
-    feats_k = [c.contiguous() for c in (cos_k, sin_k, pres_k)]
-    feats = [opt(phi if w1 is not None else None), j_hi.contiguous(), j_lo.contiguous(), is_bos.contiguous(),
-             is_none.contiguous()]
-    params = [alpha.contiguous(), beta.contiguous(), opt(slope), opt(bos), opt(default), opt(w1), opt(b1), opt(w2)]
-    meta = dict(R=R, L=2 * R + 2, LP=_pow2(2 * R + 2), F=F, D=D, DP=_pow2(D), BLOCK_T=_BLOCK_T,
-                HAS_SLOPE=slope is not None, HAS_BOS=bos is not None, HAS_DEFAULT=default is not None,
-                HAS_MLP=w1 is not None)
-    return feats_q, feats_k, feats, params, meta, H
+def pack_features(cos: torch.Tensor, sin: torch.Tensor, present: torch.Tensor, phi: torch.Tensor | None,
+                  j_hi: torch.Tensor, j_lo: torch.Tensor, is_bos: torch.Tensor, is_none: torch.Tensor) -> torch.Tensor:
+    """One float32 ``[B|1, T, NF]`` feature tensor, columns ``cos [R] | sin [R] | present [R] |
+    phi [F] | j_hi | j_lo | is_bos | is_none`` (``NF = 3R + F + 4``); inputs ``[B|1, T, R]``,
+    ``[B|1, T, F]`` or ``[B|1, T]`` as :meth:`GoatPrior._features` builds them."""
+    cols = [cos, sin, present] + ([phi] if phi is not None else [])
+    cols += [c.unsqueeze(-1) for c in (j_hi, j_lo, is_bos, is_none)]
+    return torch.cat([c.float() for c in cols], dim=-1).contiguous()
 
 
-def _chunks(B: int, H: int, NT: int, batched: bool) -> tuple[int, int]:
-    """``(BB, n_chunks)``: outputs per program and batch chunks; per-sample features need BB = 1,
-    shared ones are split only as far as needed to give the GPU ~512 programs."""
-    if batched:
-        return 1, B
-    n = min(B, max(1, triton.cdiv(512, H * NT)))
-    bb = triton.cdiv(B, n)
-    return bb, triton.cdiv(B, bb)
+def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | None, bos: torch.Tensor | None,
+                default: torch.Tensor | None, w1: torch.Tensor | None, b1: torch.Tensor | None,
+                w2: torch.Tensor | None) -> torch.Tensor:
+    """The prior parameters as one flat float32 vector (layout in :func:`kernel_meta`);
+    differentiable (one ``cat``), so gradients reach the original parameters."""
+    parts = [alpha, beta, slope, bos, default, b1, w2, w1]
+    flat = torch.cat([p.reshape(-1) for p in parts if p is not None])
+    return flat if flat.numel() else flat.new_zeros(1)
 
 
-def _forward(ctx, dest_q, q_off, q_strides, dest_k, k_off, k_strides, NQ, NK, inputs, scale):
-    """Launch the forward kernel and save what the backward needs on ``ctx``."""
-    (fq, fk, feats, params, meta, H) = inputs
-    Tq, Tk = fq[0].shape[1], fk[0].shape[1]
-    Bqf, Bkf = fq[0].shape[0], fk[0].shape[0]
-    meta = dict(meta, Q_BATCHED=Bqf > 1, K_BATCHED=Bkf > 1)
-    NT = triton.cdiv(max(Tq, Tk), _BLOCK_T)
-    BB, n_chunks = _chunks(max(NQ, NK), H, NT, Bqf > 1 or Bkf > 1)
-    _lanes_fwd[(H, NT, n_chunks)](*fq, *fk, *feats, *params, dest_q, q_off, *q_strides, dest_k, k_off, *k_strides,
-                                  NQ, NK, Tq, Tk, BB, float(scale), float(KEY_LINEAR_BLOCK), **meta)
-    ctx.save_for_backward(*fq, feats[0], feats[2], feats[3], feats[4], params[6], params[5], params[7])
-    ctx.meta, ctx.sizes, ctx.scale = meta, (NQ, NK, Tq, Tk, H), float(scale)
-
-
-def _backward(ctx, grad_q, q_off, q_strides, grad_k, k_off, k_strides, zero: bool):
-    """Launch the backward kernel; returns the parameter gradients (None where absent)."""
-    cos_q, sin_q, pres_q, phi, j_lo, is_bos, is_none, b1, w1, w2 = ctx.saved_tensors
-    meta = ctx.meta
-    NQ, NK, Tq, Tk, H = ctx.sizes
-    R, D, F = meta["R"], meta["D"], meta["F"]
-    sizes = [H * R, H * R, H if meta["HAS_SLOPE"] else 0, H if meta["HAS_BOS"] else 0,
-             H if meta["HAS_DEFAULT"] else 0] + ([H * D, H * D, H * F * D] if meta["HAS_MLP"] else [0, 0, 0])
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    PT = max(sum(sizes), 1)
-    NT = triton.cdiv(max(Tq, Tk), _BLOCK_T)
-    BB, n_chunks = _chunks(max(NQ, NK), H, NT, meta["Q_BATCHED"] or meta["K_BATCHED"])
-    part = torch.empty(NT * n_chunks, PT, device=cos_q.device, dtype=torch.float32)
-    _lanes_bwd[(H, NT, n_chunks)](grad_q, q_off, *q_strides, grad_k, k_off, *k_strides,
-                                  cos_q, sin_q, pres_q, phi, j_lo, is_bos, is_none, b1, w1, w2, part, PT,
-                                  *offsets, NQ, NK, Tq, Tk, BB, ctx.scale, float(KEY_LINEAR_BLOCK),
-                                  ZERO=zero, **meta)
-    g = part.sum(0)  # deterministic reduction over (token block, batch chunk) rows
-    out = [g[o:o + n] for o, n in zip(offsets, sizes)]
-    d_alpha, d_beta = out[0].view(H, R), out[1].view(H, R)
-    d_mlp = (out[7].view(H, F, D), out[5].view(H, D), out[6].view(H, D)) if meta["HAS_MLP"] else (None, None, None)
-    return (d_alpha, d_beta, out[2] if meta["HAS_SLOPE"] else None, out[3] if meta["HAS_BOS"] else None,
-            out[4] if meta["HAS_DEFAULT"] else None) + d_mlp
+def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int, NK: int) -> tuple:
+    """``(grid, BB, constexprs)``, memoised in ``meta`` per shape: programs per (head, 64-token
+    block, batch chunk). Shared features (batch 1) are split into only as many batch chunks
+    as give the GPU ~``_PROGRAMS`` programs; per-sample features need one program per batch entry."""
+    key = (feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS)
+    memo = meta.setdefault("_launch", {})
+    if key in memo:
+        return memo[key]
+    H = meta["H"]
+    Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+    NT = _cdiv(max(Tq, Tk), _BLOCK_T)
+    qb, kb = feat_q.shape[0] > 1, feat_k.shape[0] > 1
+    B = max(NQ, NK)
+    if qb or kb:
+        BB, n_chunks = 1, B
+    else:
+        n = min(B, max(1, _cdiv(_PROGRAMS, H * NT)))
+        BB = _cdiv(B, n)
+        n_chunks = _cdiv(B, BB)
+    const = {k: v for k, v in meta.items() if k not in ("H", "_launch")}
+    if len(memo) >= 64:
+        memo.clear()
+    memo[key] = (H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=_BLOCK_T)
+    return memo[key]
 
 
 class GoatLanesTriton(torch.autograd.Function):
-    """Drop-in for :class:`mixlab.ops.goat.GoatLanes` (same arguments and returns), Triton kernels.
+    """Lanes as new tensors (Triton kernels): ``(q_lanes [Bq, H, Tq, L], k_lanes [Bk, H, Tk, L])``
+    in ``out_dtype``, equal to :class:`mixlab.ops.goat.GoatLanes` (strided views of
+    ``[B, T, H, L]`` buffers).
 
-    Requirements: float32 features, fixed frequencies (no grad to cos/sin).
+    Args: ``feat_q [Bq|1, Tq, NF]``, ``feat_k [Bk|1, Tk, NF]`` from :func:`pack_features`;
+    ``params`` from :func:`pack_params`; ``meta`` from :func:`kernel_meta`; ``batch_q``,
+    ``batch_k`` output batch sizes (``Bq``, ``Bk``); ``out_dtype``.
     """
 
     @staticmethod
-    def forward(ctx, cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos, is_none,
-                alpha, beta, slope, bos, default, w1, b1, w2, scale, out_dtype):
-        inputs = _inputs(cos_q, sin_q, pres_q, cos_k, sin_k, pres_k, phi, j_hi, j_lo, is_bos, is_none,
-                         alpha, beta, slope, bos, default, w1, b1, w2)
-        H, L = alpha.shape[0], 2 * alpha.shape[1] + 2
-        Bq, Tq, Bk, Tk = cos_q.shape[0], cos_q.shape[1], cos_k.shape[0], cos_k.shape[1]
-        ql = torch.empty(Bq, H, Tq, L, device=cos_q.device, dtype=out_dtype)  # the kernel casts on store
-        kl = torch.empty(Bk, H, Tk, L, device=cos_q.device, dtype=out_dtype)
-        _forward(ctx, ql, 0, ql.stride()[:3], kl, 0, kl.stride()[:3], Bq, Bk, inputs, scale)
-        return ql, kl
+    def forward(ctx, feat_q, feat_k, params, meta, batch_q, batch_k, out_dtype):
+        H, L = meta["H"], meta["L"]
+        grid, BB, const = _launch_args(meta, feat_q, feat_k, batch_q, batch_k)
+        Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+        ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=out_dtype)  # the kernel casts on store
+        kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=out_dtype)
+        _lanes_fwd[grid](feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB,
+                         ROW=H * L, HD=L, QOFF=0, KOFF=0, **const)
+        ctx.save_for_backward(feat_q, feat_k, params)
+        ctx.args = (grid, BB, const, batch_q, batch_k)
+        return ql.transpose(1, 2), kl.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq_l, dk_l):
-        dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
-        grads = _backward(ctx, dq_l, 0, dq_l.stride()[:3], dk_l, 0, dk_l.stride()[:3], zero=False)
-        return (None,) * 11 + grads + (None, None)
+        feat_q, feat_k, params = ctx.saved_tensors
+        grid, BB, const, NQ, NK = ctx.args
+        dq_l, dk_l = dq_l.transpose(1, 2).contiguous(), dk_l.transpose(1, 2).contiguous()  # [B, T, H, L]
+        H, L = dq_l.shape[2], dq_l.shape[3]
+        d_params = _backward(grid, BB, const, dq_l, dk_l, feat_q, feat_k, params, NQ, NK,
+                             dict(ROW=H * L, HD=L, QOFF=0, KOFF=0), zero=False)
+        return None, None, d_params, None, None, None, None
+
+
+def _backward(grid, BB, const, dq, dk, feat_q, feat_k, params, NQ, NK, layout, zero: bool) -> torch.Tensor:
+    """Launch the backward kernel; returns the gradient of the flat parameter vector."""
+    part = torch.empty(grid[1] * grid[2], const["PT"], device=dq.device, dtype=torch.float32)
+    _lanes_bwd[grid](dq, dk, feat_q, feat_k, params, part, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB,
+                     ZERO=zero, **layout, **const)
+    return part.sum(0)  # deterministic reduction over (token block, batch chunk) rows: [PT] == params.shape
 
 
 class GoatLanesInplace(torch.autograd.Function):
@@ -307,40 +338,42 @@ class GoatLanesInplace(torch.autograd.Function):
 
     Per token the layout is ``[q | k | v]``, each ``[H, d_h]``; the last ``L = 2R + 2`` dims
     of every q and k head receive ``q_lanes`` / ``k_lanes`` exactly as :class:`GoatLanes`
-    returns them (``d_c = d_h - L`` content dims stay). ``batch`` is ``B``; feature tensors
-    have batch 1 (shared coordinates) or ``B``. Returns ``qkv`` (marked dirty). ``qkv``
-    should be the projection's own output, not a view (autograd would otherwise wrap this
-    node in a CopySlices that clones the whole gradient).
+    returns them (``d_c = d_h - L`` content dims stay). ``feat [1|B, T, NF]`` from
+    :func:`pack_features` (shared or per-sample coordinates), ``params`` from
+    :func:`pack_params`, ``meta`` from :func:`kernel_meta`, ``batch = B``. Returns ``qkv``
+    (marked dirty). ``qkv`` should be the projection's own output, not a view (autograd
+    would otherwise wrap this node in a CopySlices that clones the whole gradient).
 
-    Backward: parameter gradients from the lane entries of ``d qkv``, which are then set to
-    zero in place (the forward overwrote those projection outputs).
+    Backward: the flat parameter gradient from the lane entries of ``d qkv``, which are then
+    set to zero in place (the forward overwrote those projection outputs).
 
     Raises:
-        ValueError: ``qkv`` not 2-D with a unit last stride, or rows not divisible by ``batch``.
+        ValueError: ``qkv`` not 2-D and contiguous, rows not ``batch * T``, or its width not
+            ``3 * H * d_h``.
     """
 
     @staticmethod
-    def forward(ctx, qkv, batch, cos, sin, pres, phi, j_hi, j_lo, is_bos, is_none,
-                alpha, beta, slope, bos, default, w1, b1, w2, scale, head_dim):
-        if qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[0] % batch:
-            raise ValueError(f"GoatLanesInplace: qkv must be [B*T, N] with unit last stride and B={batch} "
-                             f"dividing its rows; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
-        inputs = _inputs(cos, sin, pres, cos, sin, pres, phi, j_hi, j_lo, is_bos, is_none,
-                         alpha, beta, slope, bos, default, w1, b1, w2)
-        H, L = alpha.shape[0], 2 * alpha.shape[1] + 2
-        T = qkv.shape[0] // batch
-        strides = (T * qkv.stride(0), head_dim, qkv.stride(0))
+    def forward(ctx, qkv, feat, params, meta, batch, head_dim):
+        H, L = meta["H"], meta["L"]
+        if qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape[0] != batch * feat.shape[1] \
+                or qkv.shape[1] != 3 * H * head_dim:
+            raise ValueError(f"GoatLanesInplace: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{feat.shape[1]}, "
+                             f"{3 * H * head_dim}] matrix; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
+        grid, BB, const = _launch_args(meta, feat, feat, batch, batch)
         d_c = head_dim - L
-        _forward(ctx, qkv, d_c, strides, qkv, H * head_dim + d_c, strides, batch, batch, inputs, scale)
+        layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
+        T = feat.shape[1]
+        _lanes_fwd[grid](feat, feat, params, qkv, qkv, batch, batch, T, T, BB, **layout, **const)
         ctx.mark_dirty(qkv)
-        ctx.offsets = (d_c, H * head_dim + d_c, head_dim, T)
+        ctx.save_for_backward(feat, params)
+        ctx.args = (grid, BB, const, batch, layout)
         return qkv
 
     @staticmethod
     def backward(ctx, grad):
         if not grad.is_contiguous():  # e.g. an expanded gradient: never write into shared memory
             grad = grad.contiguous()
-        q_off, k_off, head_dim, T = ctx.offsets
-        strides = (T * grad.stride(0), head_dim, grad.stride(0))
-        grads = _backward(ctx, grad, q_off, strides, grad, k_off, strides, zero=True)
-        return (grad,) + (None,) * 9 + grads + (None, None)
+        feat, params = ctx.saved_tensors
+        grid, BB, const, batch, layout = ctx.args
+        return grad, None, _backward(grid, BB, const, grad, grad, feat, feat, params, batch, batch, layout,
+                                     zero=True), None, None, None
