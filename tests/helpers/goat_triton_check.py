@@ -72,10 +72,11 @@ def _graph_names(fn, seen=None):
 
 
 def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, bias=False, programs=512,
-               mlp=(8, 2)):
+               mlp=(8, 2), split=True):
     from mixlab.ops import goat_triton
 
     goat_triton._PROGRAMS = programs  # few programs: batch chunks of several images, the last one partial
+    goat_triton._SPLIT_BWD = split  # two-kernel backward (shared features, several chunks) or the fused one
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
 
@@ -117,9 +118,12 @@ def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, b
 res = {
     "layer_causal_T70": layer_case(3, 70, 2, 16, 2, 1, True, False, False, 10),
     "layer_T1": layer_case(2, 1, 2, 16, 1, 1, True, False, False, 11),
+    "layer_causal_T260": layer_case(2, 260, 2, 16, 1, 1, True, False, False, 17),  # 64-token blocks
     "layer_bias": layer_case(2, 40, 2, 16, 2, 1, False, False, False, 13, bias=True),
     "layer_2d_per_sample_default": layer_case(2, 37, 3, 16, 2, 2, False, True, True, 12),
     "layer_2d_shared_batch_chunks": layer_case(5, 37, 2, 16, 2, 2, False, False, True, 14, programs=8),
+    "layer_2d_shared_batch_chunks_fused": layer_case(5, 37, 2, 16, 2, 2, False, False, True, 14, programs=8,
+                                                     split=False),
 
     "self_mlp": case(1, 1, 70, 70, 3, 2, 6, 5, True, True, False, True, 0),
     "batch_q_default": case(2, 1, 33, 20, 2, 3, 4, 8, True, False, True, True, 1),
@@ -128,4 +132,6 @@ res = {
 }
 if DEV.type == "cuda":  # ViT-S/16 at 224: 196 patches + [CLS] (no coordinates), 6 heads, R=16, default MLP
     res["layer_vit_s_B64"] = layer_case(64, 197, 6, 64, 16, 2, False, False, True, 15, mlp=(32, 8))
+    res["layer_vit_s_B64_fused"] = layer_case(64, 197, 6, 64, 16, 2, False, False, True, 15, mlp=(32, 8), split=False)
+    res["layer_lm_B8_T2048"] = layer_case(8, 2048, 12, 64, 4, 1, True, False, False, 16, mlp=(32, 8))
 print(json.dumps(res))

@@ -22,12 +22,16 @@ launch argument costs host time): the parameter-free position features come as O
 float32 vector (:func:`pack_params`), and everything fixed by the layer's configuration
 (head layout, offsets, lane scale) is a compile-time constant (:func:`kernel_meta`).
 
-Grid: (head, token block of 64, batch chunk). With coordinates shared by the batch (the
-usual case) a program evaluates the lane features and the key MLP once (the MLP's hidden
-layer and its weight gradient as ``tl.dot`` in IEEE float32) and loops over its chunk's
-batch entries only to store (forward) or to sum lane gradients (backward). The backward
-writes per-program partial gradients in the flat parameter layout into rows of one fp32
-buffer; one deterministic ``sum`` over rows is the gradient of the flat vector.
+Grid: (head, token block of 32 or 64, batch chunk). With coordinates shared by the batch
+(the usual case) a program evaluates the lane features and the key MLP once (the MLP's
+hidden layer and its weight gradient as ``tl.dot`` in IEEE float32) and loops over its
+chunk's batch entries only to store (forward) or to sum lane gradients (backward).
+Backward with shared features: one kernel sums each chunk's lane gradients (and zeroes
+them in ``d qkv``) into a small fp32 buffer, a second one (one program per head and token
+block) turns their sum into parameter gradients; per-sample features: one fused kernel.
+Parameter gradients are written as per-program partial rows in the flat parameter layout
+and reduced by one deterministic ``sum``. The launch configuration (warps, token block,
+batch chunks, split) was chosen with ``scripts/bench_goat_lanes.py`` on an H200.
 
 Used on CUDA for float32 lane math with fixed frequencies (no gradient into cos/sin);
 everything else (CPU, float64 tests, learned frequencies) uses the torch ``GoatLanes``.
@@ -44,8 +48,11 @@ from mixlab.ops.goat import KEY_LINEAR_BLOCK
 
 __all__ = ["GoatLanesTriton", "GoatLanesInplace", "kernel_meta", "pack_features", "pack_params"]
 
-_BLOCK_T = 64
-_PROGRAMS = 512  # shared features: batch chunks until the grid has about this many programs
+# Launch configuration; defaults from scripts/bench_goat_lanes.py on an H200 (BENCHMARKS.md).
+_BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
+_PROGRAMS = 2048  # shared features: batch chunks until the grid has about this many programs
+_NUM_WARPS = 4
+_SPLIT_BWD = True  # shared features, several batch chunks: two-kernel backward
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -137,31 +144,13 @@ def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
 
 
 @triton.jit
-def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
-               ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
-               SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-               F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
-               O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
-               O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
-               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
-               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
-    """Program (head h, token block, batch chunk of BB outputs) writes its partial gradient
-    of the flat parameter vector into one row of ``part [rows, PT]``.
-
-    The lane gradients are linear in the parameters' features, which are shared by the
-    chunk (per-sample features come with BB = 1), so the chunk's ``[BT, L]`` lane-gradient
-    tiles are summed first and the features (and the key MLP) are evaluated once. With
-    ``ZERO`` the lane entries of ``dq``/``dk`` are zeroed after they are read, through the
-    same pointer tiles and after a block barrier (no read/write race between threads)."""
-    h = tl.program_id(0)
-    tb = tl.program_id(1)
-    nb = tl.program_id(2)
-    row = part + (tb * tl.num_programs(2) + nb).to(tl.int64) * PT
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    b0 = nb * BB
+def _reduce_batch(dq, dk, h, t, b0, BB, NQ, NK, Tq, Tk, ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr,
+                  KOFF: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr,
+                  ZERO: tl.constexpr):
+    """Sum over outputs ``b0 .. b0 + BB - 1`` of the q-lane gradient tile ``[BT, LP]`` and of the
+    k lane ``u`` that carries parameters ``[BT]``; with ``ZERO`` the lane entries are zeroed after
+    they are read, after a block barrier (no read/write race between threads)."""
     l = tl.arange(0, LP)
-    rel = l < 2 * R
-    even = (l % 2) == 0
     lm = l < L
     tq = t < Tq
     tk = t < Tk
@@ -172,16 +161,30 @@ def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
         mq = (tq & (ob < NQ))[:, None] & lm[None, :]
         pq = (dq + (ob * Tq + t).to(tl.int64) * ROW + h * HD + QOFF)[:, None] + l[None, :]
         gq += tl.load(pq, mask=mq, other=0.0).to(tl.float32)
-        mk = (tk & (ob < NK))[:, None] & lm[None, :]
-        pk = (dk + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF)[:, None] + l[None, :]
-        gk = tl.load(pk, mask=mk, other=0.0).to(tl.float32)
-        dus += tl.sum(tl.where((l == 2 * R + 1)[None, :], gk, 0.0), axis=1)
+        kb = dk + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF
+        dus += tl.load(kb + 2 * R + 1, mask=tk & (ob < NK), other=0.0).to(tl.float32)  # only u's lane has parameters
         if ZERO:
+            mk = (tk & (ob < NK))[:, None] & lm[None, :]
             tl.debug_barrier()
             tl.store(pq, tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mq)
-            tl.store(pk, tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mk)
+            tl.store(kb[:, None] + l[None, :], tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mk)
+    return gq, dus
+
+
+@triton.jit
+def _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, tq, tk,
+                 SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, LP: tl.constexpr,
+                 F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+                 O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+                 O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr,
+                 HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr):
+    """Head ``h``'s parameter gradients from a token block's summed lane gradients (``gq
+    [BT, LP]`` q lanes, ``dus [BT]`` the k lane ``u``), stored into ``row`` (flat layout).
+    The lane gradients are linear in the parameters' features, so features and key MLP are
+    evaluated once per block (rows ``rq``/``rk`` of the feature tensors)."""
+    l = tl.arange(0, LP)
+    even = (l % 2) == 0
     # ---- query side: alpha, beta (lane pairs) and the slope's q-lane part
-    rq = ((b0 if Q_BATCHED else 0) * Tq + t).to(tl.int64)
     c, s = _fourier(featq, rq, tq, l, NF, R)
     ga = tl.sum(gq * tl.where(even[None, :], c, s), axis=0) * SCALE  # [LP]: per lane
     gb = tl.sum(gq * tl.where(even[None, :], s, -c), axis=0) * SCALE
@@ -189,7 +192,6 @@ def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
     tl.store(row + h * R + r2, tl.sum(tl.reshape(ga, [LP // 2, 2]), axis=1), mask=r2 < R)
     tl.store(row + O_BETA + h * R + r2, tl.sum(tl.reshape(gb, [LP // 2, 2]), axis=1), mask=r2 < R)
     # ---- key side: u_rest = g(phi) + lambda j_lo + b 1{j=0} + default
-    rk = ((b0 if K_BATCHED else 0) * Tk + t).to(tl.int64)
     if HAS_SLOPE:
         g_lin = tl.sum(tl.sum(tl.where((l == 2 * R)[None, :], gq, 0.0), axis=1), axis=0)
         ds = g_lin * (SCALE * CBLOCK) + tl.sum(dus * _column(featk, rk, tk, 3 * R + F + 1, NF), axis=0)
@@ -209,6 +211,74 @@ def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
         f = tl.arange(0, FP)
         dw1 = tl.dot(tl.trans(phi), dh, input_precision="ieee")  # [FP, DP]
         tl.store(row + O_W1 + (h * F + f[:, None]) * D + d[None, :], dw1, mask=(f < F)[:, None] & dm[None, :])
+
+
+@triton.jit
+def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
+               ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
+               SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+               F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+               O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+               O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
+               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
+               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
+    """Fused backward. Program (head h, token block, batch chunk of BB outputs) sums its
+    chunk's lane gradients (:func:`_reduce_batch`) and writes its partial gradient of the
+    flat parameter vector into one row of ``part [rows, PT]`` (:func:`_param_grads`)."""
+    h = tl.program_id(0)
+    tb = tl.program_id(1)
+    nb = tl.program_id(2)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    b0 = nb * BB
+    gq, dus = _reduce_batch(dq, dk, h, t, b0, BB, NQ, NK, Tq, Tk, ROW, HD, QOFF, KOFF, R, L, LP, BLOCK_T, ZERO)
+    row = part + (tb * tl.num_programs(2) + nb).to(tl.int64) * PT
+    rq = ((b0 if Q_BATCHED else 0) * Tq + t).to(tl.int64)
+    rk = ((b0 if K_BATCHED else 0) * Tk + t).to(tl.int64)
+    _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, t < Tq, t < Tk, SCALE, CBLOCK, R, LP, F, FP, D, DP, NF,
+                 O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1, HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
+
+
+@triton.jit
+def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
+                      ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
+                      R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
+    """Split backward, step 1 (shared features): program (head, token block, batch chunk)
+    sums its chunk's lane gradients into ``g [chunks, H, TP, LP]`` fp32 (q lanes, and ``u``'s
+    gradient in lane ``2R + 1``, whose q-side constant has no parameter)."""
+    h = tl.program_id(0)
+    nb = tl.program_id(2)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    gq, dus = _reduce_batch(dq, dk, h, t, nb * BB, BB, NQ, NK, Tq, Tk, ROW, HD, QOFF, KOFF, R, L, LP, BLOCK_T, ZERO)
+    l = tl.arange(0, LP)
+    tile = tl.where((l == 2 * R + 1)[None, :], dus[:, None], gq)
+    base = g + ((nb * tl.num_programs(0) + h) * TP + t).to(tl.int64) * LP
+    tl.store(base[:, None] + l[None, :], tile)
+
+
+@triton.jit
+def _lanes_bwd_params(g, featq, featk, prm, part, NC, Tq, Tk, TP,
+                      SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+                      F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+                      O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+                      O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
+                      HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr,
+                      HAS_MLP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Split backward, step 2: program (head, token block) sums ``g`` over the ``NC`` batch
+    chunks and writes the block's parameter gradients into row ``block`` of ``part``."""
+    h = tl.program_id(0)
+    tb = tl.program_id(1)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    l = tl.arange(0, LP)
+    acc = tl.zeros([BLOCK_T, LP], dtype=tl.float32)
+    for c in range(0, NC):
+        base = g + ((c * tl.num_programs(0) + h) * TP + t).to(tl.int64) * LP
+        acc += tl.load(base[:, None] + l[None, :])
+    dus = tl.sum(tl.where((l == 2 * R + 1)[None, :], acc, 0.0), axis=1)
+    gq = tl.where((l < 2 * R + 1)[None, :], acc, 0.0)
+    rows = t.to(tl.int64)
+    _param_grads(gq, dus, featq, featk, prm, part + tb.to(tl.int64) * PT, h, rows, rows, t < Tq, t < Tk,
+                 SCALE, CBLOCK, R, LP, F, FP, D, DP, NF, O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1,
+                 HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -266,16 +336,17 @@ def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | N
 
 
 def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int, NK: int) -> tuple:
-    """``(grid, BB, constexprs)``, memoised in ``meta`` per shape: programs per (head, 64-token
+    """``(grid, BB, constexprs)``, memoised in ``meta`` per shape: programs per (head, token
     block, batch chunk). Shared features (batch 1) are split into only as many batch chunks
     as give the GPU ~``_PROGRAMS`` programs; per-sample features need one program per batch entry."""
-    key = (feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS)
+    key = (feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS, _BLOCK_T, _NUM_WARPS)
     memo = meta.setdefault("_launch", {})
     if key in memo:
         return memo[key]
     H = meta["H"]
     Tq, Tk = feat_q.shape[1], feat_k.shape[1]
-    NT = _cdiv(max(Tq, Tk), _BLOCK_T)
+    block = _BLOCK_T or (32 if max(Tq, Tk) <= 256 else 64)
+    NT = _cdiv(max(Tq, Tk), block)
     qb, kb = feat_q.shape[0] > 1, feat_k.shape[0] > 1
     B = max(NQ, NK)
     if qb or kb:
@@ -287,7 +358,7 @@ def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int
     const = {k: v for k, v in meta.items() if k not in ("H", "_launch")}
     if len(memo) >= 64:
         memo.clear()
-    memo[key] = (H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=_BLOCK_T)
+    memo[key] = (H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=block, num_warps=_NUM_WARPS)
     return memo[key]
 
 
@@ -326,11 +397,25 @@ class GoatLanesTriton(torch.autograd.Function):
 
 
 def _backward(grid, BB, const, dq, dk, feat_q, feat_k, params, NQ, NK, layout, zero: bool) -> torch.Tensor:
-    """Launch the backward kernel; returns the gradient of the flat parameter vector."""
-    part = torch.empty(grid[1] * grid[2], const["PT"], device=dq.device, dtype=torch.float32)
-    _lanes_bwd[grid](dq, dk, feat_q, feat_k, params, part, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB,
-                     ZERO=zero, **layout, **const)
-    return part.sum(0)  # deterministic reduction over (token block, batch chunk) rows: [PT] == params.shape
+    """Launch the backward kernel(s); returns the gradient of the flat parameter vector.
+
+    Shared features with several batch chunks and ``_SPLIT_BWD``: two kernels (batch sums per
+    chunk, then one parameter-gradient program per head and token block); otherwise one fused
+    kernel (parameter gradients per chunk)."""
+    H, NT, NC = grid
+    Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+    if _SPLIT_BWD and NC > 1 and not (const["Q_BATCHED"] or const["K_BATCHED"]):
+        TP, LP = NT * const["BLOCK_T"], const["LP"]
+        g = torch.empty(NC, H, TP, LP, device=dq.device, dtype=torch.float32)
+        _lanes_bwd_reduce[grid](dq, dk, g, NQ, NK, Tq, Tk, BB, TP, R=const["R"], L=const["L"], LP=LP,
+                                BLOCK_T=const["BLOCK_T"], ZERO=zero, num_warps=const["num_warps"], **layout)
+        part = torch.empty(NT, const["PT"], device=dq.device, dtype=torch.float32)
+        keep = {k: v for k, v in const.items() if k not in ("Q_BATCHED", "K_BATCHED")}
+        _lanes_bwd_params[(H, NT)](g, feat_q, feat_k, params, part, NC, Tq, Tk, TP, **keep)
+    else:
+        part = torch.empty(NT * NC, const["PT"], device=dq.device, dtype=torch.float32)
+        _lanes_bwd[grid](dq, dk, feat_q, feat_k, params, part, NQ, NK, Tq, Tk, BB, ZERO=zero, **layout, **const)
+    return part.sum(0)  # deterministic reduction over rows: [PT] == params.shape
 
 
 class GoatLanesInplace(torch.autograd.Function):

@@ -1,0 +1,116 @@
+"""GPU benchmark: GOAT's lane kernels alone, swept over launch configurations.
+
+Run on a CUDA device from the project root::
+
+    python scripts/bench_goat_lanes.py --out out/
+
+Times the in-place lane forward (``GoatLanesInplace``) and the backward (fused kernel, or
+the two-kernel split for shared features) at the two shapes the issue benchmarks use:
+
+* LM layer: B8 T2048 d_model 768 H12, R=4, causal, key MLP 32 (``bench_attention.py``);
+* ViT-S/16 layer: B256 T197 (196 patches + [CLS]) H6, R=16 on 2 axes, default bias.
+
+for every combination of warps per program, token block, target program count (how many
+batch chunks share the features) and split / fused backward. Median microseconds over
+CUDA-event-timed loops of 50 calls; writes a Markdown table (``bench_goat_lanes.md``) and
+prints the fastest configuration per shape, to set the defaults in
+``mixlab/ops/goat_triton.py`` (``_NUM_WARPS``, ``_BLOCK_T``, ``_PROGRAMS``, ``_SPLIT_BWD``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from pathlib import Path
+
+import torch
+
+SHAPES = {
+    "lm B8 T2048 H12 R4": dict(B=8, T=2048, H=12, causal=True, axes=1,
+                               position_args=dict(n_modes=4)),
+    "vit B256 T197 H6 R16": dict(B=256, T=197, H=6, causal=False, axes=2,
+                                 position_args=dict(n_modes=16, axes=2, default_bias=True)),
+}
+
+
+def _coords(spec, dev):
+    from mixlab.coords import Coords
+
+    if spec["axes"] == 1:
+        return Coords.seq(spec["T"], device=dev)
+    side = int((spec["T"] - 1) ** 0.5)
+    return Coords.cat([Coords.empty(1, 2, device=dev), Coords.grid(side, side, device=dev)])  # [CLS] + patches
+
+
+def time_us(fn, reps: int = 50, repeats: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b) * 1e3 / reps)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--block-t", type=int, nargs="*", default=[32, 64])
+    ap.add_argument("--programs", type=int, nargs="*", default=[128, 512, 2048])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_goat_lanes.py needs a CUDA device")
+    from mixlab.mixers.attention import Attention
+    from mixlab.ops import goat_triton as GT
+
+    dev = torch.device("cuda")
+    lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
+             "| shape | warps | block | programs | backward | grid | fwd us | bwd us | fwd+bwd us |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    best: dict[str, tuple[float, str]] = {}
+    for name, spec in SHAPES.items():
+        torch.manual_seed(0)
+        B, T, H = spec["B"], spec["T"], spec["H"]
+        m = Attention(H * 64, H, causal=spec["causal"], position="goat", position_args=spec["position_args"],
+                      bias=True).to(dev)
+        pos = m.pos
+        c = _coords(spec, dev)
+        feat = pos._packed_features(pos._features(c, torch.float32))
+        params = pos._flat_params().detach()
+        meta = pos._kernel_meta()
+        qkv = torch.randn(B * T, 3 * H * 64, device=dev, dtype=torch.bfloat16)
+        grad = torch.randn_like(qkv)
+        L = meta["L"]
+        layout = dict(ROW=3 * H * 64, HD=64, QOFF=64 - L, KOFF=H * 64 + 64 - L)
+        for warps, block, programs, split in itertools.product(args.warps, args.block_t, args.programs, (False, True)):
+            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = warps, block, programs, split
+            grid, BB, const = GT._launch_args(meta, feat, feat, B, B)
+            if split and grid[2] == 1:
+                continue  # one chunk: the split path is not taken
+            with torch.no_grad():
+                fwd = time_us(lambda: GT.GoatLanesInplace.apply(qkv, feat, params, meta, B, 64))
+            bwd = time_us(lambda: GT._backward(grid, BB, const, grad, grad, feat, feat, params, B, B, layout, True))
+            tag = "split" if split else "fused"
+            lines.append(f"| {name} | {warps} | {block} | {programs} | {tag} | {grid} x {BB} | {fwd:.1f} | {bwd:.1f} "
+                         f"| {fwd + bwd:.1f} |")
+            print(lines[-1], flush=True)
+            cfg = f"warps={warps} block={block} programs={programs} {tag}"
+            if name not in best or fwd + bwd < best[name][0]:
+                best[name] = (fwd + bwd, cfg)
+        del m, qkv, grad
+    lines += [""] + [f"fastest at {n}: {cfg} ({us:.1f} us)" for n, (us, cfg) in best.items()]
+    print("\n".join(lines[-len(best):]))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_goat_lanes.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
