@@ -91,12 +91,12 @@ def main() -> None:
         layout = dict(ROW=3 * H * 64, HD=64, QOFF=64 - L, KOFF=H * 64 + 64 - L)
         for warps, block, programs, split in itertools.product(args.warps, args.block_t, args.programs, (False, True)):
             GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = warps, block, programs, split
-            grid, BB, const = GT._launch_args(meta, feat, feat, B, B)
+            grid, BB, const, kernels = GT._launch_args(meta, feat, feat, B, B)
             if split and grid[2] == 1:
                 continue  # one chunk: the split path is not taken
             with torch.no_grad():
                 fwd = time_us(lambda: GT.GoatLanesInplace.apply(qkv, feat, params, meta, B, 64))
-            bwd = time_us(lambda: GT._backward(grid, BB, const, grad, grad, feat, feat, params, B, B, layout, True))
+            bwd = time_us(lambda: GT._backward(grid, BB, const, kernels, grad, grad, feat, feat, params, B, B, layout, True))
             tag = "split" if split else "fused"
             lines.append(f"| {name} | {warps} | {block} | {programs} | {tag} | {grid} x {BB} | {fwd:.1f} | {bwd:.1f} "
                          f"| {fwd + bwd:.1f} |")

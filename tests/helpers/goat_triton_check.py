@@ -97,7 +97,8 @@ def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, b
         c = Coords(pos.to(DEV), mask.to(DEV), key=None)
     gy = torch.randn(B, T, H * d_h).to(DEV)
     outs = []
-    for m in (ref, fast):
+    for m in (ref, fast, fast):  # fast twice: the second call launches the cached compiled kernels (GPU)
+        m.zero_grad(set_to_none=True)
         xx = x.clone().requires_grad_()
         y = m(xx, c)
         if m is fast:  # lanes written into the projection's own output: no CopySlices clone of d qkv
@@ -105,11 +106,13 @@ def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, b
             assert "GoatLanesInplaceBackward" in names and "CopySlices" not in names, sorted(names)
         (y * gy).sum().backward()
         outs.append((y.detach(), xx.grad, {n: q.grad for n, q in m.named_parameters()}))
-    (y0, gx0, g0), (y1, gx1, g1) = outs
-    err = max((y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
-    for n in g0:
-        a, b = g0[n], g1[n]
-        err = max(err, ((a - b).abs().max() / (a.abs().max() + 1e-6)).item())
+    (y0, gx0, g0) = outs[0]
+    err = 0.0
+    for y1, gx1, g1 in outs[1:]:  # SDPA's backward is not bitwise deterministic on GPUs: compare each to ref
+        err = max(err, (y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
+        for n in g0:
+            a, b = g0[n], g1[n]
+            err = max(err, ((a - b).abs().max() / (a.abs().max() + 1e-6)).item())
     lanes = fast.qkv.weight.grad.view(3, H, d_h, -1)[:2, :, d_h - (2 * n_modes + 2):]
     assert lanes.abs().max().item() == 0.0, "lane rows of qkv must get exactly zero gradient"
     return err

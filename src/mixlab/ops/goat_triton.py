@@ -53,6 +53,9 @@ _BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
 _PROGRAMS = 2048  # shared features: batch chunks until the grid has about this many programs
 _NUM_WARPS = 4
 _SPLIT_BWD = True  # shared features, several batch chunks: two-kernel backward
+# (prior configuration, shapes, launch configuration) -> (grid, BB, constexprs, {call: compiled kernel}); kept
+# here, not on the modules, so modules stay deep-copyable and picklable
+_LAUNCH: dict[tuple, tuple] = {}
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -86,7 +89,7 @@ def _key_mlp(feat, rows, rmask, prm, h, NF: tl.constexpr, C_PHI: tl.constexpr, O
 
 
 # ----------------------------------------------------------------------------- kernels
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB"])
 def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
                ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
                SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
@@ -213,7 +216,7 @@ def _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, tq, tk,
         tl.store(row + O_W1 + (h * F + f[:, None]) * D + d[None, :], dw1, mask=(f < F)[:, None] & dm[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB"])
 def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
                ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
                SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
@@ -238,7 +241,7 @@ def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
                  O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1, HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB", "TP"])
 def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
                       ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
                       R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
@@ -255,7 +258,7 @@ def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
     tl.store(base[:, None] + l[None, :], tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC", "Tq", "Tk", "TP"])
 def _lanes_bwd_params(g, featq, featk, prm, part, NC, Tq, Tk, TP,
                       SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
                       F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
@@ -336,13 +339,16 @@ def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | N
 
 
 def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int, NK: int) -> tuple:
-    """``(grid, BB, constexprs)``, memoised in ``meta`` per shape: programs per (head, token
+    """``(grid, BB, constexprs, compiled kernels)``, memoised per configuration and shape: programs per (head, token
     block, batch chunk). Shared features (batch 1) are split into only as many batch chunks
     as give the GPU ~``_PROGRAMS`` programs; per-sample features need one program per batch entry."""
-    key = (feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS, _BLOCK_T, _NUM_WARPS)
-    memo = meta.setdefault("_launch", {})
-    if key in memo:
-        return memo[key]
+    if "_key" not in meta:  # hashable identity of the prior configuration (plain values only)
+        meta["_key"] = tuple(sorted(meta.items()))
+    key = (meta["_key"], feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS,
+           _BLOCK_T, _NUM_WARPS)
+    hit = _LAUNCH.get(key)
+    if hit is not None:
+        return hit
     H = meta["H"]
     Tq, Tk = feat_q.shape[1], feat_k.shape[1]
     block = _BLOCK_T or (32 if max(Tq, Tk) <= 256 else 64)
@@ -355,11 +361,36 @@ def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int
         n = min(B, max(1, _cdiv(_PROGRAMS, H * NT)))
         BB = _cdiv(B, n)
         n_chunks = _cdiv(B, BB)
-    const = {k: v for k, v in meta.items() if k not in ("H", "_launch")}
-    if len(memo) >= 64:
-        memo.clear()
-    memo[key] = (H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=block, num_warps=_NUM_WARPS)
-    return memo[key]
+    const = {k: v for k, v in meta.items() if k not in ("H", "_key")}
+    if len(_LAUNCH) >= 256:
+        _LAUNCH.clear()
+    _LAUNCH[key] = ((H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=block, num_warps=_NUM_WARPS),
+                    {})
+    return _LAUNCH[key]
+
+
+def _launch(fn, grid: tuple, kernels: dict, key: tuple, args: tuple, kwargs: dict) -> None:
+    """``fn[grid](*args, **kwargs)``, the first time through Triton's JIT, later through the
+    compiled kernel's own launcher.
+
+    Triton's per-launch argument binding and cache lookup cost ~17 us of host time per launch
+    on the H200's host (28.6 us vs 11.4 us, BENCHMARKS.md), and a GOAT layer launches three
+    kernels per training step. The kernels do not specialise their integer arguments
+    (``do_not_specialize``), so a compiled kernel stays valid for every call with the same
+    constexprs (fixed for one ``kernels`` dict: one memoised shape), call site ``key``, device,
+    tensor dtypes and 16-byte alignment. Under ``TRITON_INTERPRET`` every call goes through
+    the JIT (no compiled kernel is returned). ``grid`` must have 3 entries (the compiled
+    kernel's launcher does not pad it).
+    """
+    spec = (fn, key, args[0].device) + tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
+    hit = kernels.get(spec)
+    if hit is not None:
+        compiled, tail = hit
+        compiled[grid](*args, *tail)
+        return
+    compiled = fn[grid](*args, **kwargs)
+    if compiled is not None and hasattr(compiled, "__getitem__"):
+        kernels[spec] = (compiled, tuple(kwargs[n] for n in fn.arg_names[len(args):]))
 
 
 class GoatLanesTriton(torch.autograd.Function):
@@ -375,28 +406,28 @@ class GoatLanesTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feat_q, feat_k, params, meta, batch_q, batch_k, out_dtype):
         H, L = meta["H"], meta["L"]
-        grid, BB, const = _launch_args(meta, feat_q, feat_k, batch_q, batch_k)
+        grid, BB, const, kernels = _launch_args(meta, feat_q, feat_k, batch_q, batch_k)
         Tq, Tk = feat_q.shape[1], feat_k.shape[1]
         ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=out_dtype)  # the kernel casts on store
         kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=out_dtype)
-        _lanes_fwd[grid](feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB,
-                         ROW=H * L, HD=L, QOFF=0, KOFF=0, **const)
+        _launch(_lanes_fwd, grid, kernels, ("sep",), (feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB),
+                dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
         ctx.save_for_backward(feat_q, feat_k, params)
-        ctx.args = (grid, BB, const, batch_q, batch_k)
+        ctx.args = (grid, BB, const, kernels, batch_q, batch_k)
         return ql.transpose(1, 2), kl.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq_l, dk_l):
         feat_q, feat_k, params = ctx.saved_tensors
-        grid, BB, const, NQ, NK = ctx.args
+        grid, BB, const, kernels, NQ, NK = ctx.args
         dq_l, dk_l = dq_l.transpose(1, 2).contiguous(), dk_l.transpose(1, 2).contiguous()  # [B, T, H, L]
         H, L = dq_l.shape[2], dq_l.shape[3]
-        d_params = _backward(grid, BB, const, dq_l, dk_l, feat_q, feat_k, params, NQ, NK,
+        d_params = _backward(grid, BB, const, kernels, dq_l, dk_l, feat_q, feat_k, params, NQ, NK,
                              dict(ROW=H * L, HD=L, QOFF=0, KOFF=0), zero=False)
         return None, None, d_params, None, None, None, None
 
 
-def _backward(grid, BB, const, dq, dk, feat_q, feat_k, params, NQ, NK, layout, zero: bool) -> torch.Tensor:
+def _backward(grid, BB, const, kernels, dq, dk, feat_q, feat_k, params, NQ, NK, layout, zero: bool) -> torch.Tensor:
     """Launch the backward kernel(s); returns the gradient of the flat parameter vector.
 
     Shared features with several batch chunks and ``_SPLIT_BWD``: two kernels (batch sums per
@@ -404,17 +435,20 @@ def _backward(grid, BB, const, dq, dk, feat_q, feat_k, params, NQ, NK, layout, z
     kernel (parameter gradients per chunk)."""
     H, NT, NC = grid
     Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+    site = tuple(layout.values()) + (zero,)
     if _SPLIT_BWD and NC > 1 and not (const["Q_BATCHED"] or const["K_BATCHED"]):
         TP, LP = NT * const["BLOCK_T"], const["LP"]
         g = torch.empty(NC, H, TP, LP, device=dq.device, dtype=torch.float32)
-        _lanes_bwd_reduce[grid](dq, dk, g, NQ, NK, Tq, Tk, BB, TP, R=const["R"], L=const["L"], LP=LP,
-                                BLOCK_T=const["BLOCK_T"], ZERO=zero, num_warps=const["num_warps"], **layout)
+        _launch(_lanes_bwd_reduce, grid, kernels, site, (dq, dk, g, NQ, NK, Tq, Tk, BB, TP),
+                dict(R=const["R"], L=const["L"], LP=LP, BLOCK_T=const["BLOCK_T"], ZERO=zero,
+                     num_warps=const["num_warps"], **layout))
         part = torch.empty(NT, const["PT"], device=dq.device, dtype=torch.float32)
         keep = {k: v for k, v in const.items() if k not in ("Q_BATCHED", "K_BATCHED")}
-        _lanes_bwd_params[(H, NT)](g, feat_q, feat_k, params, part, NC, Tq, Tk, TP, **keep)
+        _launch(_lanes_bwd_params, (H, NT, 1), kernels, (), (g, feat_q, feat_k, params, part, NC, Tq, Tk, TP), keep)
     else:
         part = torch.empty(NT * NC, const["PT"], device=dq.device, dtype=torch.float32)
-        _lanes_bwd[grid](dq, dk, feat_q, feat_k, params, part, NQ, NK, Tq, Tk, BB, ZERO=zero, **layout, **const)
+        _launch(_lanes_bwd, grid, kernels, site, (dq, dk, feat_q, feat_k, params, part, NQ, NK, Tq, Tk, BB),
+                dict(ZERO=zero, **layout, **const))
     return part.sum(0)  # deterministic reduction over rows: [PT] == params.shape
 
 
@@ -444,14 +478,15 @@ class GoatLanesInplace(torch.autograd.Function):
                 or qkv.shape[1] != 3 * H * head_dim:
             raise ValueError(f"GoatLanesInplace: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{feat.shape[1]}, "
                              f"{3 * H * head_dim}] matrix; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
-        grid, BB, const = _launch_args(meta, feat, feat, batch, batch)
+        grid, BB, const, kernels = _launch_args(meta, feat, feat, batch, batch)
         d_c = head_dim - L
         layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
         T = feat.shape[1]
-        _lanes_fwd[grid](feat, feat, params, qkv, qkv, batch, batch, T, T, BB, **layout, **const)
+        _launch(_lanes_fwd, grid, kernels, tuple(layout.values()), (feat, feat, params, qkv, qkv, batch, batch, T, T, BB),
+                dict(**layout, **const))
         ctx.mark_dirty(qkv)
         ctx.save_for_backward(feat, params)
-        ctx.args = (grid, BB, const, batch, layout)
+        ctx.args = (grid, BB, const, kernels, batch, layout)
         return qkv
 
     @staticmethod
@@ -459,6 +494,6 @@ class GoatLanesInplace(torch.autograd.Function):
         if not grad.is_contiguous():  # e.g. an expanded gradient: never write into shared memory
             grad = grad.contiguous()
         feat, params = ctx.saved_tensors
-        grid, BB, const, batch, layout = ctx.args
-        return grad, None, _backward(grid, BB, const, grad, grad, feat, feat, params, batch, batch, layout,
+        grid, BB, const, kernels, batch, layout = ctx.args
+        return grad, None, _backward(grid, BB, const, kernels, grad, grad, feat, feat, params, batch, batch, layout,
                                      zero=True), None, None, None
