@@ -246,6 +246,12 @@ def profile_goat() -> None:
         gpu_us = sum(e.self_device_time_total for e in ka) / 5
         print(f"===== {name}: host {host_us:.0f} us, GPU kernels {gpu_us:.0f} us per fwd+bwd")
         print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=50))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:  # where the host time goes
+            for _ in range(5):
+                once()
+            torch.cuda.synchronize()
+        print(f"----- {name}: top host (CPU) ops, 5 iterations")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
 
 
 def main() -> None:

@@ -80,3 +80,48 @@ def test_trainer_misconfiguration_is_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, f"--config={fsdp}", "--trainer.accelerator=cpu", "--trainer.devices=1")
     assert err[-2] == ("error: trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
                        "configs/trainer/ddp.yaml (gloo)")
+
+
+def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
+    """Found by a user test: these used to print a long traceback or train silently."""
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer=mesa",
+                "--model.backbone.mixer_args={mesa: {lamda_floor: 0}}")
+    assert err[-2].startswith("error: model: mixer 'mesa' got unknown argument(s) 'lamda_floor'; it accepts: ")
+    assert "lambda_floor" in err[-2]
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={mesaa: {lambda_floor: 0}}")
+    assert err[-2].startswith("error: backbone: mixer_args has entries for unknown mixer(s) 'mesaa'")
+    for field, value in (("d_model", "-128"), ("n_heads", "0"), ("n_layers", "-1")):
+        err = _fail(capsys, monkeypatch, tmp_path, f"--model.backbone.{field}={value}")
+        assert err[-2] == f"error: backbone: {field} must be an integer >= 1; got {value}"
+    assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize(("name", "kwargs", "message"), [
+    ("hawk", {"lru_width": -64}, "hawk mixer: lru_width must be an integer >= 1; got -64"),
+    ("hawk", {"impl": "scan"}, "hawk mixer: impl must be one of"),
+    ("mla", {"kv_rank": 0}, "mla mixer: kv_rank must be an integer >= 1; got 0"),
+    ("mla", {"q_rank": -1}, "mla mixer: q_rank must be an integer >= 0; got -1"),
+    ("gla", {"conv_size": -1}, "gla mixer: conv_size must be an integer >= 0; got -1"),
+    ("gla", {"expand_v": 0.0}, "gla mixer: expand_v must be > 0; got 0.0"),
+    ("mamba2", {"d_state": 0}, "mamba2 mixer: d_state must be an integer >= 1; got 0"),
+    ("mamba2", {"expand": 0}, "mamba2 mixer: expand must be an integer >= 1; got 0"),
+    ("mesa", {"chunk_size": 0}, "mesa mixer: chunk_size must be an integer >= 1; got 0"),
+    ("mesa", {"impl": "fal"}, "mesa mixer: impl must be one of ('auto', 'chunk', 'fla', 'recurrent', 'exact'); got 'fal'"),
+    ("mesa", {"eval_cg_eps": 0.0}, "mesa: eval_cg_eps (adaptive CG tolerance) must be > 0"),
+    ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
+    ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),
+])
+def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):
+    from mixlab.registry import build_mixer
+
+    args = {"d_model": 64, "n_heads": 4, "causal": True, **kwargs}
+    with pytest.raises(ValueError) as info:
+        build_mixer(name, **args)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_run_names_are_shell_safe():
+    from mixlab.heads.lm import pattern_name
+
+    assert pattern_name("kda*3,mla") == "kdax3-mla"
+    assert pattern_name(["goat", "mla"]) == "goat-mla"

@@ -14,7 +14,7 @@ from timm.layers import DropPath, Mlp, SwiGLU
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.registry import build_mixer, get_mixer_cls
+from mixlab.registry import build_mixer, get_mixer_cls, list_mixers
 
 __all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern"]
 
@@ -89,6 +89,23 @@ class BackboneConfig:
     drop_path: float = 0.0
     bias: bool = False
     init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for sizes < 1, a non-positive ``mlp_ratio``, ``drop_path``
+        outside [0, 1), or ``mixer_args`` keyed by a name that is not a registered mixer (a
+        typo there would otherwise be ignored silently)."""
+        for name in ("d_model", "n_layers", "n_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"backbone: {name} must be an integer >= 1; got {value!r}")
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"backbone: mlp_ratio must be > 0; got {self.mlp_ratio}")
+        if not 0 <= self.drop_path < 1:
+            raise ValueError(f"backbone: drop_path must be in [0, 1); got {self.drop_path}")
+        unknown = sorted(set(self.mixer_args or {}) - set(list_mixers()))
+        if unknown:
+            raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
+                             f"registered mixers: {', '.join(list_mixers())}")
 
 
 def make_norm(cfg: BackboneConfig) -> nn.Module:

@@ -11,6 +11,8 @@ and obeys :class:`mixlab.mixers.base.Mixer`'s ``forward(x, coords, cache)``.
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Callable
 
 __all__ = ["register_mixer", "get_mixer_cls", "list_mixers", "build_mixer"]
@@ -63,6 +65,22 @@ def get_mixer_cls(name: str) -> type:
 
 
 def build_mixer(name: str, **kwargs: Any):
-    """Instantiate mixer ``name`` with its registered defaults updated by ``kwargs``."""
+    """Instantiate mixer ``name`` with its registered defaults updated by ``kwargs``.
+
+    Raises:
+        ValueError: unknown ``name``; an argument the mixer does not take (a typo in
+            ``mixer_args``), naming the accepted ones; ``d_model`` or ``n_heads`` < 1.
+    """
     cls = get_mixer_cls(name)
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            accepted = ", ".join(n for n in params if n != "self")
+            raise ValueError(f"mixer {name!r} got unknown argument(s) {', '.join(map(repr, unknown))}; "
+                             f"it accepts: {accepted}")
+    for arg in ("d_model", "n_heads"):
+        value = kwargs.get(arg)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"mixer {name!r}: {arg} must be an integer >= 1; got {value!r}")
     return cls(**{**_DEFAULTS[name], **kwargs})

@@ -4,7 +4,7 @@
 start (and at test/validate start for runs that did not fit): flat, filterable keys
 
 ========================  ====================================================================
-``mixer``                 the run name (mixer pattern, e.g. ``goat``, ``kda*3-mla``)
+``mixer``                 the run name (mixer pattern, e.g. ``goat``, ``kdax3-mla``)
 ``task``                  the datamodule's ``task_name`` (``genome``, ``vqa_digits``, ...)
 ``dataset``               the datamodule class name
 ``position``              position schemes of the attention layers (``goat``, ``rope+goat``,

@@ -19,9 +19,10 @@ __all__ = ["CausalLM", "pattern_name"]
 
 
 def pattern_name(mixer: str | list[str]) -> str:
-    """Short run name for a mixer pattern: ``"goat"``, ``"kda*3,mla"`` -> ``"kda*3-mla"``."""
+    """Short run name (a directory name safe in a shell) for a mixer pattern: ``"goat"``,
+    ``"kda*3,mla"`` -> ``"kdax3-mla"``."""
     items = mixer.split(",") if isinstance(mixer, str) else list(mixer)
-    return "-".join(i.strip() for i in items if i.strip())
+    return "-".join(i.strip().replace("*", "x") for i in items if i.strip())
 
 
 class CausalLM(EvalSumsHooks, pl.LightningModule):

@@ -6,7 +6,29 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 
-__all__ = ["Mixer"]
+__all__ = ["Mixer", "check_choice", "check_sizes"]
+
+
+def check_sizes(mixer: str, minimum: int = 1, **sizes: int | None) -> None:
+    """Raise ``ValueError`` naming the first size argument that is not ``None`` and below
+    ``minimum`` (1 for widths and ranks; 0 where 0 switches a part off, e.g. ``conv_size``).
+
+    Raises:
+        ValueError: ``"<mixer> mixer: <name> must be an integer >= <minimum>; got <value>"``.
+    """
+    for name, value in sizes.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
+            raise ValueError(f"{mixer} mixer: {name} must be an integer >= {minimum}; got {value!r}")
+
+
+def check_choice(mixer: str, name: str, value: object, choices: tuple) -> None:
+    """Raise ``ValueError`` if ``value`` is not one of ``choices`` (e.g. an ``impl`` typo).
+
+    Raises:
+        ValueError: ``"<mixer> mixer: <name> must be one of (...); got <value>"``.
+    """
+    if value not in choices:
+        raise ValueError(f"{mixer} mixer: {name} must be one of {choices}; got {value!r}")
 
 
 class Mixer(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, check_choice, check_sizes
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv
 from mixlab.ops.gla import gla
 from mixlab.registry import register_mixer
@@ -46,6 +46,11 @@ class GLA(Mixer):
         super().__init__()
         if not causal:
             raise ValueError("gla mixer: causal=False is not supported")
+        check_sizes("gla", head_dim=head_dim, gate_low_rank=gate_low_rank, chunk_size=chunk_size)
+        check_sizes("gla", minimum=0, conv_size=conv_size)
+        check_choice("gla", "impl", impl, ("auto", "chunk", "recurrent", "fla"))
+        if not expand_v > 0:
+            raise ValueError(f"gla mixer: expand_v must be > 0; got {expand_v}")
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"gla mixer: d_model={d_model} is not divisible by n_heads={n_heads}")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, check_choice, check_sizes
 from mixlab.mixers.layers import ShortConv
 from mixlab.ops.scan import linear_scan
 from mixlab.registry import register_mixer
@@ -68,6 +68,9 @@ class Hawk(Mixer):
         super().__init__()
         if not causal:
             raise ValueError("hawk mixer: causal=False is not supported")
+        check_sizes("hawk", lru_width=lru_width)
+        check_sizes("hawk", minimum=0, conv_size=conv_size)
+        check_choice("hawk", "impl", impl, ("auto", "chunk", "loop", "fla"))
         w = lru_width or d_model
         if w % n_heads:
             raise ValueError(f"hawk mixer: lru_width={w} is not divisible by n_heads={n_heads}")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, check_choice, check_sizes
 from mixlab.mixers.layers import ShortConv
 from mixlab.ops.gla import mamba2_ssd
 from mixlab.registry import register_mixer
@@ -53,6 +53,9 @@ class Mamba2(Mixer):
         super().__init__()
         if not causal:
             raise ValueError("mamba2 mixer: causal=False is not supported")
+        check_sizes("mamba2", d_state=d_state, expand=expand, chunk_size=chunk_size)
+        check_sizes("mamba2", minimum=0, conv_size=conv_size)
+        check_choice("mamba2", "impl", impl, ("auto", "chunk", "recurrent", "fla", "fla_simple"))
         e = expand * d_model
         if e % n_heads:
             raise ValueError(f"mamba2 mixer: expand*d_model={e} is not divisible by n_heads={n_heads}")

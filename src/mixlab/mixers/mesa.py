@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, check_choice, check_sizes
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv
 from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step
 from mixlab.registry import register_mixer
@@ -86,7 +86,10 @@ class Mesa(Mixer):
         if not lambda_init > lambda_floor:
             raise ValueError(f"mesa mixer: lambda_init={lambda_init} must exceed lambda_floor={lambda_floor}")
         check_solver_args(cg_iters, cg_eps)
-        check_solver_args(cg_iters, eval_cg_eps)
+        check_solver_args(cg_iters, eval_cg_eps, eps_name="eval_cg_eps")
+        check_sizes("mesa", head_dim=head_dim, chunk_size=chunk_size)
+        check_sizes("mesa", minimum=0, conv_size=conv_size)
+        check_choice("mesa", "impl", impl, ("auto", "chunk", "fla", "recurrent", "exact"))
         if head_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"mesa mixer: d_model={d_model} is not divisible by n_heads={n_heads}")

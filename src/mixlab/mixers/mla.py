@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.attention import causal_mask, sdpa
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, check_sizes
 from mixlab.mixers.positions import RotaryPositions
 from mixlab.registry import register_mixer
 
@@ -75,6 +75,8 @@ class MultiHeadLatentAttention(Mixer):
         super().__init__()
         if impl not in ("sdpa", "reference"):
             raise ValueError(f"mla impl must be 'sdpa' or 'reference'; got {impl!r}")
+        check_sizes("mla", kv_rank=kv_rank, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim)
+        check_sizes("mla", minimum=0, q_rank=q_rank)
         if nope_dim is None:
             if d_model % n_heads:
                 raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass nope_dim")

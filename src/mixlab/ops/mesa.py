@@ -67,12 +67,12 @@ def _cg_update(x: Tensor, r: Tensor, p: Tensor, delta: Tensor, ap: Tensor, activ
     p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
     return x, r, p, torch.where(active, delta_new, delta)
 
-def check_solver_args(cg_iters: int, cg_eps: float | None) -> None:
-    """Raises ValueError for a CG cap < 1 or a non-positive tolerance."""
+def check_solver_args(cg_iters: int, cg_eps: float | None, eps_name: str = "cg_eps") -> None:
+    """Raises ValueError for a CG cap < 1 or a non-positive tolerance (named ``eps_name``)."""
     if not isinstance(cg_iters, int) or cg_iters < 1:
         raise ValueError(f"mesa: cg_iters (CG iteration count / cap) must be an integer >= 1; got {cg_iters!r}")
     if cg_eps is not None and not cg_eps > 0:
-        raise ValueError(f"mesa: cg_eps (adaptive CG tolerance) must be > 0 or None (fixed count); got {cg_eps!r}")
+        raise ValueError(f"mesa: {eps_name} (adaptive CG tolerance) must be > 0 or None (fixed count); got {cg_eps!r}")
 
 
 def check_mesa_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor,
