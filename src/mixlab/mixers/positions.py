@@ -338,15 +338,15 @@ class GoatPrior(PositionScheme):
         calc = torch.float64 if dtype == torch.float64 else torch.float32
         fq = self._features(coords_q, calc)
         fk = fq if coords_k is coords_q else self._features(coords_k, calc)
-        cos_q, sin_q = self._cos_sin(fq, calc)
-        cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
-        if self._use_triton(cos_q, calc):  # one kernel forward, one backward
+        if self._use_triton(fq["present"], calc):  # one kernel forward, one backward
             from mixlab.ops.goat_triton import GoatLanesTriton
 
             feat_q = self._packed_features(fq)
             feat_k = feat_q if fk is fq else self._packed_features(fk)
             return GoatLanesTriton.apply(feat_q, feat_k, self._flat_params(), self._kernel_meta(),
                                          feat_q.shape[0], feat_k.shape[0], dtype)
+        cos_q, sin_q = self._cos_sin(fq, calc)
+        cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
         p = self._params(calc)
         return G.GoatLanes.apply(cos_q, sin_q, fq["present"], cos_k, sin_k, fk["present"], fk.get("phi"),
                                  fk["j_hi"], fk["j_lo"], fk["is_bos"], fk["is_none"], p["alpha"], p["beta"],
