@@ -56,10 +56,35 @@ def register_command(name: str, target: str) -> None:
     COMMANDS[name] = target
 
 
+_BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
+                 "val_check_interval")
+
+
+def integer_trainer_counts(words: list[str]) -> dict[str, int]:
+    """Trainer options among :data:`_BATCH_COUNTS` given on the command line as integers.
+
+    Lightning reads ``limit_val_batches=1`` as ONE batch and ``1.0`` as all of them, but its
+    CLI parses the command-line ``1`` of these ``int | float`` options as ``1.0``
+    (Lightning issue #21259); :class:`MixlabCLI` passes these back to the Trainer as ints.
+    ``words``: the command-line tokens (``--trainer.limit_val_batches 1`` or ``...=1``).
+    """
+    found: dict[str, int] = {}
+    for i, word in enumerate(words):
+        if not word.startswith("--trainer."):
+            continue
+        key, eq, value = word[len("--trainer."):].partition("=")
+        if not eq:
+            value = words[i + 1] if i + 1 < len(words) else ""
+        if key in _BATCH_COUNTS and value.strip().lstrip("+-").isdigit():
+            found[key] = int(value)
+    return found
+
+
 class MixlabCLI(LightningCLI):
     """LightningCLI with mixlab's defaults (logger layout, callbacks, precision)."""
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        self._words = list(sys.argv[1:] if args is None else args)
         defaults = {
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
@@ -117,6 +142,8 @@ class MixlabCLI(LightningCLI):
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
+        for key, value in integer_trainer_counts(self._words).items():  # "1" means one batch, not 100%
+            cfg["trainer"][key] = value
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
