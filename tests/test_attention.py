@@ -239,3 +239,24 @@ def test_goat_lanes_gradcheck():
     fn = lambda cs, sn, *ps: GoatLanes.apply(cs, sn, pres, cs, sn, pres, phi, j // 2, j % 2, (j == 0).double(),
                                              torch.zeros_like(j), *ps, 1.7, torch.float64)
     assert torch.autograd.gradcheck(fn, (cos, sin, *params))
+
+
+def test_goat_prior_loads_checkpoints_from_before_the_flat_prior():
+    """State dicts with one key per term (``pos.alpha``, ``pos.mlp_w1``, ..., ALiBi's ``pos.slope``)
+    load into the flat ``prior`` vector term by term."""
+    from mixlab.mixers.attention import Attention
+
+    torch.manual_seed(0)
+    new = Attention(32, 2, causal=True, position="goat", position_args=dict(n_modes=2, init="random"))
+    old_style = {k: v for k, v in new.state_dict().items() if not k.endswith("pos.prior")}
+    for name in new.pos.learned_terms:
+        old_style[f"pos.{name}"] = getattr(new.pos, name).detach().clone()
+    fresh = Attention(32, 2, causal=True, position="goat", position_args=dict(n_modes=2))
+    fresh.load_state_dict(old_style)
+    assert torch.equal(fresh.pos.prior, new.pos.prior)
+    assert torch.equal(fresh.pos.mlp_w1, new.pos.mlp_w1)
+    alibi = Attention(32, 2, causal=True, position="alibi")
+    sd = {k: v for k, v in alibi.state_dict().items() if not k.endswith("fixed_slope")}
+    sd["pos.slope"] = torch.tensor([0.5, 0.25])
+    alibi.load_state_dict(sd)
+    assert torch.equal(alibi.pos.slope, torch.tensor([0.5, 0.25]))

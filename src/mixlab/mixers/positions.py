@@ -207,6 +207,20 @@ class GoatPrior(PositionScheme):
             self.register_buffer("fixed_slope", torch.zeros(n_heads))
         self.reset_parameters()
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        """Also load checkpoints written before the terms were packed into ``prior`` (keys
+        ``alpha``, ``beta``, ``slope``, ``bos``, ``default``, ``mlp_w1``, ``mlp_b1``, ``mlp_w2``)."""
+        old = [name for name in self._segments if prefix + name in state_dict]
+        if prefix + "prior" not in state_dict and old:
+            flat = torch.zeros_like(self.prior)
+            for name, (o, shape) in self._segments.items():
+                if prefix + name in state_dict:
+                    flat[o:o + math.prod(shape)] = state_dict.pop(prefix + name).reshape(-1)
+            state_dict[prefix + "prior"] = flat
+        if "fixed_slope" in self._buffers and prefix + "slope" in state_dict:  # old ALiBi buffer name
+            state_dict[prefix + "fixed_slope"] = state_dict.pop(prefix + "slope")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def reset_parameters(self) -> None:
         """Apply ``init`` (called by the backbone after its generic GPT init)."""
         with torch.no_grad():
