@@ -11,7 +11,9 @@ the two-kernel split for shared features) at the two shapes the issue benchmarks
 * ViT-S/16 layer: B256 T197 (196 patches + [CLS]) H6, R=16 on 2 axes, default bias.
 
 for every combination of warps per program, token block, target program count (how many
-batch chunks share the features) and split / fused backward. Median microseconds over
+batch chunks share the features) and split / fused backward. ``--stores`` adds the
+forward's stores alone (same grid and masks, constant values) against a contiguous write
+of the same number of bytes: the cost of scattering lanes into the qkv rows. Median microseconds over
 CUDA-event-timed loops of 50 calls; writes a Markdown table (``bench_goat_lanes.md``) and
 prints the fastest configuration per shape, to set the defaults in
 ``mixlab/ops/goat_triton.py`` (``_NUM_WARPS``, ``_BLOCK_T``, ``_PROGRAMS``, ``_SPLIT_BWD``).
@@ -25,6 +27,8 @@ import statistics
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 SHAPES = {
     "lm B8 T2048 H12 R4": dict(B=8, T=2048, H=12, causal=True, axes=1,
@@ -41,6 +45,23 @@ def _coords(spec, dev):
         return Coords.seq(spec["T"], device=dev)
     side = int((spec["T"] - 1) ** 0.5)
     return Coords.cat([Coords.empty(1, 2, device=dev), Coords.grid(side, side, device=dev)])  # [CLS] + patches
+
+
+@triton.jit
+def _store_only(out, N, T, BB, ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
+                L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The lane forward's stores alone (same grid, pattern and masks; constant values)."""
+    h = tl.program_id(0)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b0 = tl.program_id(2) * BB
+    l = tl.arange(0, LP)
+    tile = tl.zeros([BLOCK_T, LP], dtype=tl.float32) + 1.0
+    for i in range(0, BB):
+        ob = b0 + i
+        m = ((t < T) & (ob < N))[:, None] & (l < L)[None, :]
+        base = out + (ob * T + t).to(tl.int64) * ROW + h * HD
+        tl.store((base + QOFF)[:, None] + l[None, :], tile, mask=m)
+        tl.store((base + KOFF)[:, None] + l[None, :], tile, mask=m)
 
 
 def time_us(fn, reps: int = 50, repeats: int = 5) -> float:
@@ -64,6 +85,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--block-t", type=int, nargs="*", default=[32, 64])
     ap.add_argument("--programs", type=int, nargs="*", default=[128, 512, 2048])
+    ap.add_argument("--stores", action="store_true",
+                    help="also time the forward's stores alone against a contiguous write of the same bytes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_goat_lanes.py needs a CUDA device")
@@ -89,6 +112,16 @@ def main() -> None:
         grad = torch.randn_like(qkv)
         L = meta["L"]
         layout = dict(ROW=3 * H * 64, HD=64, QOFF=64 - L, KOFF=H * 64 + 64 - L)
+        if args.stores:  # where the forward's time goes: its stores alone vs writing the same bytes contiguously
+            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = 4, None, 2048, True
+            grid, BB, const, _ = GT._launch_args(meta, feat, feat, B, B)
+            stores = time_us(lambda: _store_only[grid](qkv, B, T, BB, L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
+                                                       **layout))
+            flat = torch.empty(2 * B * T * H * L, device=dev, dtype=qkv.dtype)
+            fill = time_us(lambda: flat.fill_(1.0))
+            lines.append(f"| {name} | stores only (default launch) | | | | {grid} x {BB} | {stores:.1f} | "
+                         f"contiguous fill of the same bytes: {fill:.1f} | |")
+            print(lines[-1], flush=True)
         for warps, block, programs, split in itertools.product(args.warps, args.block_t, args.programs, (False, True)):
             GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = warps, block, programs, split
             grid, BB, const, kernels = GT._launch_args(meta, feat, feat, B, B)
