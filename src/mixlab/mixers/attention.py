@@ -12,6 +12,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer
@@ -30,7 +31,7 @@ def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
     return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
 
 
-_DECODE_BACKENDS = None
+_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sdpa(q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs: Any) -> Tensor:
@@ -43,11 +44,6 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs: Any) -> Tens
     """
     if not (decoding and q.is_cuda):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    global _DECODE_BACKENDS
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if _DECODE_BACKENDS is None:
-        _DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     with sdpa_kernel(_DECODE_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 

@@ -178,8 +178,7 @@ class GoatPrior(PositionScheme):
             self._freqs_fixed = freqs
             self.log_freqs = None
         # Every learned term lives in ONE flat float32 vector ``prior`` in the Triton kernels'
-        # layout (alpha [H, R] | beta [H, R] | slope [H] | bos [H] | default [H] | b1 [H, D] |
-        # w2 [H, D] | w1 [H, F, D], absent terms take no space); ``alpha``, ``slope``, ``mlp_w1``,
+        # layout (mixlab.ops.goat.param_layout); ``alpha``, ``slope``, ``mlp_w1``,
         # ... are views of it. One leaf instead of eight: the fast path passes it to the kernel
         # as is and gets one gradient back (no per-step concatenation, split or eight
         # gradient accumulations: a short attention layer is host-bound on a fast GPU).
@@ -188,16 +187,9 @@ class GoatPrior(PositionScheme):
         H, D = n_heads, key_mlp_hidden
         n_feat = axes * (2 * key_mlp_freqs + 2) if D > 0 else 0
         self.learn_slope = learn_slope
-        shapes = {"alpha": (H, n_modes), "beta": (H, n_modes), "slope": (H,) if self.key_linear and learn_slope else None,
-                  "bos": (H,) if self.use_bos else None, "default": (H,) if self.use_default else None,
-                  "mlp_b1": (H, D) if D > 0 else None, "mlp_w2": (H, D) if D > 0 else None,
-                  "mlp_w1": (H, n_feat, D) if D > 0 else None}
-        self._segments: dict[str, tuple[int, tuple[int, ...]]] = {}
-        offset = 0
-        for name, shape in shapes.items():
-            if shape is not None:
-                self._segments[name] = (offset, shape)
-                offset += math.prod(shape)
+        self._segments = G.param_layout(H, n_modes, n_feat, D, slope=self.key_linear and learn_slope,
+                                        bos=self.use_bos, default=self.use_default)
+        offset = sum(math.prod(shape) for _, shape in self._segments.values())
         if offset:
             self.prior = nn.Parameter(torch.zeros(offset))
             no_decay(self.prior)

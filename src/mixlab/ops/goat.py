@@ -41,6 +41,7 @@ __all__ = [
     "relative_logits",
     "split_key_linear",
     "abs_features",
+    "param_layout",
 ]
 
 KEY_LINEAR_BLOCK = 128
@@ -275,3 +276,21 @@ class GoatLanes(torch.autograd.Function):
             d_sin_k = (dk_l[..., 1 : 2 * R : 2].sum(1) * pres_k)
         return (d_cos_q, d_sin_q, None, d_cos_k, d_sin_k, None, None, None, None, None, None,
                 d_alpha, d_beta, d_slope, d_bos, d_default, d_w1, d_b1, d_w2, None, None)
+
+
+def param_layout(n_heads: int, n_modes: int, n_feat: int, hidden: int, *, slope: bool, bos: bool,
+                 default: bool) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Layout of the prior's parameters in one flat vector: ``name -> (offset, shape)`` in the
+    order ``alpha [H, R] | beta [H, R] | slope [H] | bos [H] | default [H] | mlp_b1 [H, D] |
+    mlp_w2 [H, D] | mlp_w1 [H, F, D]``; absent terms (flag False, or ``hidden = 0`` for the
+    key MLP) take no space. Used by ``GoatPrior.prior`` and the Triton lane kernels."""
+    H, R, F, D = n_heads, n_modes, n_feat, hidden
+    shapes = {"alpha": (H, R), "beta": (H, R), "slope": (H,) if slope else None, "bos": (H,) if bos else None,
+              "default": (H,) if default else None, "mlp_b1": (H, D) if D > 0 else None,
+              "mlp_w2": (H, D) if D > 0 else None, "mlp_w1": (H, F, D) if D > 0 else None}
+    layout, offset = {}, 0
+    for name, shape in shapes.items():
+        if shape is not None:
+            layout[name] = (offset, shape)
+            offset += math.prod(shape)
+    return layout

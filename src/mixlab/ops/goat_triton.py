@@ -40,11 +40,13 @@ Tests run these kernels on CPU under ``TRITON_INTERPRET=1`` against ``GoatLanes`
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
-from mixlab.ops.goat import KEY_LINEAR_BLOCK
+from mixlab.ops.goat import KEY_LINEAR_BLOCK, param_layout
 
 __all__ = ["GoatLanesTriton", "GoatLanesInplace", "kernel_meta", "pack_features", "pack_params"]
 
@@ -305,17 +307,18 @@ def kernel_meta(n_heads: int, n_modes: int, n_feat: int, hidden: int, scale: flo
         slope, bos, default: which key-only terms exist.
 
     Returns a dict of the kernels' ``tl.constexpr`` arguments; the flat parameter layout is
-    ``alpha [H, R] | beta [H, R] | slope [H] | bos [H] | default [H] | b1 [H, D] | w2 [H, D]
-    | w1 [H, F, D]`` (absent terms take no space), as :func:`pack_params` writes it.
+    :func:`mixlab.ops.goat.param_layout` (as :func:`pack_params` writes it).
     """
     H, R, F, D = n_heads, n_modes, n_feat, hidden
-    sizes = [H * R, H * R, H * slope, H * bos, H * default, H * D, H * D, H * F * D]
-    off = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    layout = param_layout(H, R, F, D, slope=slope, bos=bos, default=default)
+    off = {name: o for name, (o, _) in layout.items()}  # absent terms: offset unused (their HAS_* is False)
+    size = sum(math.prod(shape) for _, shape in layout.values())
     return dict(SCALE=float(scale), CBLOCK=float(KEY_LINEAR_BLOCK), R=R, L=2 * R + 2, LP=_pow2(2 * R + 2),
                 F=F, FP=_pow2(F, 16), D=D, DP=_pow2(D, 16), NF=3 * R + F + 4,
-                O_BETA=off[1], O_SLOPE=off[2], O_BOS=off[3], O_DEF=off[4], O_B1=off[5], O_W2=off[6], O_W1=off[7],
-                PT=max(off[8], 1), HAS_SLOPE=bool(slope), HAS_BOS=bool(bos), HAS_DEFAULT=bool(default),
-                HAS_MLP=D > 0, H=H)
+                O_BETA=off["beta"], O_SLOPE=off.get("slope", 0), O_BOS=off.get("bos", 0),
+                O_DEF=off.get("default", 0), O_B1=off.get("mlp_b1", 0), O_W2=off.get("mlp_w2", 0),
+                O_W1=off.get("mlp_w1", 0), PT=max(size, 1),
+                HAS_SLOPE=bool(slope), HAS_BOS=bool(bos), HAS_DEFAULT=bool(default), HAS_MLP=D > 0, H=H)
 
 
 def pack_features(cos: torch.Tensor, sin: torch.Tensor, present: torch.Tensor, phi: torch.Tensor | None,
