@@ -9,8 +9,10 @@ Measures, in ONE process so every ratio is against an anchor measured in the sam
 1. Layer fwd+bwd time and peak memory at B8 T2048 d_model 768 H12 causal, bf16 autocast
    with fp32 parameters (as ``precision: bf16-mixed`` trains):
    plain layer (anchor), plain + torch.compile, mixlab goat (R=4), goat + torch.compile, rope, alibi, nope,
-   and goat-attention 0.1.1's ``GoatAttention`` when installed; then ``--rounds`` interleaved
-   plain / goat measurements whose per-round ratios judge the goal (the host drifts).
+   and goat-attention 0.1.1's ``GoatAttention`` when installed; plain and goat under CUDA graphs
+   (``torch.cuda.make_graphed_callables``: the host's launch overhead removed, i.e. the
+   GPU-bound regime); then ``--rounds`` interleaved plain / goat measurements whose per-round
+   ratios judge the goal (the host drifts).
    Also checks that the GOAT fast path runs under the FLASH backend only.
 2. Genome-LM training tokens/s and peak memory, GOAT vs RoPE, 125M-class config
    (12 layers, d 768, 12 heads, context 1024, batch 16, vocab 5, AdamW, bf16 autocast).
@@ -47,14 +49,15 @@ class PlainAttention(nn.Module):
 
 
 class Autocast(nn.Module):
-    """Run ``inner`` under bf16 autocast with fp32 parameters (as bf16-mixed training does)."""
+    """Run ``inner`` under bf16 autocast with fp32 parameters (as bf16-mixed training does);
+    ``cache=False`` for CUDA-graph capture."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, cache: bool = True) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.cache = inner, cache
 
     def forward(self, x):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=self.cache):
             return self.inner(x)
 
 
@@ -141,6 +144,21 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
                 rows.append((f"goat torch.compile failed ({type(e).__name__})", float("nan"), float("nan"), float("nan")))
     plain = Autocast(PlainAttention(D, H)).to(dev)
     rows.append(("plain (again, end of run: drift check)", *time_fwd_bwd(plain, x)))
+    # CUDA graphs (torch.cuda.make_graphed_callables): host launch overhead removed from both layers,
+    # i.e. the GPU-bound regime of large models and batches; ratios against the graphed plain layer
+    graphed = {}
+    for name, build in [("plain", lambda: PlainAttention(D, H)),
+                        ("goat", lambda: build_mixer("goat", d_model=D, n_heads=H, causal=True,
+                                                     position_args=dict(n_modes=4)))]:
+        try:
+            g_fn = torch.cuda.make_graphed_callables(Autocast(build(), cache=False).to(dev), (x,))
+            graphed[name] = time_fwd_bwd(g_fn, x)
+            rows.append((f"{name}, CUDA graph (make_graphed_callables)", *graphed[name]))
+        except Exception as e:  # noqa: BLE001 - optional rows
+            rows.append((f"{name} CUDA graph failed ({type(e).__name__}: {e})"[:120], float("nan"), float("nan"),
+                         float("nan")))
+    if len(graphed) == 2:
+        args.graphed = (graphed["goat"][0] / graphed["plain"][0], graphed["goat"][1] / graphed["plain"][1])
     # interleaved rounds: the host's speed drifts during a run, so alternate plain and goat and
     # report per-round ratios (median, min, max) - the figure to judge the goal by
     goat = Autocast(build_mixer("goat", d_model=D, n_heads=H, causal=True, position_args=dict(n_modes=4))).to(dev)
@@ -278,6 +296,9 @@ def main() -> None:
         lines.append(f"| {name} | {ms:.3f} | {ms / t0:.3f} | {kms:.3f} | {kms / k0:.3f} | {mb:.0f} | {mb / m0:.3f} |")
     lines += ["", f"GOAT / plain over {args.rounds} interleaved rounds (median [min, max]): " + ", ".join(
         f"{k} {m:.3f} [{lo:.3f}, {hi:.3f}]" for k, (m, lo, hi) in args.interleaved.items())]
+    if getattr(args, "graphed", None):
+        lines.append(f"GOAT / plain with CUDA graphs (no host overhead): synced {args.graphed[0]:.3f}, "
+                     f"pipelined {args.graphed[1]:.3f}")
     print("\n".join(lines), flush=True)
     if not args.skip_lm:
         lm = lm_bench(args)

@@ -4,19 +4,22 @@ Run on a CUDA device from the project root::
 
     python scripts/bench_goat_lanes.py --out out/
 
-Times the in-place lane forward (``GoatLanesInplace``) and the backward (fused kernel, or
-the two-kernel split for shared features) at the two shapes the issue benchmarks use:
+Times the in-place lane forward and the backward of ``GoatQKV`` (the pass that builds
+``d qkv`` from ``dq, dk, dv`` and sums the lane gradients, then the parameter-gradient
+kernel), next to the copies autograd makes for a plain layer's ``view -> permute ->
+unbind`` (``stack`` + ``contiguous``, the part of a plain backward that GOAT's first
+backward kernel replaces), at the two shapes the issue benchmarks use:
 
 * LM layer: B8 T2048 d_model 768 H12, R=4, causal, key MLP 32 (``bench_attention.py``);
 * ViT-S/16 layer: B256 T197 (196 patches + [CLS]) H6, R=16 on 2 axes, default bias.
 
-for every combination of warps per program, token block, target program count (how many
-batch chunks share the features) and split / fused backward. ``--stores`` adds the
+for every combination of warps per program, token block and target program count (how many
+batch chunks share the features). ``--stores`` adds the
 forward's stores alone (same grid and masks, constant values) against a contiguous write
 of the same number of bytes: the cost of scattering lanes into the qkv rows. Median microseconds over
 CUDA-event-timed loops of 50 calls; writes a Markdown table (``bench_goat_lanes.md``) and
 prints the fastest configuration per shape, to set the defaults in
-``mixlab/ops/goat_triton.py`` (``_NUM_WARPS``, ``_BLOCK_T``, ``_PROGRAMS``, ``_SPLIT_BWD``).
+``mixlab/ops/goat_triton.py`` (``_NUM_WARPS``, ``_BLOCK_T``, ``_PROGRAMS``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import itertools
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -95,8 +99,8 @@ def main() -> None:
 
     dev = torch.device("cuda")
     lines = [f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| shape | warps | block | programs | backward | grid | fwd us | bwd us | fwd+bwd us |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | warps | block | programs | grid x batch chunk | fwd us | bwd us | fwd+bwd us |",
+             "|---|---|---|---|---|---|---|---|"]
     best: dict[str, tuple[float, str]] = {}
     for name, spec in SHAPES.items():
         torch.manual_seed(0)
@@ -109,35 +113,36 @@ def main() -> None:
         params = pos._flat_params().detach()
         meta = pos._kernel_meta()
         qkv = torch.randn(B * T, 3 * H * 64, device=dev, dtype=torch.bfloat16)
-        grad = torch.randn_like(qkv)
+        dq, dk, dv = (torch.randn(B, H, T, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        plain = time_us(lambda: torch.stack([dq, dk, dv]).permute(1, 3, 0, 2, 4).reshape(B * T, -1))
+        lines.append(f"| {name} | plain backward's stack + contiguous of d qkv (anchor) | | | | | {plain:.1f} | |")
+        print(lines[-1], flush=True)
         L = meta["L"]
         layout = dict(ROW=3 * H * 64, HD=64, QOFF=64 - L, KOFF=H * 64 + 64 - L)
         if args.stores:  # where the forward's time goes: its stores alone vs writing the same bytes contiguously
-            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = 4, None, 2048, True
-            grid, BB, const, _ = GT._launch_args(meta, feat, feat, B, B)
+            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS = 4, None, 2048
+            grid, BB, const, _ = GT._launch_args(meta, feat.shape, feat.shape, B, B)
             stores = time_us(lambda: _store_only[grid](qkv, B, T, BB, L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
                                                        **layout))
             flat = torch.empty(2 * B * T * H * L, device=dev, dtype=qkv.dtype)
             fill = time_us(lambda: flat.fill_(1.0))
-            lines.append(f"| {name} | stores only (default launch) | | | | {grid} x {BB} | {stores:.1f} | "
+            lines.append(f"| {name} | stores only (default launch) | | | {grid} x {BB} | {stores:.1f} | "
                          f"contiguous fill of the same bytes: {fill:.1f} | |")
             print(lines[-1], flush=True)
-        for warps, block, programs, split in itertools.product(args.warps, args.block_t, args.programs, (False, True)):
-            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS, GT._SPLIT_BWD = warps, block, programs, split
-            grid, BB, const, kernels = GT._launch_args(meta, feat, feat, B, B)
-            if split and grid[2] == 1:
-                continue  # one chunk: the split path is not taken
+        for warps, block, programs in itertools.product(args.warps, args.block_t, args.programs):
+            GT._NUM_WARPS, GT._BLOCK_T, GT._PROGRAMS = warps, block, programs
+            grid, BB, const, kernels = GT._launch_args(meta, feat.shape, feat.shape, B, B)
             with torch.no_grad():
-                fwd = time_us(lambda: GT.GoatLanesInplace.apply(qkv, feat, params, meta, B, 64))
-            bwd = time_us(lambda: GT._backward(grid, BB, const, kernels, grad, grad, feat, feat, params, B, B, layout, True))
-            tag = "split" if split else "fused"
-            lines.append(f"| {name} | {warps} | {block} | {programs} | {tag} | {grid} x {BB} | {fwd:.1f} | {bwd:.1f} "
+                fwd = time_us(lambda: GT.GoatQKV.apply(qkv, feat, params, meta, B, 64))
+            ctx = SimpleNamespace(saved_tensors=(feat, params), args=(grid, BB, const, kernels, B, 64))
+            bwd = time_us(lambda: GT.GoatQKV.backward(ctx, dq, dk, dv))
+            lines.append(f"| {name} | {warps} | {block} | {programs} | {grid} x {BB} | {fwd:.1f} | {bwd:.1f} "
                          f"| {fwd + bwd:.1f} |")
             print(lines[-1], flush=True)
-            cfg = f"warps={warps} block={block} programs={programs} {tag}"
+            cfg = f"warps={warps} block={block} programs={programs}"
             if name not in best or fwd + bwd < best[name][0]:
                 best[name] = (fwd + bwd, cfg)
-        del m, qkv, grad
+        del m, qkv, dq, dk, dv
     lines += [""] + [f"fastest at {n}: {cfg} ({us:.1f} us)" for n, (us, cfg) in best.items()]
     print("\n".join(lines[-len(best):]))
     if args.out:

@@ -33,6 +33,20 @@ def no_decay(*params: nn.Parameter) -> None:
         p._no_weight_decay = True  # type: ignore[attr-defined]
 
 
+def split_qkv(qkv: Tensor, batch: int, n_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` (strided views).
+
+    On CUDA (eager) through :class:`~mixlab.ops.goat_triton.QKVSplit`, whose backward builds
+    ``d qkv`` in one copy kernel, as GOAT's fast path does, instead of autograd's two copies
+    for ``view -> permute -> unbind``: every position scheme pays the same for this step.
+    """
+    if qkv.is_cuda and qkv.dim() == 2 and qkv.is_contiguous() and not torch.compiler.is_compiling():
+        from mixlab.ops.goat_triton import QKVSplit
+
+        return QKVSplit.apply(qkv, batch, n_heads, head_dim)
+    return qkv.view(batch, qkv.shape[0] // batch, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 class PositionScheme(nn.Module):
     """Base class. Subclasses set ``n_lanes`` and override the hooks they need."""
 
@@ -73,8 +87,7 @@ class PositionScheme(nn.Module):
         Subclasses may write the lanes in place (GOAT's Triton path): pass the projection's
         own 2-D output, not a view of it, or autograd copies the whole gradient twice.
         """
-        t = qkv.shape[0] // batch
-        q, k, v = qkv.view(batch, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_qkv(qkv, batch, self.n_heads, self.head_dim)
         if self.n_lanes == 0:
             return self.rotate(q, coords), self.rotate(k, coords), v
         ql, kl = self.lanes(coords, coords, qkv.dtype)
@@ -401,19 +414,17 @@ class GoatPrior(PositionScheme):
 
     def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
         """See :meth:`PositionScheme.pack`. On the Triton path the lanes are written into
-        ``qkv``'s lane dims in place (:class:`~mixlab.ops.goat_triton.GoatLanesInplace`): the
-        layer then costs a plain qkv + SDPA + proj layer plus one kernel forward and one
-        backward, with no concatenation and no extra saved activation."""
+        ``qkv``'s lane dims in place and q, k, v are views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`):
+        one kernel forward, two backward (one of them the pass that builds ``d qkv``), no
+        concatenation and no extra saved activation."""
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
         if not self._use_triton(f["present"], calc) or f["present"].shape[0] not in (1, batch):
             return super().pack(qkv, coords, batch)
-        from mixlab.ops.goat_triton import GoatLanesInplace
+        from mixlab.ops.goat_triton import GoatQKV
 
-        t, h, d_h = qkv.shape[0] // batch, self.n_heads, self.head_dim
-        qkv = GoatLanesInplace.apply(qkv, self._packed_features(f), self._flat_params(), self._kernel_meta(),
-                                     batch, d_h)
-        return qkv.view(batch, t, 3, h, d_h).permute(2, 0, 3, 1, 4).unbind(0)
+        return GoatQKV.apply(qkv, self._packed_features(f), self._flat_params(), self._kernel_meta(), batch,
+                             self.head_dim)
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
         return self.prior_terms(coords_q, coords_k, dtype)["total"]

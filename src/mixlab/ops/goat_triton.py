@@ -1,20 +1,22 @@
 """Triton fast path for GOAT's lane construction (:class:`mixlab.ops.goat.GoatLanes`).
 
 Same math as ``GoatLanes`` (see its docstring and the equations in :mod:`mixlab.ops.goat`):
-ONE kernel forward and ONE kernel backward (plus one ``sum`` over partial rows), instead
-of ~25 + ~30 small eager kernels per layer, which dominate a short attention layer on a
-fast GPU.
+one kernel forward and two small kernels backward (plus one ``sum`` over partial rows),
+instead of ~25 + ~30 small eager kernels per layer, which dominate a short attention layer
+on a fast GPU.
 
 Two entry points share the kernels:
 
 * :class:`GoatLanesTriton` - lanes as new tensors ``q_lanes [Bq, H, Tq, L]`` and
   ``k_lanes [Bk, H, Tk, L]`` (query and key coordinates may differ, e.g. decoding).
-* :class:`GoatLanesInplace` - writes the lanes straight into the packed ``qkv`` projection
-  output ``[B * T, 3 * H * d_h]`` (lanes are the last ``L`` dims of every q and k head), so
-  the GOAT layer costs a plain ``qkv -> SDPA -> proj`` layer plus these two kernels: no
-  concatenation, no extra activation memory. Its backward zeroes the lane columns of the
-  incoming gradient (the lanes overwrite those projection outputs, so the projection gets
-  no gradient through them - exact).
+* :class:`GoatQKV` - the attention layer's fast path: writes the lanes straight into the
+  packed ``qkv`` projection output ``[B * T, 3 * H * d_h]`` (lanes are the last ``L`` dims
+  of every q and k head) and returns the SDPA inputs as views of it: no concatenation, no
+  extra activation memory. Its backward builds ``d qkv`` from ``dq, dk, dv`` in one pass
+  with the lane entries zeroed (the lanes overwrite those projection outputs, so the
+  projection gets no gradient through them - exact), summing the lane gradients on the way;
+  that pass replaces the two copies autograd makes for a plain layer's ``view -> permute ->
+  unbind`` (~260 us of a ~1.2 ms layer step at B8 T2048 d768 on an H200, BENCHMARKS.md).
 
 Kernel arguments are few on purpose (a single layer is host-bound on a fast GPU, and every
 launch argument costs host time): the parameter-free position features come as ONE cached
@@ -25,13 +27,13 @@ float32 vector (:func:`pack_params`), and everything fixed by the layer's config
 Grid: (head, token block of 32 or 64, batch chunk). With coordinates shared by the batch
 (the usual case) a program evaluates the lane features and the key MLP once (the MLP's
 hidden layer and its weight gradient as ``tl.dot`` in IEEE float32) and loops over its
-chunk's batch entries only to store (forward) or to sum lane gradients (backward).
-Backward with shared features: one kernel sums each chunk's lane gradients (and zeroes
-them in ``d qkv``) into a small fp32 buffer, a second one (one program per head and token
-block) turns their sum into parameter gradients; per-sample features: one fused kernel.
-Parameter gradients are written as per-program partial rows in the flat parameter layout
-and reduced by one deterministic ``sum``. The launch configuration (warps, token block,
-batch chunks, split) was chosen with ``scripts/bench_goat_lanes.py`` on an H200.
+chunk's batch entries only to store (forward) or to sum lane gradients (backward). The
+backward's first kernel leaves per-chunk sums of the lane gradients in a small fp32 buffer;
+the second (one program per head and token block, and per sample for per-sample
+coordinates) turns them into parameter gradients, written as per-program partial rows in
+the flat parameter layout and reduced by one deterministic ``sum``. The launch
+configuration (warps, token block, batch chunks) was chosen with
+``scripts/bench_goat_lanes.py`` on an H200.
 
 Used on CUDA for float32 lane math with fixed frequencies (no gradient into cos/sin);
 everything else (CPU, float64 tests, learned frequencies) uses the torch ``GoatLanes``.
@@ -48,13 +50,12 @@ import triton.language as tl
 
 from mixlab.ops.goat import KEY_LINEAR_BLOCK, param_layout
 
-__all__ = ["GoatLanesTriton", "GoatLanesInplace", "kernel_meta", "pack_features", "pack_params"]
+__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params"]
 
 # Launch configuration; defaults from scripts/bench_goat_lanes.py on an H200 (BENCHMARKS.md).
 _BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
 _PROGRAMS = 2048  # shared features: batch chunks until the grid has about this many programs
 _NUM_WARPS = 4
-_SPLIT_BWD = True  # shared features, several batch chunks: two-kernel backward
 # (prior configuration, shapes, launch configuration) -> (grid, BB, constexprs, {call: compiled kernel}); kept
 # here, not on the modules, so modules stay deep-copyable and picklable
 _LAUNCH: dict[tuple, tuple] = {}
@@ -150,11 +151,9 @@ def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
 
 @triton.jit
 def _reduce_batch(dq, dk, h, t, b0, BB, NQ, NK, Tq, Tk, ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr,
-                  KOFF: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ZERO: tl.constexpr):
+                  KOFF: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr):
     """Sum over outputs ``b0 .. b0 + BB - 1`` of the q-lane gradient tile ``[BT, LP]`` and of the
-    k lane ``u`` that carries parameters ``[BT]``; with ``ZERO`` the lane entries are zeroed after
-    they are read, after a block barrier (no read/write race between threads)."""
+    k lane ``u`` that carries parameters ``[BT]``."""
     l = tl.arange(0, LP)
     lm = l < L
     tq = t < Tq
@@ -168,11 +167,6 @@ def _reduce_batch(dq, dk, h, t, b0, BB, NQ, NK, Tq, Tk, ROW: tl.constexpr, HD: t
         gq += tl.load(pq, mask=mq, other=0.0).to(tl.float32)
         kb = dk + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF
         dus += tl.load(kb + 2 * R + 1, mask=tk & (ob < NK), other=0.0).to(tl.float32)  # only u's lane has parameters
-        if ZERO:
-            mk = (tk & (ob < NK))[:, None] & lm[None, :]
-            tl.debug_barrier()
-            tl.store(pq, tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mq)
-            tl.store(kb[:, None] + l[None, :], tl.zeros([BLOCK_T, LP], dtype=tl.float32), mask=mk)
     return gq, dus
 
 
@@ -218,46 +212,146 @@ def _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, tq, tk,
         tl.store(row + O_W1 + (h * F + f[:, None]) * D + d[None, :], dw1, mask=(f < F)[:, None] & dm[None, :])
 
 
-@triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB"])
-def _lanes_bwd(dq, dk, featq, featk, prm, part, NQ, NK, Tq, Tk, BB,
-               ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
-               SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-               F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
-               O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
-               O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
-               HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
-               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
-    """Fused backward. Program (head h, token block, batch chunk of BB outputs) sums its
-    chunk's lane gradients (:func:`_reduce_batch`) and writes its partial gradient of the
-    flat parameter vector into one row of ``part [rows, PT]`` (:func:`_param_grads`)."""
-    h = tl.program_id(0)
-    tb = tl.program_id(1)
-    nb = tl.program_id(2)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    b0 = nb * BB
-    gq, dus = _reduce_batch(dq, dk, h, t, b0, BB, NQ, NK, Tq, Tk, ROW, HD, QOFF, KOFF, R, L, LP, BLOCK_T, ZERO)
-    row = part + (tb * tl.num_programs(2) + nb).to(tl.int64) * PT
-    rq = ((b0 if Q_BATCHED else 0) * Tq + t).to(tl.int64)
-    rk = ((b0 if K_BATCHED else 0) * Tk + t).to(tl.int64)
-    _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, t < Tq, t < Tk, SCALE, CBLOCK, R, LP, F, FP, D, DP, NF,
-                 O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1, HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
-
-
 @triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB", "TP"])
 def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
                       ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
-                      R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr, ZERO: tl.constexpr):
-    """Split backward, step 1 (shared features): program (head, token block, batch chunk)
-    sums its chunk's lane gradients into ``g [chunks, H, TP, LP]`` fp32 (q lanes, and ``u``'s
-    gradient in lane ``2R + 1``, whose q-side constant has no parameter)."""
+                      R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Backward of separate lane tensors, step 1: program (head, token block, batch chunk) sums its
+    chunk's lane gradients into ``g [chunks, H, TP, LP]`` fp32 (q lanes, and ``u``'s gradient in
+    lane ``2R + 1``, whose q-side constant has no parameter)."""
     h = tl.program_id(0)
     nb = tl.program_id(2)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    gq, dus = _reduce_batch(dq, dk, h, t, nb * BB, BB, NQ, NK, Tq, Tk, ROW, HD, QOFF, KOFF, R, L, LP, BLOCK_T, ZERO)
+    gq, dus = _reduce_batch(dq, dk, h, t, nb * BB, BB, NQ, NK, Tq, Tk, ROW, HD, QOFF, KOFF, R, L, LP, BLOCK_T)
     l = tl.arange(0, LP)
     tile = tl.where((l == 2 * R + 1)[None, :], dus[:, None], gq)
     base = g + ((nb * tl.num_programs(0) + h) * TP + t).to(tl.int64) * LP
     tl.store(base[:, None] + l[None, :], tile)
+
+
+@triton.jit
+def _chunk_params(g, featq, featk, prm, row, h, tb, c, NC, H, TP, Tq, Tk,
+                  SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, LP: tl.constexpr,
+                  F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+                  O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+                  O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr,
+                  HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
+                  Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Head ``h``'s parameter gradients of token block ``tb`` from the chunk sums of the lane
+    gradients ``g [NC, H, TP, LP]`` into ``row`` (flat layout). Shared features: sums ``g`` over
+    the ``NC`` chunks first (fixed order); per-sample features: chunk ``c`` (= sample) only,
+    with that sample's features. ``g`` is read through L2 (other programs wrote it)."""
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    l = tl.arange(0, LP)
+    if Q_BATCHED or K_BATCHED:
+        acc = tl.load((g + ((c * H + h) * TP + t).to(tl.int64) * LP)[:, None] + l[None, :], cache_modifier=".cg")
+    else:
+        acc = tl.zeros([BLOCK_T, LP], dtype=tl.float32)
+        for cc in range(0, NC):
+            acc += tl.load((g + ((cc * H + h) * TP + t).to(tl.int64) * LP)[:, None] + l[None, :], cache_modifier=".cg")
+    dus = tl.sum(tl.where((l == 2 * R + 1)[None, :], acc, 0.0), axis=1)
+    gq = tl.where((l < 2 * R + 1)[None, :], acc, 0.0)
+    rq = ((c if Q_BATCHED else 0) * Tq + t).to(tl.int64)
+    rk = ((c if K_BATCHED else 0) * Tk + t).to(tl.int64)
+    _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, t < Tq, t < Tk, SCALE, CBLOCK, R, LP, F, FP, D, DP, NF,
+                 O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1, HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
+
+
+@triton.jit
+def _sum_rows(part, dprm, ROWS, PT: tl.constexpr, PB: tl.constexpr, RB: tl.constexpr):
+    """``dprm [PT] = part[:ROWS].sum(0)`` in a fixed order (one program; ``[RB, PB]`` tiles read
+    through L2, rows summed blockwise then within the tile)."""
+    r = tl.arange(0, RB)
+    for p0 in range(0, PT, PB):
+        p = p0 + tl.arange(0, PB)
+        acc = tl.zeros([RB, PB], dtype=tl.float32)
+        for r0 in range(0, ROWS, RB):
+            rows = r0 + r
+            acc += tl.load(part + rows.to(tl.int64)[:, None] * PT + p[None, :],
+                           mask=(rows < ROWS)[:, None] & (p < PT)[None, :], other=0.0, cache_modifier=".cg")
+        tl.store(dprm + p, tl.sum(acc, axis=0), mask=p < PT)
+
+
+@triton.jit(do_not_specialize=["B", "T", "BB", "TP"])
+def _qkv_grad(dq, dk, dv, out, g, feat, prm, part, cnt, dprm, B, T, BB, TP,
+              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+              HD: tl.constexpr, HDP: tl.constexpr, DC: tl.constexpr,
+              SCALE: tl.constexpr, CBLOCK: tl.constexpr, R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+              F: tl.constexpr, FP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NF: tl.constexpr,
+              O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
+              O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr, PB: tl.constexpr,
+              HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
+              Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, LANES: tl.constexpr):
+    """The whole backward of :class:`GoatQKV` (and, with ``LANES`` off, of :class:`QKVSplit`:
+    step 1 only, no lane entries), one launch. Program (head h, token block, batch
+    chunk of BB sequences):
+
+    1. copies its ``dq, dk, dv [B, H, T, d_h]`` tiles (any strides, unit last stride) into the
+       packed gradient ``out [B * T, 3 * H * d_h]`` as full contiguous head rows, with the q/k
+       lane entries set to zero (the lanes replaced those projection outputs). This one pass
+       replaces the copies autograd makes to undo ``view -> permute -> unbind`` (a ``stack`` and
+       a ``contiguous``);
+    2. sums the lane gradients over its chunk into ``g [chunks, H, TP, LP]`` fp32 (q lanes;
+       ``u``'s gradient in lane ``2R + 1``, whose q-side constant has no parameter);
+    3. the last program of a (head, token block) to finish (counter ``cnt``; with per-sample
+       features every program) turns the chunk sums into that block's parameter gradients, a
+       row of ``part`` (:func:`_chunk_params`);
+    4. the last of those sums ``part``'s rows into ``dprm [PT]``.
+
+    Sums run in a fixed order whichever program arrives last, so the result is deterministic;
+    counters are reset by the program that consumed them (``cnt`` starts at zero)."""
+    h = tl.program_id(0)
+    tb = tl.program_id(1)
+    c = tl.program_id(2)
+    H = tl.num_programs(0)
+    NT = tl.num_programs(1)
+    NC = tl.num_programs(2)
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, HDP)
+    l = tl.arange(0, LP)
+    tm = t < T
+    content = (d < DC)[None, :]
+    t64 = t.to(tl.int64)
+    gq = tl.zeros([BLOCK_T, LP], dtype=tl.float32)
+    dus = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i in range(0, BB):
+        b = (c * BB + i).to(tl.int64)
+        ok = tm & (b < B)
+        m = ok[:, None] & (d < HD)[None, :]
+        o = (out + (b * T + t64) * (3 * H * HD) + h * HD)[:, None] + d[None, :]
+        pq = dq + b * sqb + h * sqh + t64 * sqt
+        pk = dk + b * skb + h * skh + t64 * skt
+        pv = (dv + b * svb + h * svh + t64 * svt)[:, None] + d[None, :]
+        tl.store(o, tl.where(content, tl.load(pq[:, None] + d[None, :], mask=m, other=0.0), 0.0), mask=m)
+        tl.store(o + H * HD, tl.where(content, tl.load(pk[:, None] + d[None, :], mask=m, other=0.0), 0.0), mask=m)
+        tl.store(o + 2 * H * HD, tl.load(pv, mask=m), mask=m)
+        if LANES:
+            gq += tl.load(pq[:, None] + DC + l[None, :], mask=ok[:, None] & (l < L)[None, :], other=0.0).to(tl.float32)
+            dus += tl.load(pk + DC + 2 * R + 1, mask=ok, other=0.0).to(tl.float32)
+    if LANES:
+        tile = tl.where((l == 2 * R + 1)[None, :], dus[:, None], gq)
+        tl.store((g + ((c * H + h) * TP + t).to(tl.int64) * LP)[:, None] + l[None, :], tile)
+        per_sample: tl.constexpr = Q_BATCHED or K_BATCHED
+        if per_sample:
+            params_here = True
+            row = tb * NC + c
+            n_rows = NT * NC
+        else:
+            tl.debug_barrier()  # every thread's g stores are issued before the release below
+            params_here = tl.atomic_add(cnt + h * NT + tb, 1, sem="acq_rel") == NC - 1
+            row = tb
+            n_rows = NT
+        if params_here:
+            if not per_sample:
+                tl.store(cnt + h * NT + tb, 0)
+            _chunk_params(g, feat, feat, prm, part + row.to(tl.int64) * PT, h, tb, c, NC, H, TP, T, T,
+                          SCALE, CBLOCK, R, LP, F, FP, D, DP, NF, O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1,
+                          HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP, Q_BATCHED, K_BATCHED, BLOCK_T)
+            tl.debug_barrier()
+            last = H * n_rows
+            if tl.atomic_add(cnt + H * NT, 1, sem="acq_rel") == last - 1:
+                tl.store(cnt + H * NT, 0)
+                _sum_rows(part, dprm, n_rows, PT, PB, 16)
 
 
 @triton.jit(do_not_specialize=["NC", "Tq", "Tk", "TP"])
@@ -267,23 +361,16 @@ def _lanes_bwd_params(g, featq, featk, prm, part, NC, Tq, Tk, TP,
                       O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
                       O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
                       HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr,
-                      HAS_MLP: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Split backward, step 2: program (head, token block) sums ``g`` over the ``NC`` batch
-    chunks and writes the block's parameter gradients into row ``block`` of ``part``."""
+                      HAS_MLP: tl.constexpr, Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Backward of separate lane tensors, step 2: program (head, token block[, sample for
+    per-sample features]) writes its parameter gradients (:func:`_chunk_params`) into row
+    ``block * programs(2) + chunk`` of ``part``."""
     h = tl.program_id(0)
     tb = tl.program_id(1)
-    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-    l = tl.arange(0, LP)
-    acc = tl.zeros([BLOCK_T, LP], dtype=tl.float32)
-    for c in range(0, NC):
-        base = g + ((c * tl.num_programs(0) + h) * TP + t).to(tl.int64) * LP
-        acc += tl.load(base[:, None] + l[None, :])
-    dus = tl.sum(tl.where((l == 2 * R + 1)[None, :], acc, 0.0), axis=1)
-    gq = tl.where((l < 2 * R + 1)[None, :], acc, 0.0)
-    rows = t.to(tl.int64)
-    _param_grads(gq, dus, featq, featk, prm, part + tb.to(tl.int64) * PT, h, rows, rows, t < Tq, t < Tk,
-                 SCALE, CBLOCK, R, LP, F, FP, D, DP, NF, O_BETA, O_SLOPE, O_BOS, O_DEF, O_B1, O_W2, O_W1,
-                 HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP)
+    c = tl.program_id(2)
+    _chunk_params(g, featq, featk, prm, part + (tb * tl.num_programs(2) + c).to(tl.int64) * PT, h, tb, c, NC,
+                  tl.num_programs(0), TP, Tq, Tk, SCALE, CBLOCK, R, LP, F, FP, D, DP, NF, O_BETA, O_SLOPE, O_BOS,
+                  O_DEF, O_B1, O_W2, O_W1, HAS_SLOPE, HAS_BOS, HAS_DEFAULT, HAS_MLP, Q_BATCHED, K_BATCHED, BLOCK_T)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -341,22 +428,22 @@ def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | N
     return flat if flat.numel() else flat.new_zeros(1)
 
 
-def _launch_args(meta: dict, feat_q: torch.Tensor, feat_k: torch.Tensor, NQ: int, NK: int) -> tuple:
+def _launch_args(meta: dict, shape_q: tuple, shape_k: tuple, NQ: int, NK: int) -> tuple:
     """``(grid, BB, constexprs, compiled kernels)``, memoised per configuration and shape: programs per (head, token
-    block, batch chunk). Shared features (batch 1) are split into only as many batch chunks
-    as give the GPU ~``_PROGRAMS`` programs; per-sample features need one program per batch entry."""
+    block, batch chunk). ``shape_q``/``shape_k``: the feature tensors' ``(batch, T, ...)``. Shared
+    features (batch 1) are split into only as many batch chunks as give the GPU ~``_PROGRAMS``
+    programs; per-sample features need one program per batch entry."""
     if "_key" not in meta:  # hashable identity of the prior configuration (plain values only)
         meta["_key"] = tuple(sorted(meta.items()))
-    key = (meta["_key"], feat_q.shape[0], feat_q.shape[1], feat_k.shape[0], feat_k.shape[1], NQ, NK, _PROGRAMS,
-           _BLOCK_T, _NUM_WARPS)
+    key = (meta["_key"], shape_q[0], shape_q[1], shape_k[0], shape_k[1], NQ, NK, _PROGRAMS, _BLOCK_T, _NUM_WARPS)
     hit = _LAUNCH.get(key)
     if hit is not None:
         return hit
     H = meta["H"]
-    Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+    Tq, Tk = shape_q[1], shape_k[1]
     block = _BLOCK_T or (32 if max(Tq, Tk) <= 256 else 64)
     NT = _cdiv(max(Tq, Tk), block)
-    qb, kb = feat_q.shape[0] > 1, feat_k.shape[0] > 1
+    qb, kb = shape_q[0] > 1, shape_k[0] > 1
     B = max(NQ, NK)
     if qb or kb:
         BB, n_chunks = 1, B
@@ -409,7 +496,7 @@ class GoatLanesTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, feat_q, feat_k, params, meta, batch_q, batch_k, out_dtype):
         H, L = meta["H"], meta["L"]
-        grid, BB, const, kernels = _launch_args(meta, feat_q, feat_k, batch_q, batch_k)
+        grid, BB, const, kernels = _launch_args(meta, feat_q.shape, feat_k.shape, batch_q, batch_k)
         Tq, Tk = feat_q.shape[1], feat_k.shape[1]
         ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=out_dtype)  # the kernel casts on store
         kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=out_dtype)
@@ -424,79 +511,135 @@ class GoatLanesTriton(torch.autograd.Function):
         feat_q, feat_k, params = ctx.saved_tensors
         grid, BB, const, kernels, NQ, NK = ctx.args
         dq_l, dk_l = dq_l.transpose(1, 2).contiguous(), dk_l.transpose(1, 2).contiguous()  # [B, T, H, L]
-        H, L = dq_l.shape[2], dq_l.shape[3]
-        d_params = _backward(grid, BB, const, kernels, dq_l, dk_l, feat_q, feat_k, params, NQ, NK,
-                             dict(ROW=H * L, HD=L, QOFF=0, KOFF=0), zero=False)
-        return None, None, d_params, None, None, None, None
+        H, NT, NC = grid
+        L, TP = const["L"], NT * const["BLOCK_T"]
+        g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
+        _launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB, TP),
+                dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
+                     num_warps=const["num_warps"]))
+        return None, None, _params_backward(g, grid, const, kernels, feat_q, feat_k, params), None, None, None, None
 
 
-def _backward(grid, BB, const, kernels, dq, dk, feat_q, feat_k, params, NQ, NK, layout, zero: bool) -> torch.Tensor:
-    """Launch the backward kernel(s); returns the gradient of the flat parameter vector.
-
-    Shared features with several batch chunks and ``_SPLIT_BWD``: two kernels (batch sums per
-    chunk, then one parameter-gradient program per head and token block); otherwise one fused
-    kernel (parameter gradients per chunk)."""
+def _params_backward(g, grid, const, kernels, feat_q, feat_k, params) -> torch.Tensor:
+    """Gradient of the flat parameter vector from the chunk sums of the lane gradients ``g
+    [NC, H, TP, LP]`` (:func:`_lanes_bwd_params`, then one deterministic ``sum`` over its
+    per-program partial rows)."""
     H, NT, NC = grid
-    Tq, Tk = feat_q.shape[1], feat_k.shape[1]
-    site = tuple(layout.values()) + (zero,)
-    if _SPLIT_BWD and NC > 1 and not (const["Q_BATCHED"] or const["K_BATCHED"]):
-        TP, LP = NT * const["BLOCK_T"], const["LP"]
-        g = torch.empty(NC, H, TP, LP, device=dq.device, dtype=torch.float32)
-        _launch(_lanes_bwd_reduce, grid, kernels, site, (dq, dk, g, NQ, NK, Tq, Tk, BB, TP),
-                dict(R=const["R"], L=const["L"], LP=LP, BLOCK_T=const["BLOCK_T"], ZERO=zero,
-                     num_warps=const["num_warps"], **layout))
-        part = torch.empty(NT, const["PT"], device=dq.device, dtype=torch.float32)
-        keep = {k: v for k, v in const.items() if k not in ("Q_BATCHED", "K_BATCHED")}
-        _launch(_lanes_bwd_params, (H, NT, 1), kernels, (), (g, feat_q, feat_k, params, part, NC, Tq, Tk, TP), keep)
-    else:
-        part = torch.empty(NT * NC, const["PT"], device=dq.device, dtype=torch.float32)
-        _launch(_lanes_bwd, grid, kernels, site, (dq, dk, feat_q, feat_k, params, part, NQ, NK, Tq, Tk, BB),
-                dict(ZERO=zero, **layout, **const))
-    return part.sum(0)  # deterministic reduction over rows: [PT] == params.shape
+    per_sample = const["Q_BATCHED"] or const["K_BATCHED"]
+    pgrid = (H, NT, NC if per_sample else 1)
+    part = torch.empty(NT * pgrid[2], const["PT"], device=g.device, dtype=torch.float32)
+    _launch(_lanes_bwd_params, pgrid, kernels, (), (g, feat_q, feat_k, params, part, NC, feat_q.shape[1],
+                                                    feat_k.shape[1], g.shape[2]), const)
+    return part.sum(0)  # [PT] == params.shape
 
 
-class GoatLanesInplace(torch.autograd.Function):
-    """Write GOAT lanes into the packed projection output ``qkv [B * T, 3 * H * d_h]`` in place.
+class GoatQKV(torch.autograd.Function):
+    """Packed projection output -> SDPA inputs, with the GOAT lanes written in place.
 
-    Per token the layout is ``[q | k | v]``, each ``[H, d_h]``; the last ``L = 2R + 2`` dims
-    of every q and k head receive ``q_lanes`` / ``k_lanes`` exactly as :class:`GoatLanes`
-    returns them (``d_c = d_h - L`` content dims stay). ``feat [1|B, T, NF]`` from
-    :func:`pack_features` (shared or per-sample coordinates), ``params`` from
-    :func:`pack_params`, ``meta`` from :func:`kernel_meta`, ``batch = B``. Returns ``qkv``
-    (marked dirty). ``qkv`` should be the projection's own output, not a view (autograd
-    would otherwise wrap this node in a CopySlices that clones the whole gradient).
+    ``qkv [B * T, 3 * H * d_h]`` (per token ``[q | k | v]``, each ``[H, d_h]``) -> ``q, k, v
+    [B, H, T, d_h]``, strided views of ``qkv`` whose last ``L = 2R + 2`` dims of every q and k
+    head now hold ``q_lanes`` / ``k_lanes`` exactly as :class:`GoatLanes` returns them (``d_c =
+    d_h - L`` content dims stay). ``feat [1|B, T, NF]`` from :func:`pack_features` (shared or
+    per-sample coordinates), ``params`` from :func:`pack_params`, ``meta`` from
+    :func:`kernel_meta`, ``batch = B``. Forward: one kernel (:func:`_lanes_fwd`); no copy, no
+    extra activation memory.
 
-    Backward: the flat parameter gradient from the lane entries of ``d qkv``, which are then
-    set to zero in place (the forward overwrote those projection outputs).
+    ``qkv`` is consumed: it must be the projection's own output, used by nothing else (its
+    lane entries are overwritten without autograd's version bump, which is exact because a
+    linear layer does not save its output).
+
+    Backward: one pass writes ``d qkv`` from ``dq, dk, dv`` as contiguous rows with the lane
+    entries zeroed (the projection gets no gradient through the outputs the lanes replaced)
+    and sums the lane gradients over each batch chunk (:func:`_qkv_grad`; this replaces the
+    ``stack`` + ``contiguous`` copies autograd makes for ``view -> permute -> unbind``); a
+    second kernel turns those sums into the flat parameter gradient (:func:`_lanes_bwd_params`).
 
     Raises:
-        ValueError: ``qkv`` not 2-D and contiguous, rows not ``batch * T``, or its width not
-            ``3 * H * d_h``.
+        ValueError: ``qkv`` not 2-D and contiguous, rows not ``batch * T``, width not
+            ``3 * H * d_h``, or a leaf tensor that requires grad.
     """
 
     @staticmethod
     def forward(ctx, qkv, feat, params, meta, batch, head_dim):
         H, L = meta["H"], meta["L"]
-        if qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape[0] != batch * feat.shape[1] \
-                or qkv.shape[1] != 3 * H * head_dim:
-            raise ValueError(f"GoatLanesInplace: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{feat.shape[1]}, "
+        T = feat.shape[1]
+        if qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape[0] != batch * T or qkv.shape[1] != 3 * H * head_dim:
+            raise ValueError(f"GoatQKV: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{T}, "
                              f"{3 * H * head_dim}] matrix; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
-        grid, BB, const, kernels = _launch_args(meta, feat, feat, batch, batch)
+        if qkv.is_leaf and qkv.requires_grad:
+            raise ValueError("GoatQKV: qkv must be a projection output, not a leaf tensor that requires grad "
+                             "(its lane entries are overwritten in place)")
+        grid, BB, const, kernels = _launch_args(meta, feat.shape, feat.shape, batch, batch)
         d_c = head_dim - L
         layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
-        T = feat.shape[1]
         _launch(_lanes_fwd, grid, kernels, tuple(layout.values()), (feat, feat, params, qkv, qkv, batch, batch, T, T, BB),
                 dict(**layout, **const))
-        ctx.mark_dirty(qkv)
         ctx.save_for_backward(feat, params)
-        ctx.args = (grid, BB, const, kernels, batch, layout)
-        return qkv
+        ctx.args = (grid, BB, const, kernels, batch, head_dim)
+        return qkv.view(batch, T, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
-    def backward(ctx, grad):
-        if not grad.is_contiguous():  # e.g. an expanded gradient: never write into shared memory
-            grad = grad.contiguous()
+    def backward(ctx, dq, dk, dv):
         feat, params = ctx.saved_tensors
-        grid, BB, const, kernels, batch, layout = ctx.args
-        return grad, None, _backward(grid, BB, const, kernels, grad, grad, feat, feat, params, batch, batch, layout,
-                                     zero=True), None, None, None
+        d_qkv, d_params = _qkv_backward(dq, dk, dv, *ctx.args, feat, params)
+        return d_qkv, None, d_params, None, None, None
+
+
+def _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat=None, params=None):
+    """``(d qkv [B * T, 3 * H * d_h], d params [PT] or None)`` from ``dq, dk, dv [B, H, T, d_h]``
+    with one :func:`_qkv_grad` launch; with lanes (``feat`` and ``params`` given, :class:`GoatQKV`)
+    also the flat parameter gradient, without (:class:`QKVSplit`) only the copy."""
+    H, NT, NC = grid
+    lanes = feat is not None
+    T = dq.shape[2]
+    dq, dk, dv = (x if x.stride(-1) == 1 else x.contiguous() for x in (dq, dk, dv))
+    out = torch.empty(batch * T, 3 * H * head_dim, device=dq.device, dtype=dq.dtype)
+    d_params = None
+    if lanes:
+        d_params = torch.empty(const["PT"], device=dq.device, dtype=torch.float32)
+        ws = kernels.get(("workspace", dq.device))
+        if ws is None:  # per configuration, shape and device; reused by every layer and step (stream order)
+            per_sample = const["Q_BATCHED"] or const["K_BATCHED"]
+            TP = NT * const["BLOCK_T"]
+            ws = kernels[("workspace", dq.device)] = (
+                torch.empty(NC, H, TP, const["LP"], device=dq.device, dtype=torch.float32),  # chunk sums of lane grads
+                torch.empty(NT * (NC if per_sample else 1), const["PT"], device=dq.device, dtype=torch.float32),
+                torch.zeros(H * NT + 1, device=dq.device, dtype=torch.int32), TP)  # counters (reset by the kernel)
+        g, part, cnt, TP = ws
+        tensors = (g, feat, params, part, cnt, d_params)
+    else:
+        tensors, TP = (out,) * 6, 0  # placeholders: the lane-free kernel does not touch them
+    strides = dq.stride()[:3] + dk.stride()[:3] + dv.stride()[:3]
+    _launch(_qkv_grad, grid, kernels, strides, (dq, dk, dv, out, *tensors, batch, T, BB, TP, *strides),
+            dict(HD=head_dim, HDP=_pow2(head_dim), DC=head_dim - (const["L"] if lanes else 0),
+                 PB=min(256, _pow2(const["PT"])), LANES=lanes, **const))
+    return out, d_params
+
+
+_PLAIN_META: dict[int, dict] = {}
+
+
+class QKVSplit(torch.autograd.Function):
+    """Packed projection output -> SDPA inputs for schemes without lanes (NoPE, RoPE, ...).
+
+    ``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]``, the same strided views as
+    ``qkv.view(B, T, 3, H, d_h).permute(2, 0, 3, 1, 4).unbind(0)``; the backward builds ``d qkv``
+    with ONE copy kernel (:func:`_qkv_grad` without lanes) instead of autograd's ``stack`` +
+    ``contiguous``, so every attention layer pays what :class:`GoatQKV` pays for this step and
+    position schemes compare on equal terms. Arguments: ``qkv`` (2-D, contiguous), ``batch``,
+    ``n_heads``, ``head_dim``.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, batch, n_heads, head_dim):
+        T = qkv.shape[0] // batch
+        meta = _PLAIN_META.get(n_heads)
+        if meta is None:
+            meta = _PLAIN_META[n_heads] = kernel_meta(n_heads, 0, 0, 0, 1.0, slope=False, bos=False, default=False)
+        grid, BB, const, kernels = _launch_args(meta, (1, T), (1, T), batch, batch)
+        ctx.args = (grid, BB, const, kernels, batch, head_dim)
+        return qkv.view(batch, T, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return _qkv_backward(dq, dk, dv, *ctx.args)[0], None, None, None
