@@ -153,7 +153,27 @@ res = {
     "no_mlp_T1": case(1, 1, 1, 1, 1, 2, 3, 3, False, True, False, False, 2),
     "alibi_like_R0": case(1, 1, 65, 65, 0, 2, 3, 3, True, False, False, False, 3),
 }
+def deterministic_case(B, T, H, n_modes, seed):
+    """GoatQKV's backward twice on the same (dq, dk, dv): d qkv and the parameter gradient must be
+    bitwise equal (the kernel's cross-program sums run in a fixed order). Returns the max diff."""
+    from mixlab.coords import Coords
+    from mixlab.mixers.attention import Attention
+
+    torch.manual_seed(seed)
+    m = Attention(H * 64, H, causal=True, position="goat", position_args=dict(n_modes=n_modes, init="random")).to(DEV)
+    qkv0 = torch.randn(B * T, 3 * H * 64, device=DEV)
+    grads = [torch.randn(B, H, T, 64, device=DEV) for _ in range(3)]
+    outs = []
+    for _ in range(2):
+        src = qkv0.clone().requires_grad_()
+        q, k, v = m.pos.pack(src * 1.0, Coords.seq(T, device=DEV), B)
+        d_src, d_prm = torch.autograd.grad((q, k, v), (src, m.pos.prior), grads)
+        outs.append((d_src, d_prm))
+    return max((outs[0][0] - outs[1][0]).abs().max().item(), (outs[0][1] - outs[1][1]).abs().max().item())
+
+
 if DEV.type == "cuda":  # ViT-S/16 at 224: 196 patches + [CLS] (no coordinates), 6 heads, R=16, default MLP
     res["layer_vit_s_B64"] = layer_case(64, 197, 6, 64, 16, 2, False, False, True, 15, mlp=(32, 8))
     res["layer_lm_B8_T2048"] = layer_case(8, 2048, 12, 64, 4, 1, True, False, False, 16, mlp=(32, 8))
+    res["deterministic_lm_B8_T2048"] = deterministic_case(8, 2048, 12, 4, 19)  # must be exactly 0
 print(json.dumps(res))

@@ -1,11 +1,10 @@
 """Triton fast path for GOAT's lane construction (:class:`mixlab.ops.goat.GoatLanes`).
 
 Same math as ``GoatLanes`` (see its docstring and the equations in :mod:`mixlab.ops.goat`):
-one kernel forward and two small kernels backward (plus one ``sum`` over partial rows),
-instead of ~25 + ~30 small eager kernels per layer, which dominate a short attention layer
-on a fast GPU.
+one kernel forward and one kernel backward, instead of ~25 + ~30 small eager kernels per
+layer, which dominate a short attention layer on a fast GPU.
 
-Two entry points share the kernels:
+Three entry points share the kernels:
 
 * :class:`GoatLanesTriton` - lanes as new tensors ``q_lanes [Bq, H, Tq, L]`` and
   ``k_lanes [Bk, H, Tk, L]`` (query and key coordinates may differ, e.g. decoding).
@@ -17,6 +16,9 @@ Two entry points share the kernels:
   projection gets no gradient through them - exact), summing the lane gradients on the way;
   that pass replaces the two copies autograd makes for a plain layer's ``view -> permute ->
   unbind`` (~260 us of a ~1.2 ms layer step at B8 T2048 d768 on an H200, BENCHMARKS.md).
+* :class:`QKVSplit` - the same split and one-copy backward for schemes without lanes (NoPE,
+  RoPE, APE): every attention layer on CUDA builds ``d qkv`` the same way
+  (:func:`mixlab.mixers.positions.split_qkv`).
 
 Kernel arguments are few on purpose (a single layer is host-bound on a fast GPU, and every
 launch argument costs host time): the parameter-free position features come as ONE cached
@@ -27,12 +29,13 @@ float32 vector (:func:`pack_params`), and everything fixed by the layer's config
 Grid: (head, token block of 32 or 64, batch chunk). With coordinates shared by the batch
 (the usual case) a program evaluates the lane features and the key MLP once (the MLP's
 hidden layer and its weight gradient as ``tl.dot`` in IEEE float32) and loops over its
-chunk's batch entries only to store (forward) or to sum lane gradients (backward). The
-backward's first kernel leaves per-chunk sums of the lane gradients in a small fp32 buffer;
-the second (one program per head and token block, and per sample for per-sample
-coordinates) turns them into parameter gradients, written as per-program partial rows in
-the flat parameter layout and reduced by one deterministic ``sum``. The launch
-configuration (warps, token block, batch chunks) was chosen with
+chunk's batch entries only to store (forward) or to sum lane gradients (backward). In
+:class:`GoatQKV`'s backward kernel the last program of each (head, token block) to finish
+turns the chunk sums into that block's parameter gradients, and the last of those sums the
+blocks' rows into the flat parameter gradient; both sums run in a fixed order whoever
+arrives last (deterministic), with atomic counters in a cached workspace that the kernel
+resets. :class:`GoatLanesTriton`'s backward uses two kernels and a ``sum`` instead. The
+launch configuration (warps, token block, batch chunks) was chosen with
 ``scripts/bench_goat_lanes.py`` on an H200.
 
 Used on CUDA for float32 lane math with fixed frequencies (no gradient into cos/sin);
