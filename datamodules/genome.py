@@ -358,8 +358,12 @@ class GenomeDataModule(ResumableDataModule):
         head = f"context_length={self.context_length} needs {need} bases per sample"
         hint = "lower context_length or raise region_size (a crop never crosses a region boundary)"
         if largest < need:
+            n_dropped = int((split < 0).sum())
+            why = (f"; {n_dropped} of {split.size} region(s) were dropped for holding more than "
+                   f"max_n_fraction={self.max_n_fraction} N bases" if n_dropped else "")
             raise ValueError(f"{head}, but the largest region of any split holds {largest} "
-                             f"bases (region_size={self.region_size}); {hint}")
+                             f"bases (region_size={self.region_size}){why}; "
+                             f"{'raise max_n_fraction, or ' if n_dropped else ''}{hint}")
         for code, (name, frac) in enumerate(zip(SPLITS, (1.0, self.val_fraction,
                                                          self.test_fraction))):
             if frac > 0 and len(self.datasets[name]) == 0:

@@ -90,6 +90,9 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     assert "lambda_floor" in err[-2]
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={mesaa: {lambda_floor: 0}}")
     assert err[-2].startswith("error: backbone: mixer_args has entries for unknown mixer(s) 'mesaa'")
+    err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_mode: 2}}}")
+    assert err[-2].startswith("error: model: position_args of 'goat' got unknown key(s) 'n_mode'; it accepts: ")
+    assert "n_modes" in err[-2] and not any("Union" in line for line in err)
     for field, value in (("d_model", "-128"), ("n_heads", "0"), ("n_layers", "-1")):
         err = _fail(capsys, monkeypatch, tmp_path, f"--model.backbone.{field}={value}")
         assert err[-2] == f"error: backbone: {field} must be an integer >= 1; got {value}"
@@ -144,3 +147,27 @@ def test_integer_batch_limits_stay_integers(tmp_path, monkeypatch):
     cli.main(["fit", "--config", GOAT, "--trainer.max_steps=1", "--run_root", str(tmp_path),
               "--trainer.limit_val_batches", "1"])
     assert seen["limit_val_batches"] == 1 and isinstance(seen["limit_val_batches"], int)
+
+
+def test_resolution_command_bad_input_is_one_line(capsys, tmp_path, monkeypatch):
+    """``python -m mixlab resolution``: argparse errors for bad sizes, one line for a checkpoint of
+    another task (found by a user test: a 61-line torch traceback, and Lightning's class error)."""
+    import torch
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["resolution", "--ckpt", "x.ckpt", "--resolutions", "0"])
+    assert info.value.code == 2
+    assert "argument --resolutions: '0': height and width must be >= 1" in capsys.readouterr().err
+    ckpt = tmp_path / "lm.ckpt"
+    torch.save({"hyper_parameters": {"_class_path": "mixlab.heads.CausalLM"}, "state_dict": {}}, ckpt)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["resolution", "--ckpt", str(ckpt), "--resolutions", "16", "--out", str(tmp_path / "out")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2] == (f"error: --ckpt {ckpt}: a mixlab.heads.CausalLM checkpoint; the resolution evaluation "
+                       f"needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["resolution", "--ckpt", str(tmp_path / "missing.ckpt"), "--resolutions", "16",
+                  "--out", str(tmp_path / "out")])
+    assert capsys.readouterr().err.strip().splitlines()[-2] == f"error: --ckpt {tmp_path / 'missing.ckpt'}: file not found"

@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> None:
         print("mixlab: python -m mixlab {fit,validate,test,predict} --config configs/<task>/<name>.yaml [...]\n"
               f"extra commands: {', '.join(sorted(COMMANDS))} (python -m mixlab <command> --help)\n"
               "model options: python -m mixlab fit --model.help mixlab.heads.CausalLM\n")
-    if words and words[0] in COMMANDS:
-        _resolve(COMMANDS[words[0]])(words[1:])
-        return
     try:
+        if words and words[0] in COMMANDS:
+            _resolve(COMMANDS[words[0]])(words[1:])
+            return
         MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except Exception as err:
         found = None if os.environ.get("MIXLAB_TRACEBACK") else bad_input_error(err)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import logging
 import math
 import re
 from pathlib import Path
@@ -44,7 +45,17 @@ def parse_resolution(text: str) -> tuple[int, int]:
     if not m:
         raise ValueError(f"--resolutions entry {text!r}: expected S or HxW (e.g. 224 or 224x320)")
     h = int(m.group(1))
-    return h, int(m.group(2) or h)
+    w = int(m.group(2) or h)
+    if h < 1 or w < 1:
+        raise ValueError(f"--resolutions entry {text!r}: height and width must be >= 1")
+    return h, w
+
+
+def _resolution_arg(text: str) -> tuple[int, int]:
+    try:
+        return parse_resolution(text)
+    except ValueError as err:  # argparse prints "argument --resolutions: <message>"
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--resolutions entry ")) from None
 
 
 def _res_label(hw: tuple[int, int]) -> str:
@@ -139,11 +150,18 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
         precision = "bf16-mixed" if torch.cuda.is_available() and accelerator != "cpu" else "32-true"
     rows: list[dict] = []
     writer = SummaryWriter(str(out / "tensorboard"))
+    # one Trainer per (run, resolution): Lightning's "GPU available" / tip lines once, not every time
+    lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    info_level = lightning_info.level
     names_seen: dict[str, int] = {}
     for path in ckpts:
         if not Path(path).is_file():
             raise FileNotFoundError(f"--ckpt {path}: file not found")
         raw = torch.load(path, map_location="cpu", weights_only=False)
+        cls_path = (raw.get("hyper_parameters") or {}).get("_class_path")
+        if cls_path is not None and not issubclass(import_class(cls_path), ImageClassifier):
+            raise ValueError(f"--ckpt {path}: a {cls_path} checkpoint; the resolution evaluation needs an "
+                             f"ImageClassifier run (e.g. configs/vit/*.yaml)")
         model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=False)
         model.eval()
         name = model.run_name
@@ -162,6 +180,7 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
                                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
             fn = trainer.validate if split == "val" else trainer.test
             metrics = fn(model, datamodule=dm, verbose=False)[0]
+            lightning_info.setLevel(max(lightning_info.level, logging.WARNING))
             row = {"run": name, "position": model.position, "train_res": train_res, "res": _res_label(hw),
                    "height": hw[0], "width": hw[1], "top1": float(metrics[f"{split}/top1"]),
                    "top5": float(metrics[f"{split}/top5"]), "loss": float(metrics[f"{split}/loss"]),
@@ -177,6 +196,7 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
                 writer.add_figure(f"prior/{name}/layer{prior_layer}", fig)
             except ValueError as exc:  # a non-GOAT layer in a hybrid pattern
                 print(f"{name}: no prior image ({exc})")
+    lightning_info.setLevel(info_level)
     _write_tables(rows, out, writer)
     writer.close()
     return rows
@@ -228,9 +248,11 @@ def _write_tables(rows: list[dict], out: Path, writer) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab resolution --ckpt ... --resolutions 224 288 384`` (see module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m mixlab resolution", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mixlab resolution", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="ImageClassifier checkpoints (one per run)")
-    p.add_argument("--resolutions", nargs="+", required=True, help="S or HxW, multiples of the patch size")
+    p.add_argument("--resolutions", nargs="+", required=True, type=_resolution_arg,
+                   help="S or HxW, multiples of the patch size")
     p.add_argument("--out", default="runs/resolution", help="output directory")
     p.add_argument("--split", default="val", choices=["val", "test"])
     p.add_argument("--batch-size", type=int, default=None)
@@ -244,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lim = a.limit_batches
     if lim is not None and lim >= 1:
         lim = int(lim)
-    return evaluate_resolutions(a.ckpt, [parse_resolution(r) for r in a.resolutions], a.out, a.split, a.batch_size,
+    return evaluate_resolutions(a.ckpt, a.resolutions, a.out, a.split, a.batch_size,
                                 lim, None if a.prior_layer < 0 else a.prior_layer, _parse_kv(a.data_arg),
                                 a.accelerator, a.precision)
 

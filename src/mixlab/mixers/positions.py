@@ -14,6 +14,7 @@ Prior parameters are marked ``_no_weight_decay = True`` (the optimiser reads the
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Literal
 
@@ -524,8 +525,17 @@ def build_position(name: str, n_heads: int, head_dim: int, causal: bool, **kwarg
     """Position scheme by name: ``goat``, ``alibi``, ``rope``, ``nope``.
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name; a ``position_args`` key the scheme does not take (a typo,
+            e.g. ``n_mode``), naming the accepted ones.
     """
     if name not in _SCHEMES:
         raise ValueError(f"unknown position scheme {name!r}; choose from {sorted(_SCHEMES)}")
-    return _SCHEMES[name](n_heads=n_heads, head_dim=head_dim, causal=causal, **kwargs)
+    cls = _SCHEMES[name]
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(kwargs) - set(params))
+        if unknown:
+            accepted = ", ".join(n for n in params if n not in ("self", "n_heads", "head_dim", "causal"))
+            raise ValueError(f"position_args of {name!r} got unknown key(s) {', '.join(map(repr, unknown))}; "
+                             f"it accepts: {accepted}")
+    return cls(n_heads=n_heads, head_dim=head_dim, causal=causal, **kwargs)
