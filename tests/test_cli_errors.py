@@ -49,6 +49,9 @@ def test_config_typo_keeps_jsonargparse_message(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.d_modle=3")
     assert any("d_modle" in line for line in err)
     assert not any(line.startswith("error: model:") for line in err)
+    # no prefix matching: a truncated option is an error (argparse would take it as --trainer.max_steps)
+    err = _fail(capsys, monkeypatch, tmp_path, "--trainer.max_step", "5")
+    assert err[-1] == "error: unrecognized arguments: --trainer.max_step 5"
 
 
 def test_bad_input_error_walks_the_chain_and_skips_foreign_raises():
@@ -171,3 +174,16 @@ def test_resolution_command_bad_input_is_one_line(capsys, tmp_path, monkeypatch)
         cli.main(["resolution", "--ckpt", str(tmp_path / "missing.ckpt"), "--resolutions", "16",
                   "--out", str(tmp_path / "out")])
     assert capsys.readouterr().err.strip().splitlines()[-2] == f"error: --ckpt {tmp_path / 'missing.ckpt'}: file not found"
+
+
+def test_image_size_not_divisible_by_patch_is_one_line_before_training(capsys, tmp_path, monkeypatch):
+    """Checked in ``ImageClassifier.setup`` (a user test found it only at the first batch)."""
+    digits = str(Path(GOAT).parents[1] / "vit" / "goat_digits.yaml")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", digits, "--trainer.max_steps=1", "--run_root", str(tmp_path),
+                  "--data.init_args.image_size=26"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2] == ("error: model: data.image_size=26: image size 26x26 is not divisible by patch_size=4; "
+                       "resize/crop to multiples of 4 (e.g. 24x24)")

@@ -100,6 +100,8 @@ class MixlabCLI(LightningCLI):
         }
         kwargs.setdefault("trainer_defaults", defaults)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        # no argparse prefix matching: "--trainer.max_step 5" is an error, not max_steps
+        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False})
         super().__init__(
             pl.LightningModule,
             pl.LightningDataModule,

@@ -317,6 +317,13 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         if n is not None and n != self.num_classes:
             raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(dm).__name__} has "
                              f"num_classes={n}; set model.init_args.num_classes: {n}")
+        for name in ("image_size", "eval_size"):  # before the model summary and the first batch
+            size = getattr(dm, name, None)
+            if size is not None:
+                try:
+                    self.model.grid(*((size, size) if isinstance(size, int) else size))
+                except ValueError as err:
+                    raise ValueError(f"data.{name}={size}: {err}") from None
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
