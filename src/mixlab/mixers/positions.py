@@ -406,12 +406,14 @@ class GoatPrior(PositionScheme):
 
     def _use_triton(self, feature: Tensor, calc: torch.dtype) -> bool:
         """Triton lanes: forced by ``lane_impl="triton"``, or ``auto`` on CUDA for fp32 lane
-        math with fixed frequencies (learned frequencies need gradients into cos/sin)."""
+        math with fixed frequencies (learned frequencies need gradients into cos/sin), outside
+        ``torch.compile`` (which compiles the torch lanes instead)."""
         if self.lane_impl == "triton":
             if self.log_freqs is not None:
                 raise ValueError("GOAT lane_impl='triton' does not support learned_freqs=True; use 'auto' or 'torch'")
             return True
-        return self.lane_impl == "auto" and feature.is_cuda and calc == torch.float32 and self.log_freqs is None
+        return (self.lane_impl == "auto" and feature.is_cuda and calc == torch.float32 and self.log_freqs is None
+                and not torch.compiler.is_compiling())  # under torch.compile: the torch lanes, for inductor
 
     def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
         """See :meth:`PositionScheme.pack`. On the Triton path the lanes are written into
