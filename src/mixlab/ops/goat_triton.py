@@ -433,7 +433,8 @@ def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | N
 
 def _launch_args(meta: dict, shape_q: tuple, shape_k: tuple, NQ: int, NK: int) -> tuple:
     """``(grid, BB, constexprs, compiled kernels)``, memoised per configuration and shape: programs per (head, token
-    block, batch chunk). ``shape_q``/``shape_k``: the feature tensors' ``(batch, T, ...)``. Shared
+    block, batch chunk). The last entry is a dict of compiled kernels by call site (see
+    :func:`_launch`) that also holds :class:`GoatQKV`'s backward workspace per device. ``shape_q``/``shape_k``: the feature tensors' ``(batch, T, ...)``. Shared
     features (batch 1) are split into only as many batch chunks as give the GPU ~``_PROGRAMS``
     programs; per-sample features need one program per batch entry."""
     if "_key" not in meta:  # hashable identity of the prior configuration (plain values only)
