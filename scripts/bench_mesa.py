@@ -266,13 +266,13 @@ def main() -> None:
     ap.add_argument("--sections", default="train,inference,decode")
     ap.add_argument("--decode-steps", type=int, default=32, help="decoding steps per length (4 of them untimed)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
     if dev.type == "cuda":
-        from _fla_tune import limit_fla_autotune
-        print(f"fla autotuners limited to {args.fla_max_configs} configs: {limit_fla_autotune(args.fla_max_configs)}",
+        from mixlab.ops.fla import limit_autotune
+        print(f"fla autotuners limited to {args.fla_max_configs} configs: {limit_autotune(args.fla_max_configs)}",
               flush=True)
     if args.quick:
         shape, err_heads, lengths, dm, nl, nh, reps = (1, 256, 2, 32), 2, [16, 32, 64], 128, 2, 4, 2

@@ -333,15 +333,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per case (after autotuning)")
     ap.add_argument("--iters", type=int, default=10, help="timed calls per case (median reported)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args(argv)
     global WARMUP, ITERS
     WARMUP, ITERS = args.warmup, args.iters
     dev = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from _fla_tune import limit_for_device
-    limit_for_device(dev, args.fla_max_configs)
+    if dev.type == "cuda":
+        from mixlab.ops.fla import limit_autotune
+        print(f"fla autotuners limited to {args.fla_max_configs} configs: {limit_autotune(args.fla_max_configs)}",
+              flush=True)
     env = f"torch {torch.__version__}, device {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}"
     try:
         import triton

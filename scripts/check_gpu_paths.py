@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="heads of the D=512 layer (K=V=512/heads); fla's float32 Mesa/KDA backward kernels need "
                          "K=V <= 64 (--heads 8) on an H200's shared memory")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; scripts/_fla_tune.py)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
     ap.add_argument("--fast-impl", nargs="*", default=[], metavar="MIXER=IMPL",
                     help="override a fast impl, e.g. hawk=fla (opt-in fla chunk_hgrn) or mamba2=fla_simple")
     args = ap.parse_args(argv)
@@ -125,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     dev = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from _fla_tune import limit_for_device
-    limit_for_device(dev, args.fla_max_configs)
+    if dev.type == "cuda":
+        from mixlab.ops.fla import limit_autotune
+        print(f"fla autotuners limited to {args.fla_max_configs} configs: {limit_autotune(args.fla_max_configs)}",
+              flush=True)
     B, T, D, H = (1, 48, 64, 2) if args.smoke else (2, 1000, 512, args.heads)
     names = [n for n in PATHS if n in list_mixers() and (args.mixers is None or n in args.mixers)]
     unknown = [n for n in list_mixers() if n not in PATHS]

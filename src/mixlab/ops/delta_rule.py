@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixlab.ops import fla
+
 __all__ = [
     "delta_rule",
     "delta_rule_recurrent",
@@ -144,18 +146,34 @@ def delta_rule_recurrent(
 
 # ---------------------------------------------------------------------------------- chunkwise
 def _unit_lower_inverse(L: Tensor) -> Tensor:
-    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]`` (C a power of two).
+    """``(I + L)^-1`` for strictly lower-triangular ``L [..., C, C]`` (C a power of two): the UT transform.
 
-    L is nilpotent (``L^C = 0``), so ``(I + L)^-1 = sum_k (-L)^k = prod_j (I + (-L)^(2^j))``,
-    ``j < log2 C``: 2 log2(C) batched matmuls, exact up to rounding and differentiable (a
-    batched LAPACK triangular solve on many tiny matrices is much slower on CPU).
+    Recursive block inversion, the blocked form of forward substitution: with
+    ``I + L = [[A, 0], [L21, B]]`` the inverse is ``[[A^-1, 0], [-B^-1 L21 A^-1, B^-1]]``, built
+    from 1x1 diagonal blocks up in ``log2 C`` levels of batched matmuls (every diagonal block of
+    every chunk of a level in one call). Unlike a Neumann series or repeated squaring of ``L``,
+    no intermediate grows beyond the inverse itself, so it stays accurate when keys inside a
+    chunk are correlated and ``beta`` is up to 2 (tests/test_delta_rule.py compares it with
+    ``torch.linalg.solve_triangular`` and the float64 recurrence); it is also faster on CPU than
+    a batched LAPACK triangular solve of many tiny systems. Differentiable.
+
+    Raises:
+        ValueError: C is not a power of two.
     """
-    P = -L
-    R = P + torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-    for _ in range(int(math.log2(L.shape[-1])) - 1):
-        P = P @ P
-        R = R + R @ P
-    return R
+    C = L.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"_unit_lower_inverse: chunk size C={C} must be a power of two")
+    blocks = torch.ones(*L.shape[:-2], C, 1, 1, dtype=L.dtype, device=L.device)  # [..., m, s, s] inverses
+    s = 1
+    while s < C:
+        m = C // (2 * s)
+        # the m diagonal blocks of size 2s of L: [..., m, 2s, 2s]
+        diag = L.reshape(*L.shape[:-2], m, 2 * s, m, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+        inv_a, inv_b = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        lower = -(inv_b @ (diag[..., s:, :s] @ inv_a))
+        blocks = torch.cat([torch.cat([inv_a, torch.zeros_like(inv_a)], -1), torch.cat([lower, inv_b], -1)], -2)
+        s *= 2
+    return blocks.squeeze(-3)
 
 
 #: Sub-block size of the channel-wise decay scores (pairwise ``[s, s, K]`` decays on the diagonal).
@@ -311,24 +329,36 @@ def delta_rule_chunk(
 
 # ---------------------------------------------------------------------------------- CUDA
 def _delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """fla ``chunk_kda`` (imported here only). Scalar decay is broadcast along K (GDN
-    through KDA: fla's ``chunk_gated_delta_rule`` backward refuses on Hopper with
-    Triton < 3.7.1, fla #640); ``beta=None`` becomes ones; the kernel's l2norm, gate and
-    beta-sigmoid flags stay off (inputs are already prepared)."""
-    from fla.ops.kda import chunk_kda
+    """fla ``chunk_kda`` through the dtype/head-dim boundary of :mod:`mixlab.ops.fla`.
+
+    q, k, v are cast to one activation dtype (bf16 under bf16 autocast, also when
+    normalisation or rate folding left q/k in float32) and key/value dims below 16 are
+    zero-padded; g is float32 ``[B, T, H, K]`` (scalar decay broadcast along K: GDN through KDA,
+    since fla's ``chunk_gated_delta_rule`` backward refuses on Hopper with Triton < 3.7.1, fla
+    #640); ``beta=None`` becomes ones in the activation dtype; the kernel's l2norm, gate and
+    beta-sigmoid flags stay off (inputs are already prepared). Returns ``o [B, T, H, V]`` in
+    the activation dtype and the float32 final state ``[N, H, K, V]`` or None.
+    """
+    chunk_kda = fla.import_op("ops.kda", "chunk_kda")
 
     b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
+    q, k, v = fla.prepare(q, k, v)
     if g is None:
         g = q.new_zeros(b, t, h, dk, dtype=torch.float32)
     elif g.dim() == 3:
         g = g.unsqueeze(-1).expand(b, t, h, dk)
-    if beta is None:
-        beta = q.new_ones(b, t, h)
+    beta = q.new_ones(b, t, h) if beta is None else beta.to(q.dtype)
+    kp, vp = fla.padded_dim(dk), fla.padded_dim(dv)
+    q, k, g = fla.pad_last(q, kp), fla.pad_last(k, kp), fla.pad_last(g.float(), kp)
+    v = fla.pad_last(v, vp)
     if initial_state is not None:
-        initial_state = initial_state.float()
-    return chunk_kda(q, k, v, g.contiguous(), beta.to(q.dtype), scale=scale, initial_state=initial_state,
-                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
-                     cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+        initial_state = F.pad(initial_state.float(), (0, vp - dv, 0, kp - dk))
+    o, state = chunk_kda(q, k, v, g.contiguous(), beta.contiguous(), scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, use_qk_l2norm_in_kernel=False,
+                         cu_seqlens=None if cu_seqlens is None else cu_seqlens.long())
+    return o[..., :dv], (None if state is None else state[:, :, :dk, :dv])
 
 
 def delta_rule(

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixlab.ops import fla
+
 __all__ = ["gla_recurrent", "gla_chunk", "gla", "simple_gla_recurrent", "simple_gla_chunk", "simple_gla",
            "mamba2_ssd_loop", "mamba2_ssd"]
 
@@ -150,20 +152,27 @@ def _require_cuda(q: Tensor, fla_name: str) -> None:
 
 def _fla_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, initial_state: Tensor | None
              ) -> tuple[Tensor, Tensor]:
-    """fla ``chunk_gla`` (imported here only; fla layout ``[B, T, H, K]``, not head-first).
+    """fla ``chunk_gla`` through the boundary of :mod:`mixlab.ops.fla` (fla layout ``[B, T, H, K]``).
 
-    A scalar per-head gate ``[B, T, H]`` is broadcast to ``[B, T, H, K]`` (the simple-GLA /
-    Mamba2 case; autograd sums dg over K). ``scale=None`` -> fla's ``K ** -0.5`` (same as the
-    torch paths); the initial state is passed as float32 ``[B, H, K, V]`` (fla asserts it).
-    Returns ``o [B, T, H, V]`` (dtype of v) and the float32 final state ``[B, H, K, V]``.
+    q, k, v go in one activation dtype (:func:`mixlab.ops.fla.prepare`), key/value dims
+    below 16 zero-padded; a scalar per-head gate ``[B, T, H]`` is broadcast to ``[B, T, H, K]``
+    (the simple-GLA / Mamba2 case; autograd sums dg over K), float32. ``scale=None`` ->
+    ``K ** -0.5`` of the unpadded K (same as the torch paths); the initial state is passed as
+    float32 ``[B, H, K, V]`` (fla asserts it). Returns ``o [B, T, H, V]`` (activation dtype)
+    and the float32 final state ``[B, H, K, V]``.
     """
-    from fla.ops.gla import chunk_gla
+    chunk_gla = fla.import_op("ops.gla", "chunk_gla")
 
+    dk, dv = q.shape[-1], v.shape[-1]
+    scale = dk ** -0.5 if scale is None else scale
     if g.dim() == 3:
         g = g.unsqueeze(-1).expand(*q.shape)
-    h0 = None if initial_state is None else initial_state.float()
-    q, k, v = (z.contiguous() for z in (q, k, v))
-    return chunk_gla(q, k, v, g.float().contiguous(), scale=scale, initial_state=h0, output_final_state=True)
+    q, k, v = fla.prepare(q, k, v)
+    kp, vp = fla.padded_dim(dk), fla.padded_dim(dv)
+    q, k, g, v = fla.pad_last(q, kp), fla.pad_last(k, kp), fla.pad_last(g.float(), kp), fla.pad_last(v, vp)
+    h0 = None if initial_state is None else F.pad(initial_state.float(), (0, vp - dv, 0, kp - dk))
+    o, state = chunk_gla(q, k, v, g.contiguous(), scale=scale, initial_state=h0, output_final_state=True)
+    return o[..., :dv], state[:, :, :dk, :dv]
 
 
 def _dispatch(q, k, v, g, scale, initial_state, impl, chunk_size, fla_name):
@@ -178,10 +187,9 @@ def _dispatch(q, k, v, g, scale, initial_state, impl, chunk_size, fla_name):
         return _fla_gla(q, k, v, g, scale, initial_state)
     if impl == "fla_simple" and fla_name == "chunk_simple_gla":  # opt-in: backward fails on Hopper (fla #640)
         _require_cuda(q, fla_name)
-        from fla.ops.simple_gla import chunk_simple_gla
-
+        chunk_simple_gla = fla.import_op("ops.simple_gla", "chunk_simple_gla")
         h0 = None if initial_state is None else initial_state.float()
-        q, k, v = (z.contiguous() for z in (q, k, v))
+        q, k, v = fla.prepare(q, k, v)
         return chunk_simple_gla(q, k, v, g.float().contiguous(), scale=scale, initial_state=h0,
                                 output_final_state=True)
     extra = ", 'fla' or 'fla_simple'" if fla_name == "chunk_simple_gla" else " or 'fla'"

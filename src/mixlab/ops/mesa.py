@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixlab.ops import fla
+
 __all__ = [
     "conjugate_gradient",
     "mesa_states",
@@ -475,12 +477,21 @@ def mesa_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
         raise ValueError(f"mesa: impl='fla' needs K == V; got K={dk}, V={dv}")
     if not q.is_cuda:
         raise ValueError("mesa: impl='fla' (fla-core chunk_mesa_net) needs CUDA tensors")
-    from fla.ops.mesa_net import chunk_mesa_net  # CUDA only
+    chunk_mesa_net = fla.import_op("ops.mesa_net", "chunk_mesa_net")
 
-    h_kk0, h_kv0 = (None, None) if initial_state is None else (initial_state[0].float(), initial_state[1].float())
-    o, h_kk, h_kv = chunk_mesa_net(q, k, v, g.float(), beta.float(), lamb.float(), h_kk_init=h_kk0, h_kv_init=h_kv0,
-                                   output_final_state=output_final_state, max_CG_iteration=cg_iters)
-    return o, ((h_kk, h_kv) if output_final_state else None)
+    # one activation dtype for v (fla casts q, k to fp16 itself); head dims < 16 zero-padded with
+    # Lambda = 1 on the padded channels, so their CG components stay exactly 0
+    q, k, v = fla.prepare(q, k, v)
+    kp = fla.padded_dim(dk)
+    q, k, v = fla.pad_last(q, kp), fla.pad_last(k, kp), fla.pad_last(v, kp)
+    lamb = fla.pad_last(lamb.float(), kp, value=1.0)
+    pad_state = lambda s: None if s is None else F.pad(s.float(), (0, kp - dk, 0, kp - dk))  # noqa: E731
+    h_kk0, h_kv0 = (None, None) if initial_state is None else (pad_state(initial_state[0]), pad_state(initial_state[1]))
+    o, h_kk, h_kv = chunk_mesa_net(q, k, v, g.float().contiguous(), beta.float().contiguous(), lamb.contiguous(),
+                                   h_kk_init=h_kk0, h_kv_init=h_kv0, output_final_state=output_final_state,
+                                   max_CG_iteration=cg_iters)
+    final = (h_kk[:, :, :dk, :dk], h_kv[:, :, :dk, :dk]) if output_final_state else None
+    return o[..., :dk], final
 
 
 def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,

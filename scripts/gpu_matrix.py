@@ -1,0 +1,213 @@
+"""GPU run matrix: every registered mixer trained and tested through the real CLI, per head and precision.
+
+    python scripts/gpu_matrix.py --out OUT                        # CUDA: the whole matrix (about 8 min on one H200)
+    python scripts/gpu_matrix.py --out OUT --mixers kda mesa --heads lm --precisions bf16-mixed
+    python scripts/gpu_matrix.py --out OUT --quick                # CPU: a few tiny runs (checks the script)
+
+Each case is two commands a user would type, run as subprocesses::
+
+    python -m mixlab fit  --config <head config> --model.init_args.backbone.mixer <mixer> ... --trainer.precision <p>
+    python -m mixlab test --config <head config> ... --ckpt_path last
+
+with a few dozen steps (``--steps``), evaluation and test limited to two batches. Heads (base
+configs): ``lm`` genome decoder LM (``configs/genome/goat.yaml``; head dims 16, 64 and 128 at 4
+heads), ``synthetic`` MAD in-context recall under MAD's sizes (127-token inputs, batch 128, width
+128: head dim 32), ``vit`` ViT on digits and ``vqa`` spatial VQA (bidirectional: causal-only
+recurrences must be refused with one line). A case is
+
+* ``pass``: both commands exit 0, every logged ``train/loss`` is finite, the mean of the last
+  five is below the mean of the first five, and ``test`` logged its metrics;
+* ``refused``: ``fit`` exits 2 with one ``error: ...`` line (the CLI's bad-input contract);
+* ``fail``: anything else (a traceback, a non-finite or flat loss, a crash).
+
+Written to ``OUT``: ``gpu_matrix.md`` (mixer x head x precision x head dim: status, steps/s
+between the 5th and last logged step, peak memory, first and last loss), ``gpu_matrix.jsonl``
+and ``gpu_matrix_failures.log`` (the last lines of every failed command). Runs go to
+``--run-dir`` (default a temporary folder). fla's autotuning is bounded by
+``MIXLAB_FLA_AUTOTUNE`` (default 2 here; see :mod:`mixlab.ops.fla`), so steps/s are not
+tuned-kernel speeds; ``scripts/bench_*.py`` measure speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HYBRID = "kda*3,mla"
+BIDIRECTIONAL = ("vit", "vqa")
+M = "--model.init_args."
+
+
+def head_args(head: str, mixer: str, head_dim: int | None) -> tuple[str, list[str], int | None]:
+    """(base config, overrides, nominal head dim) of one case."""
+    if head == "lm":
+        hd = head_dim or 64
+        return "configs/genome/goat.yaml", [f"{M}backbone.d_model", str(4 * hd), f"{M}backbone.n_heads", "4",
+                                            "--data.init_args.batch_size", "16"], hd
+    if head == "synthetic":
+        return "configs/synthetic/mad_in_context_recall.yaml", [
+            "--data.init_args.seq_len", "128", "--data.init_args.batch_size", "128", "--data.init_args.n_train", "4096",
+            f"{M}backbone.d_model", "128", f"{M}backbone.n_heads", "4"], 32
+    if head == "vit":
+        pos = {"goat": "goat2d", "rope": "rope2d"}.get(mixer, "nope")
+        return "configs/vit/goat_digits.yaml", [f"{M}position", pos, "--trainer.max_epochs", "-1",
+                                                "--trainer.check_val_every_n_epoch", "null"], 32
+    if head == "vqa":
+        return "configs/vqa/goat_digits.yaml", ["--data.init_args.n_train", "4096"], 32
+    raise ValueError(f"unknown head {head!r}")
+
+
+def cases(mixers: list[str], heads: list[str], precisions: list[str], dims: list[int]) -> list[dict]:
+    out = []
+    for head in heads:
+        for mixer in mixers:
+            for precision in precisions:
+                for hd in (dims if head == "lm" else [None]):
+                    out.append({"mixer": mixer, "head": head, "precision": precision, "head_dim": hd})
+    return out
+
+
+def _scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
+    """TensorBoard scalars of every event file under ``run_dir``: tag -> [(wall, step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    found: dict[str, list] = {}
+    for ev in sorted(run_dir.rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(ev), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            found.setdefault(tag, []).extend((e.wall_time, e.step, e.value) for e in acc.Scalars(tag))
+    return found
+
+
+def _tail(text: str, n: int = 12) -> str:
+    return "\n".join([ln for ln in text.splitlines() if ln.strip()][-n:])
+
+
+def run_case(case: dict, steps: int, run_root: Path, env: dict, timeout: int) -> dict:
+    config, extra, hd = head_args(case["head"], case["mixer"], case["head_dim"])
+    name = f"{case['mixer'].replace('*', 'x').replace(',', '-')}-{case['head']}-{case['precision']}-hd{hd}"
+    common = ["--config", config, *extra, f"{M}backbone.mixer", case["mixer"], "--trainer.precision",
+              case["precision"], "--run_root", str(run_root), "--run_name", name]
+    fit = [sys.executable, "-m", "mixlab", "fit", *common, "--trainer.max_steps", str(steps),
+           "--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "2",
+           "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+           f"{M}optim.warmup_steps", "5"]
+    test = [sys.executable, "-m", "mixlab", "test", *common, "--ckpt_path", "last", "--trainer.limit_test_batches", "2",
+            "--trainer.enable_progress_bar", "false"]
+    row = {**case, "head_dim": hd, "name": name}
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(fit, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "fail", "why": f"fit timed out after {timeout} s"}
+    row["fit_s"] = round(time.perf_counter() - t0, 1)
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    if p.returncode == 2 and len(errors) == 1 and "Traceback" not in p.stderr:
+        return {**row, "status": "refused", "why": errors[0][:200]}
+    if p.returncode != 0:
+        return {**row, "status": "fail", "why": f"fit exit {p.returncode}", "log": _tail(p.stdout + p.stderr)}
+    run_dirs = sorted(run_root.glob(f"*/{name}"))
+    sc = _scalars(run_dirs[0]) if run_dirs else {}
+    loss = sorted(sc.get("train/loss", []), key=lambda e: e[1])
+    values = [v for _, _, v in loss]
+    if len(values) < 10 or not all(math.isfinite(v) for v in values):
+        return {**row, "status": "fail", "why": f"train/loss: {len(values)} values, finite={all(map(math.isfinite, values))}"}
+    first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
+    row.update(loss_first=round(first, 4), loss_last=round(last, 4))
+    (w0, s0, _), (w1, s1, _) = loss[4], loss[-1]
+    row["steps_per_s"] = round((s1 - s0) / (w1 - w0), 2) if w1 > w0 else None
+    mem = sc.get("perf/peak_mem_gb", [])
+    row["peak_mem_gb"] = round(max(v for _, _, v in mem), 3) if mem else None
+    if not last < first:
+        return {**row, "status": "fail", "why": "loss did not decrease"}
+    try:
+        p = subprocess.run(test, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": "fail", "why": f"test timed out after {timeout} s"}
+    tags = [t for t in _scalars(run_dirs[0]) if t.startswith("test/")]
+    if p.returncode != 0 or not tags:
+        return {**row, "status": "fail", "why": f"test exit {p.returncode}, {len(tags)} test metrics",
+                "log": _tail(p.stdout + p.stderr)}
+    return {**row, "status": "pass", "total_s": round(time.perf_counter() - t0, 1)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| mixer | head | precision | head dim | status | steps/s | peak mem GB | loss first -> last | note |",
+             "|" + "---|" * 9]
+    for r in sorted(rows, key=lambda r: (r["head"], r["mixer"], r["precision"], r["head_dim"] or 0)):
+        loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}" if "loss_first" in r else ""
+        note = r.get("why", "") if r["status"] != "pass" else ""
+        lines.append(f"| {r['mixer']} | {r['head']} | {r['precision']} | {r['head_dim']} | {r['status']} | "
+                     f"{r.get('steps_per_s') or ''} | {r.get('peak_mem_gb') or ''} | {loss} | {note.replace('|', '/')} |")
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "refused", "fail")}
+    lines.append("")
+    lines.append(f"{len(rows)} cases: {counts['pass']} pass, {counts['refused']} refused, {counts['fail']} fail")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for gpu_matrix.md / .jsonl / _failures.log")
+    ap.add_argument("--run-dir", default=None, help="where the runs go (default: a temporary folder)")
+    ap.add_argument("--mixers", nargs="+", default=None, help=f"registry names or patterns (default: all + {HYBRID!r})")
+    ap.add_argument("--heads", nargs="+", default=["lm", "synthetic", "vit", "vqa"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16-mixed", "32"])
+    ap.add_argument("--head-dims", nargs="+", type=int, default=[16, 64, 128], help="LM head dims (4 heads)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--workers", type=int, default=12, help="cases run side by side (one GPU serves many small runs)")
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per command")
+    ap.add_argument("--fla-autotune", default="2", help="MIXLAB_FLA_AUTOTUNE for the runs")
+    ap.add_argument("--quick", action="store_true", help="CPU check of the script: goat + kda, lm + vit, 32, 6 steps")
+    args = ap.parse_args(argv)
+    import torch
+
+    from mixlab.registry import list_mixers
+
+    if args.quick:
+        args.mixers = args.mixers or ["goat", "kda"]
+        args.heads, args.precisions, args.head_dims = ["lm", "vit"], ["32"], [16]
+        args.steps, args.workers = max(args.steps if args.steps != 30 else 12, 10), min(args.workers, 2)
+    mixers = args.mixers or [*list_mixers(), HYBRID]
+    todo = cases(mixers, args.heads, args.precisions, args.head_dims)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu_matrix_"))
+    env = {**os.environ, "MIXLAB_FLA_AUTOTUNE": args.fla_autotune, "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"[gpu_matrix] {len(todo)} cases on {device}, {args.workers} at a time, runs in {run_root}", flush=True)
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+
+    def one(case: dict) -> dict:
+        row = run_case(case, args.steps, run_root, env, args.timeout)
+        rows.append(row)
+        print(f"[gpu_matrix {time.perf_counter() - t0:6.0f}s {len(rows)}/{len(todo)}] {row['name']}: {row['status']} "
+              f"{row.get('why', '')}", flush=True)
+        return row
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(one, todo))
+    (out / "gpu_matrix.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "log"}) + "\n"
+                                                  for r in rows))
+    (out / "gpu_matrix_failures.log").write_text("".join(f"=== {r['name']}: {r.get('why', '')}\n{r.get('log', '')}\n"
+                                                         for r in rows if r["status"] == "fail"))
+    md = (f"Device: {device}; torch {torch.__version__}; {args.steps} steps per fit; "
+          f"wall {time.perf_counter() - t0:.0f} s with {args.workers} runs side by side.\n\n" + table(rows))
+    (out / "gpu_matrix.md").write_text(md)
+    print(md, flush=True)
+    return 1 if any(r["status"] == "fail" for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
