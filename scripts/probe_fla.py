@@ -12,7 +12,9 @@ float64 torch path on the same (rounded) inputs is the reference. Reported per c
 with the output's and the worst gradient's error relative to the largest reference entry, or
 the error's type and first line. Each (op, dtype) runs in its own process, so an illegal
 memory access ends one process only and is reported at the case that caused it (``crash``).
-Writes ``OUT/probe_fla.md`` (one table) and ``OUT/probe_fla.jsonl``.
+Writes ``OUT/probe_fla.md`` (one table) and ``OUT/probe_fla.jsonl``. ``--raw`` bypasses
+:func:`mixlab.ops.fla.unserved` (the routing rules this probe measured), to re-check a kernel's
+own limits on a new fla or Triton version.
 """
 
 from __future__ import annotations
@@ -82,6 +84,10 @@ def worker(op: str, dtype: str, dims: list[int], shapes: list[tuple[int, int]]) 
     """One process: every (K, B, T) case of one op and dtype; one JSON line per case."""
     import torch
 
+    if os.environ.get("PROBE_RAW") == "1":  # the kernels themselves, past mixlab's routing rules
+        import mixlab.ops.fla as fla
+
+        fla.unserved = lambda *a: None
     device = torch.device("cuda")
     for k_dim in dims:
         for b, t in shapes:
@@ -120,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dims", nargs="+", type=int, default=[8, 16, 32, 64, 128, 256])
     ap.add_argument("--shapes", nargs="+", default=["2x1", "2x63", "2x127", "2x200", "128x127", "4x2048"],
                     help="BxT cases")
+    ap.add_argument("--raw", action="store_true", help="skip mixlab.ops.fla.unserved (probe the kernels' own limits)")
     ap.add_argument("--worker", nargs=2, metavar=("OP", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shapes = [tuple(int(z) for z in s.split("x")) for s in args.shapes]
@@ -135,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [sys.executable, __file__, "--out", str(out), "--worker", op, dtype, "--dims", *map(str, args.dims),
                    "--shapes", *args.shapes]
             procs[(op, dtype)] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                                  env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1"})
+                                                  env={**os.environ, "CUDA_LAUNCH_BLOCKING": "1",
+                                                       "PROBE_RAW": "1" if args.raw else "0"})
     rows = []
     for (op, dtype), p in procs.items():
         text, _ = p.communicate()

@@ -369,22 +369,23 @@ def delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """Kernel-level gated delta rule with automatic dispatch (contract of :func:`delta_rule_recurrent`).
 
-    ``impl="auto"``: fla ``chunk_kda`` for CUDA tensors that are not float64, else the
-    torch chunkwise path (the recurrence for T <= 4, i.e. decoding steps). ``"fla"`` requires CUDA
-    and always uses fla's chunk size 64 (``chunk_size`` applies to the torch path only, so
-    one config serves CPU and GPU).
+    ``impl="auto"``: fla ``chunk_kda`` where :func:`mixlab.ops.fla.unserved` allows (CUDA, not
+    float64, head dims and sequence length it serves), else the torch chunkwise path (the
+    recurrence for T <= 4, i.e. decoding steps). ``"fla"`` always uses fla's chunk size 64
+    (``chunk_size`` applies to the torch path only, so one config serves CPU and GPU).
 
     Raises:
-        ValueError: unknown impl, ``"fla"`` on CPU, and
-            everything the chosen path raises.
+        ValueError: unknown impl, ``"fla"`` for inputs fla does not serve (CPU, float64, float32
+            with head dim > 64, ...), and everything the chosen path raises.
     """
     if impl not in ("auto", "chunk", "recurrent", "fla"):
         raise ValueError(f"delta_rule: impl must be 'auto', 'chunk', 'recurrent' or 'fla'; got {impl!r}")
-    if impl == "auto":  # decoding steps (T <= 4) off CUDA: the recurrence, no chunk padding
-        impl = "fla" if q.is_cuda and q.dtype != torch.float64 else ("recurrent" if q.shape[1] <= 4 else "chunk")
+    if impl == "auto":  # decoding steps (T <= 4): the recurrence, no chunk padding
+        impl = "fla" if fla.unserved("kda", q, k, v) is None else ("recurrent" if q.shape[1] <= 4 else "chunk")
     if impl == "fla":
-        if not q.is_cuda:
-            raise ValueError("delta_rule: impl='fla' needs CUDA tensors; use 'chunk' on CPU")
+        why = fla.unserved("kda", q, k, v)
+        if why is not None:
+            raise ValueError(f"delta_rule: impl='fla' cannot take these inputs: {why}; use impl='auto' or 'chunk'")
         _check(q, k, v, g, beta, initial_state, cu_seqlens)
         return _delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     if impl == "recurrent":

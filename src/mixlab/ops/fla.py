@@ -20,9 +20,9 @@ one place instead of in each caller:
   configs per kernel, the first one that of least shared memory (:func:`limit_autotune`); the
   GPU run matrix and the benchmark scripts use it. Unset or 0: fla's full search.
 
-Shapes and dtypes a kernel cannot serve at all (e.g. Mesa's ``K > 128``) are refused by the
-caller's dispatch with a one-line ``ValueError`` naming the option, or routed to the torch
-chunk path; see :func:`mixlab.ops.delta_rule.delta_rule` and :func:`mixlab.ops.mesa.mesa_net`.
+* **what each kernel serves** (:data:`LIMITS`, :func:`unserved`), measured on the device: the
+  ``auto`` dispatch of every op takes its torch chunk path for the rest (float32 KDA at head
+  dim 128, T=1 gradients, Mesa's K=32), and an explicit ``impl="fla"`` refuses them in one line.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["activation_dtype", "prepare", "pad_last", "padded_dim", "MIN_HEAD_DIM", "limit_autotune", "import_op"]
+__all__ = ["activation_dtype", "prepare", "pad_last", "padded_dim", "unserved", "LIMITS", "MIN_HEAD_DIM", "limit_autotune",
+           "import_op"]
 
 #: Smallest key/value head dim fla's ``tl.dot`` tiles take; smaller dims are zero-padded to it.
 MIN_HEAD_DIM = 16
@@ -83,9 +84,52 @@ def prepare(*xs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]
     return tuple(x.to(dtype).contiguous() for x in xs)
 
 
-def padded_dim(d: int) -> int:
-    """``max(d, MIN_HEAD_DIM)``: the head dim handed to fla for a model head dim ``d``."""
-    return max(d, MIN_HEAD_DIM)
+#: What each fla op serves, measured through this boundary with ``scripts/probe_fla.py`` on an H200
+#: (fla-core 0.6.0, Triton 3.6; BENCHMARKS.md "fla kernels through mixlab's boundary"):
+#: ``max_dim`` largest head dim; ``max_dim_fp32`` largest head dim in float32 (``chunk_kda``'s float32
+#: kernels need 245 KiB of shared memory at K=128, the H200 has 227 KiB); ``dims`` the head dims the
+#: op is handed (a smaller one is zero-padded up: ``chunk_mesa_net`` read out of bounds at K=32 and
+#: T >= 127, and was 100% off at T=63; K=64 and 128 are its tested sizes); ``min_tokens`` the
+#: shortest sequence sent to fla (``chunk_kda`` and ``chunk_gla`` returned gradients 1e22 off at T=1).
+LIMITS: dict[str, dict] = {
+    "kda": {"max_dim": 256, "max_dim_fp32": 64, "dims": None, "min_tokens": 16},
+    "gla": {"max_dim": 256, "max_dim_fp32": 256, "dims": None, "min_tokens": 16},
+    "mesa": {"max_dim": 128, "max_dim_fp32": 128, "dims": (64, 128), "min_tokens": 2},
+}
+
+
+def padded_dim(d: int, op: str = "kda") -> int:
+    """The head dim handed to fla op ``op`` for a model head dim ``d`` (>= ``d``; see :data:`LIMITS`)."""
+    dims = LIMITS[op]["dims"]
+    if dims is None:
+        return max(d, MIN_HEAD_DIM)
+    return next((s for s in dims if s >= d), d)
+
+
+def unserved(op: str, q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """Why fla op ``op`` cannot take these inputs (one sentence), or None if it can.
+
+    Args:
+        op: ``"kda"`` | ``"gla"`` | ``"mesa"`` (keys of :data:`LIMITS`).
+        q, k, v: ``[B, T, H, K]``, ``[B, T, H, K]``, ``[B, T, H, V]`` as the caller has them.
+
+    The ``auto`` dispatch of each op takes its torch chunk path when this is not None; an
+    explicit ``impl="fla"`` raises ``ValueError`` with it.
+    """
+    lim = LIMITS[op]
+    if not q.is_cuda:
+        return "fla kernels need CUDA tensors"
+    if q.dtype == torch.float64:
+        return "fla has no float64 kernels"
+    dim = max(q.shape[-1], v.shape[-1])
+    if dim > lim["max_dim"]:
+        return f"fla {op} serves head dims up to {lim['max_dim']}; got {dim}"
+    if activation_dtype(q, k, v) == torch.float32 and dim > lim["max_dim_fp32"]:
+        return (f"fla {op}'s float32 kernels serve head dims up to {lim['max_dim_fp32']} (shared memory); got {dim} "
+                "(bf16-mixed precision serves it)")
+    if q.shape[1] < lim["min_tokens"]:
+        return f"fla {op} is used from {lim['min_tokens']} tokens on; got T={q.shape[1]}"
+    return None
 
 
 # ------------------------------------------------------------------------------- autotuning

@@ -168,7 +168,7 @@ def _fla_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, in
     if g.dim() == 3:
         g = g.unsqueeze(-1).expand(*q.shape)
     q, k, v = fla.prepare(q, k, v)
-    kp, vp = fla.padded_dim(dk), fla.padded_dim(dv)
+    kp, vp = fla.padded_dim(dk, "gla"), fla.padded_dim(dv, "gla")
     q, k, g, v = fla.pad_last(q, kp), fla.pad_last(k, kp), fla.pad_last(g.float(), kp), fla.pad_last(v, vp)
     h0 = None if initial_state is None else F.pad(initial_state.float(), (0, vp - dv, 0, kp - dk))
     o, state = chunk_gla(q, k, v, g.contiguous(), scale=scale, initial_state=h0, output_final_state=True)
@@ -177,7 +177,7 @@ def _fla_gla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float | None, in
 
 def _dispatch(q, k, v, g, scale, initial_state, impl, chunk_size, fla_name):
     if impl == "auto":
-        impl = "fla" if q.is_cuda and q.shape[1] > 1 and q.dtype != torch.float64 else "chunk"
+        impl = "fla" if fla.unserved("gla", q, k, v) is None else "chunk"
     if impl == "chunk":
         return gla_chunk(q, k, v, g, scale, initial_state, chunk_size)
     if impl == "recurrent":

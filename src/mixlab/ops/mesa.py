@@ -49,7 +49,7 @@ __all__ = [
     "FLA_MAX_HEAD_DIM",
 ]
 
-FLA_MAX_HEAD_DIM = 128
+FLA_MAX_HEAD_DIM = fla.LIMITS["mesa"]["max_dim"]
 State = tuple[Tensor, Tensor]
 
 
@@ -465,24 +465,24 @@ def mesa_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     """fla-core ``chunk_mesa_net`` (CUDA, fixed CG count).
 
     Raises:
-        ValueError: not CUDA, ``K > 128``, ``K != V``, ``cg_iters < 1``.
+        ValueError: inputs fla does not serve (:func:`mixlab.ops.fla.unserved`: CPU, float64,
+            ``K > 128``, T < 2), ``K != V``, ``cg_iters < 1``.
     """
     check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
     check_solver_args(cg_iters, None)
     dk, dv = q.shape[-1], v.shape[-1]
-    if dk > FLA_MAX_HEAD_DIM:
-        raise ValueError(f"mesa: impl='fla' supports head dim K <= {FLA_MAX_HEAD_DIM}; got K={dk} "
-                         "(use impl='chunk' or a smaller head_dim)")
     if dk != dv:
         raise ValueError(f"mesa: impl='fla' needs K == V; got K={dk}, V={dv}")
-    if not q.is_cuda:
-        raise ValueError("mesa: impl='fla' (fla-core chunk_mesa_net) needs CUDA tensors")
+    why = fla.unserved("mesa", q, k, v)
+    if why is not None:
+        raise ValueError(f"mesa: impl='fla' (fla-core chunk_mesa_net) cannot take these inputs: {why}; "
+                         "use impl='auto' or 'chunk'")
     chunk_mesa_net = fla.import_op("ops.mesa_net", "chunk_mesa_net")
 
-    # one activation dtype for v (fla casts q, k to fp16 itself); head dims < 16 zero-padded with
-    # Lambda = 1 on the padded channels, so their CG components stay exactly 0
+    # one activation dtype for v (fla casts q, k to fp16 itself); head dims zero-padded to 64 or 128
+    # (fla.LIMITS) with Lambda = 1 on the padded channels, so their CG components stay exactly 0
     q, k, v = fla.prepare(q, k, v)
-    kp = fla.padded_dim(dk)
+    kp = fla.padded_dim(dk, "mesa")
     q, k, v = fla.pad_last(q, kp), fla.pad_last(k, kp), fla.pad_last(v, kp)
     lamb = fla.pad_last(lamb.float(), kp, value=1.0)
     pad_state = lambda s: None if s is None else F.pad(s.float(), (0, kp - dk, 0, kp - dk))  # noqa: E731
@@ -510,7 +510,7 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     """
     check_solver_args(cg_iters, cg_eps)
     if impl == "auto":
-        fla_ok = q.is_cuda and cg_eps is None and q.shape[-1] == v.shape[-1] <= FLA_MAX_HEAD_DIM and q.shape[1] > 1
+        fla_ok = cg_eps is None and q.shape[-1] == v.shape[-1] and fla.unserved("mesa", q, k, v) is None
         impl = "fla" if fla_ok else "chunk"
     if impl == "chunk":
         return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state)
