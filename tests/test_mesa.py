@@ -247,3 +247,60 @@ def test_mixer_metrics_callback_logs_cg_iterations_per_layer_and_head():
     mean, kw = logged["val/mixer/layer1/cg_iters/mean"]
     assert 0 < mean <= 7 and kw["on_epoch"] and not kw["on_step"]
     assert mean == pytest.approx((logged["val/mixer/layer1/cg_iters/h0"][0] + logged["val/mixer/layer1/cg_iters/h1"][0]) / 2)
+
+
+# ---------------------------------------------------------------------------- negative forget gates
+def _signed_inputs(t=23, seed=4):
+    q, k, v, g, beta, lamb = _inputs(t=t, seed=seed, gmin=-0.5)
+    gen = torch.Generator().manual_seed(seed + 1)
+    sign = torch.where(torch.rand(g.shape, generator=gen) < 0.4, -1.0, 1.0).to(F64)
+    return q, k, v, g, beta, lamb * 0 + 3.0, sign  # Lambda = 3 I dominates the indefinite H_t
+
+
+def test_negative_gates_chunk_and_recurrent_match_the_signed_recurrence():
+    """gamma_t = sign_t exp(g_t): chunked CG (chunk sizes 4 and 64) and the per-token loop equal
+    the exact solve on statistics built token by token with the signed gate, written out here."""
+    q, k, v, g, beta, lamb, sign = _signed_inputs()
+    b, t, h, dk = q.shape
+    H = torch.zeros(b, h, dk, dk, dtype=F64)
+    G = torch.zeros(b, h, dk, v.shape[-1], dtype=F64)
+    want = torch.zeros(b, t, h, v.shape[-1], dtype=F64)
+    for i in range(t):
+        gam = (sign[:, i] * g[:, i].exp())[..., None, None]
+        H = gam * H + beta[:, i, :, None, None] * k[:, i, :, :, None] * k[:, i, :, None, :]
+        G = gam * G + beta[:, i, :, None, None] * k[:, i, :, :, None] * v[:, i, :, None, :]
+        x = torch.linalg.solve(H + torch.diag_embed(lamb), q[:, i].unsqueeze(-1)).squeeze(-1)
+        want[:, i] = (x.unsqueeze(-2) @ G).squeeze(-2)
+    for c in (4, 64):
+        o, st, _ = mesa_chunk(q, k, v, g, beta, lamb, 60, None, c, None, True, gate_sign=sign)
+        torch.testing.assert_close(o, want, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(st[0], H, rtol=1e-12, atol=1e-12)
+    o, _, _ = mesa_recurrent(q, k, v, g, beta, lamb, 60, gate_sign=sign)
+    torch.testing.assert_close(o, want, rtol=1e-9, atol=1e-10)
+    o, _ = mesa_exact(q, k, v, g, beta, lamb, gate_sign=sign)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-12)
+
+
+def test_negative_gates_adjoint_backward_equals_autograd_through_exact_solve():
+    q, k, v, g, beta, lamb, sign = _signed_inputs(t=9)
+    leaves = [z.clone().requires_grad_() for z in (q, k, v, g, beta, lamb)]
+    ref = [z.clone().requires_grad_() for z in (q, k, v, g, beta, lamb)]
+    w = torch.randn(v.shape, generator=torch.Generator().manual_seed(9), dtype=F64)
+    (mesa_chunk(*leaves, 80, None, 4, gate_sign=sign)[0] * w).sum().backward()
+    (mesa_exact(*ref, gate_sign=sign)[0] * w).sum().backward()
+    for name, a, r in zip("q k v g beta lamb".split(), leaves, ref):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-7, atol=1e-9, msg=name)
+
+
+@torch.no_grad()
+def test_mixer_negative_gates_decode_like_parallel_and_flip_signs():
+    torch.manual_seed(0)
+    m = build_mixer("mesa", d_model=16, n_heads=2, negative_gates=True, lambda_init=50.0, lambda_floor=49.0,
+                    chunk_size=4, eval_cg_eps=None, cg_iters=40).double().eval()
+    x = torch.randn(2, 9, 16, dtype=F64)
+    y = m(x)
+    cache: dict = {}
+    steps = torch.cat([m(x[:, i:i + 1], None, cache) for i in range(9)], 1)
+    torch.testing.assert_close(steps, y, rtol=1e-8, atol=1e-10)
+    a = m.a_proj(x)
+    assert bool((a < 0).any()) and bool((a > 0).any())  # both gate signs occur at init

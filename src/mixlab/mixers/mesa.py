@@ -50,6 +50,11 @@ class Mesa(Mixer):
         chunk_size: chunk of the torch path.
         impl: ``"auto"`` | ``"chunk"`` | ``"fla"`` | ``"recurrent"`` | ``"exact"`` (see
             :func:`mixlab.ops.mesa.mesa_net`).
+        negative_gates: forget gates ``gamma = 2 sigmoid(W_a x) - 1`` in ``(-1, 1)`` instead of
+            ``sigmoid(W_a x)`` (MesaNet paper, parity experiments: state tracking needs sign
+            flips; pair it with a large Lambda, the paper's ``lambda_init=50, lambda_floor=49``,
+            so that ``H_t + Lambda`` stays positive definite). Runs the torch chunk path (fla's
+            kernel takes log gates only).
 
     Forward: ``x [B, T, D]`` -> ``[B, T, D]``; ``cache`` holds ``state`` (h_kk, h_kv) and the
     conv tails; T = 1 steps run the per-token CG. :meth:`extra_metrics` reports the mean CG
@@ -77,6 +82,7 @@ class Mesa(Mixer):
         chunk_size: int = 64,
         impl: str = "auto",
         norm_eps: float = 1e-5,
+        negative_gates: bool = False,
     ) -> None:
         super().__init__()
         if not causal:
@@ -98,6 +104,7 @@ class Mesa(Mixer):
         self.lambda_floor, self.lambda_init = lambda_floor, lambda_init
         self.cg_iters, self.cg_eps, self.eval_cg_eps = cg_iters, cg_eps, eval_cg_eps
         self.chunk_size, self.impl = chunk_size, impl
+        self.negative_gates = negative_gates
         hk = n_heads * head_dim
         self.q_proj = nn.Linear(d_model, hk, bias=False)
         self.k_proj = nn.Linear(d_model, hk, bias=False)
@@ -144,17 +151,23 @@ class Mesa(Mixer):
         q = F.normalize(_up(q.view(b, t, h, d)), dim=-1).to(v.dtype)
         k = F.normalize(_up(k.view(b, t, h, d)), dim=-1).to(v.dtype)
         v = v.view(b, t, h, d)
-        g = F.logsigmoid(_up(self.a_proj(x)))
+        a = _up(self.a_proj(x))
+        if self.negative_gates:  # gamma = 2 sigmoid(a) - 1 = tanh(a / 2) = sign * exp(g)
+            g = torch.tanh(0.5 * a).abs().clamp_min(1e-6).log()
+            sign = torch.where(a >= 0, 1.0, -1.0).to(a.dtype)
+        else:
+            g, sign = F.logsigmoid(a), None
         beta = torch.sigmoid(_up(self.b_proj(x)))
         lamb = self.lamb().to(g.dtype)
         iters_n, eps = self.solver()
         state = cache.get("state") if cache is not None else None
         if cache is not None and t == 1:
-            o, state, iters = mesa_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, state, iters_n, eps)
+            o, state, iters = mesa_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, state, iters_n, eps,
+                                        None if sign is None else sign[:, 0])
             o, iters = o.unsqueeze(1).to(v.dtype), iters.unsqueeze(1)
         else:
             o, state, iters = mesa_net(q, k, v, g, beta, lamb, iters_n, eps, self.chunk_size, state,
-                                       output_final_state=cache is not None, impl=self.impl)
+                                       output_final_state=cache is not None, impl=self.impl, gate_sign=sign)
         if cache is not None:
             cache["state"] = tuple(s.detach() for s in state)
         if iters is None:  # fla path: fixed count

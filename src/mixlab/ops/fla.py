@@ -87,14 +87,15 @@ def prepare(*xs: Tensor, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]
 #: What each fla op serves, measured through this boundary with ``scripts/probe_fla.py`` on an H200
 #: (fla-core 0.6.0, Triton 3.6; BENCHMARKS.md "fla kernels through mixlab's boundary"):
 #: ``max_dim`` largest head dim; ``max_dim_fp32`` largest head dim in float32 (``chunk_kda``'s float32
-#: kernels need 245 KiB of shared memory at K=128, the H200 has 227 KiB); ``dims`` the head dims the
-#: op is handed (a smaller one is zero-padded up: ``chunk_mesa_net`` read out of bounds at K=32 and
-#: T >= 127, and was 100% off at T=63; K=64 and 128 are its tested sizes); ``min_tokens`` the
-#: shortest sequence sent to fla (``chunk_kda`` and ``chunk_gla`` returned gradients 1e22 off at T=1).
+#: kernels need 245 KiB of shared memory at K=128 and ``chunk_mesa_net``'s 296 KiB; the H200 has
+#: 227 KiB); ``dims`` the head dims the op is handed (a smaller one is zero-padded up:
+#: ``chunk_mesa_net`` read out of bounds at K=32 and T >= 127 and was 100% off at T=63, while 64 and
+#: 128 passed at every length); ``min_tokens`` the shortest sequence sent to fla (``chunk_kda`` and
+#: ``chunk_gla`` return gradients 1e22 off at T=1; T=2..65 matched the float64 reference).
 LIMITS: dict[str, dict] = {
-    "kda": {"max_dim": 256, "max_dim_fp32": 64, "dims": None, "min_tokens": 16},
-    "gla": {"max_dim": 256, "max_dim_fp32": 256, "dims": None, "min_tokens": 16},
-    "mesa": {"max_dim": 128, "max_dim_fp32": 128, "dims": (64, 128), "min_tokens": 2},
+    "kda": {"max_dim": 256, "max_dim_fp32": 64, "dims": None, "min_tokens": 2},
+    "gla": {"max_dim": 256, "max_dim_fp32": 256, "dims": None, "min_tokens": 2},
+    "mesa": {"max_dim": 128, "max_dim_fp32": 64, "dims": (64, 128), "min_tokens": 2},
 }
 
 

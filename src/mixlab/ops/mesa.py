@@ -6,7 +6,10 @@ Per head, with forget gate ``gamma_t = exp(g_t)`` and input gate ``beta_t``::
     G_t = gamma_t G_{t-1} + beta_t k_t v_t^T          [K, V]   (fla layout: G^T of the paper)
     (H_t + Lambda) q*_t = q_t,   o_t = G_t^T q*_t              (paper Eq. 8)
 
-``Lambda = diag(lamb)`` with ``lamb > 0``. The linear system is solved by conjugate
+``Lambda = diag(lamb)`` with ``lamb > 0``. Negative forget gates (the MesaNet paper's parity
+variant, ``gamma_t`` in ``[-1, 1]``) are passed as ``gamma_t = gate_sign_t * exp(g_t)`` with
+``gate_sign [B, T, H]`` in ``{-1, +1}`` (``None``: all positive); H_t is then indefinite and
+Lambda must dominate it (the paper starts Lambda at 50 I with lower bound 49). The linear system is solved by conjugate
 gradient (paper Appendix C, Algorithm 1) from ``x_0 = 0`` with either a fixed iteration
 count (training, 30 in the paper) or adaptive stopping ``||r_j|| <= eps ||r_0||`` with an
 iteration cap (inference, eps = 1e-4).
@@ -107,6 +110,16 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _gamma(g: Tensor, sign: Tensor | None) -> Tensor:
+    """Forget gate ``sign * exp(g)`` (``exp(g)`` without a sign)."""
+    return g.exp() if sign is None else sign.to(g.dtype) * g.exp()
+
+
+def _check_sign(gate_sign: Tensor | None, g: Tensor) -> None:
+    if gate_sign is not None and gate_sign.shape != g.shape:
+        raise ValueError(f"mesa: gate_sign must be [B, T, H] like g {tuple(g.shape)}; got {tuple(gate_sign.shape)}")
+
+
 # ---------------------------------------------------------------------------- CG
 def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, eps: float | None = None
                        ) -> tuple[Tensor, Tensor]:
@@ -167,9 +180,11 @@ def _cg_fixed(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, tiny
 
 
 # ---------------------------------------------------------------------------- references
-def mesa_states(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: State | None = None
-                ) -> tuple[Tensor, Tensor]:
+def mesa_states(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: State | None = None,
+                gate_sign: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Per-token statistics by the recurrence (reference; ``O(T K^2)`` memory).
+
+    ``gate_sign [B, T, H]`` (+-1) or None: forget gate ``gamma_t = gate_sign_t exp(g_t)``.
 
     Returns:
         ``H [B, T, H, K, K]`` and ``G [B, T, H, K, V]`` in the compute dtype.
@@ -184,7 +199,7 @@ def mesa_states(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: St
         h_kk, h_kv = (s.to(dt) for s in initial_state)
     hs, gs = [], []
     for i in range(t):
-        decay = g[:, i].exp()[..., None, None]
+        decay = _gamma(g[:, i], None if gate_sign is None else gate_sign[:, i])[..., None, None]
         kb = k[:, i] * beta[:, i, :, None]
         h_kk = decay * h_kk + kb.unsqueeze(-1) * k[:, i].unsqueeze(-2)
         h_kv = decay * h_kv + kb.unsqueeze(-1) * v[:, i].unsqueeze(-2)
@@ -194,16 +209,17 @@ def mesa_states(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: St
 
 
 def mesa_exact(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor,
-               initial_state: State | None = None, output_final_state: bool = False
-               ) -> tuple[Tensor, State | None]:
+               initial_state: State | None = None, output_final_state: bool = False,
+               gate_sign: Tensor | None = None) -> tuple[Tensor, State | None]:
     """Exact Mesa output with ``torch.linalg.solve`` per token (reference, differentiable).
 
     Returns:
         ``o [B, T, H, V]`` (dtype of v) and the final state or ``None``.
     """
     check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
+    _check_sign(gate_sign, g)
     dt = _compute_dtype(q)
-    hs, gs = mesa_states(k, v, g, beta, initial_state)
+    hs, gs = mesa_states(k, v, g, beta, initial_state, gate_sign)
     a = hs + torch.diag_embed(lamb.to(dt))
     x = torch.linalg.solve(a, q.to(dt).unsqueeze(-1)).squeeze(-1)
     o = torch.einsum("bthk,bthkv->bthv", x, gs)
@@ -212,8 +228,9 @@ def mesa_exact(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
 
 
 def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, state: State | None,
-              cg_iters: int = 30, cg_eps: float | None = None) -> tuple[Tensor, State, Tensor]:
-    """One token: q, k ``[B, H, K]``, v ``[B, H, V]``, g, beta ``[B, H]``, lamb ``[H, K]``.
+              cg_iters: int = 30, cg_eps: float | None = None, gate_sign: Tensor | None = None
+              ) -> tuple[Tensor, State, Tensor]:
+    """One token: q, k ``[B, H, K]``, v ``[B, H, V]``, g, beta (and gate_sign) ``[B, H]``, lamb ``[H, K]``.
 
     Returns:
         ``o [B, H, V]`` (compute dtype), the new state, CG iterations ``[B, H]``.
@@ -225,7 +242,7 @@ def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Te
         h_kk, h_kv = q.new_zeros(b, h, dk, dk), q.new_zeros(b, h, dk, v.shape[-1])
     else:
         h_kk, h_kv = (s.to(dt) for s in state)
-    decay = g.exp()[..., None, None]
+    decay = _gamma(g, gate_sign)[..., None, None]
     kb = k * beta.unsqueeze(-1)
     h_kk = decay * h_kk + kb.unsqueeze(-1) * k.unsqueeze(-2)
     h_kv = decay * h_kv + kb.unsqueeze(-1) * v.unsqueeze(-2)
@@ -235,8 +252,8 @@ def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Te
 
 
 def mesa_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
-                   cg_eps: float | None = None, initial_state: State | None = None, output_final_state: bool = False
-                   ) -> tuple[Tensor, State | None, Tensor]:
+                   cg_eps: float | None = None, initial_state: State | None = None, output_final_state: bool = False,
+                   gate_sign: Tensor | None = None) -> tuple[Tensor, State | None, Tensor]:
     """Per-token loop with CG (reference; the decoding path).
 
     Returns:
@@ -244,10 +261,12 @@ def mesa_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lam
     """
     check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
     check_solver_args(cg_iters, cg_eps)
+    _check_sign(gate_sign, g)
     state = initial_state
     os, its = [], []
     for i in range(q.shape[1]):
-        o, state, it = mesa_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], lamb, state, cg_iters, cg_eps)
+        o, state, it = mesa_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], lamb, state, cg_iters, cg_eps,
+                                 None if gate_sign is None else gate_sign[:, i])
         os.append(o)
         its.append(it)
     o = torch.stack(os, 1).to(v.dtype)
@@ -260,10 +279,13 @@ class _Chunks:
 
     Built differentiably from (k, v, g, beta, initial state) so the backward can reuse it
     under autograd. ``D[t, i] = beta_i exp(gc_t - gc_i)`` for ``i <= t`` (0 above the diagonal),
-    ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate.
+    ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate. With negative
+    gates, ``sc`` (the within-chunk cumulative product of the signs) multiplies every decay:
+    ``D[t, i] *= sc_t sc_i``, ``dq[t] *= sc_t`` (a ratio of +-1 products is their product).
     """
 
-    def __init__(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: State | None, chunk_size: int) -> None:
+    def __init__(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: State | None, chunk_size: int,
+                 sign: Tensor | None = None) -> None:
         b, t, h, dk = k.shape
         dv = v.shape[-1]
         c = max(1, min(chunk_size, t))
@@ -287,6 +309,12 @@ class _Chunks:
         # chunk-start states: S_{n+1} = exp(gc_last) S_n + sum_i exp(gc_last - gc_i) beta_i k_i (k_i | v_i)^T
         kw = kc * ((gc[..., -1:] - gc).exp() * bc).unsqueeze(-1)  # [B, H, N, C, K]
         last = gc[..., -1].exp()  # [B, H, N]
+        if sign is not None:  # padded tail: sign 0 -> 1 (a no-op step)
+            sc = torch.where(chunk(sign) == 0, 1.0, chunk(sign)).to(gc.dtype).cumprod(-1)  # [B, H, N, C]
+            self.D = self.D * (sc.unsqueeze(-1) * sc.unsqueeze(-2))
+            self.dq = self.dq * sc
+            kw = kw * (sc[..., -1:] * sc).unsqueeze(-1)
+            last = last * sc[..., -1]
         h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
         h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
         hk, hv = [], []
@@ -382,14 +410,14 @@ class _MesaChunkFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size):
+    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign):
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
-        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size)
+        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign)
         lam = _lamb_per_chunk(lamb.to(dt), ch)
         x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps)
         o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
-        ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x)
+        ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
         ctx.cfg = (cg_iters, cg_eps, chunk_size)
         iters = ch.token_view(iters)
         ctx.mark_non_differentiable(iters)
@@ -397,7 +425,7 @@ class _MesaChunkFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dh_kk, dh_kv, _diters):
-        q, k, v, g, beta, lamb, h_kk0, h_kv0, x = ctx.saved_tensors
+        q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign = ctx.saved_tensors
         cg_iters, cg_eps, chunk_size = ctx.cfg
         dt = _compute_dtype(q)
         with torch.enable_grad():
@@ -405,7 +433,7 @@ class _MesaChunkFunction(torch.autograd.Function):
             h0 = None
             if h_kk0 is not None:
                 h0 = tuple(z.detach().to(dt).requires_grad_(True) for z in (h_kk0, h_kv0))
-            ch = _Chunks(*leaves, h0, chunk_size)
+            ch = _Chunks(*leaves, h0, chunk_size, sign)
             lam = _lamb_per_chunk(lamb.to(dt), ch)
             do_c = ch.chunk_view(do.to(dt))
             with torch.no_grad():  # adjoint right-hand side G_t do_t, then the adjoint solve
@@ -427,12 +455,13 @@ class _MesaChunkFunction(torch.autograd.Function):
         dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
         cast = lambda gz, ref: None if ref is None or gz is None else gz.to(ref.dtype)
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
-                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None)
+                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None)
 
 
 def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
                cg_eps: float | None = None, chunk_size: int = 64, initial_state: State | None = None,
-               output_final_state: bool = False) -> tuple[Tensor, State | None, Tensor]:
+               output_final_state: bool = False, gate_sign: Tensor | None = None
+               ) -> tuple[Tensor, State | None, Tensor]:
     """Chunkwise torch Mesa (CPU and GPU; the adaptive-CG inference path).
 
     Args:
@@ -440,7 +469,8 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
         g: ``[B, T, H]`` log forget gate ``<= 0``; beta: ``[B, T, H]`` input gate in [0, 1];
         lamb: ``[H, K]`` > 0; cg_iters: fixed count or cap; cg_eps: adaptive tolerance or None;
         chunk_size: tokens per chunk (any T works; the tail is zero-padded);
-        initial_state: ``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` or None.
+        initial_state: ``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` or None;
+        gate_sign: ``[B, T, H]`` +-1 signs of the forget gates (negative gates) or None.
 
     Returns:
         ``o [B, T, H, V]`` (dtype of v), final state (compute dtype) or None, CG iterations
@@ -454,8 +484,11 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
     check_solver_args(cg_iters, cg_eps)
     if chunk_size < 1:
         raise ValueError(f"mesa: chunk_size must be >= 1; got {chunk_size}")
+    _check_sign(gate_sign, g)
     h_kk0, h_kv0 = initial_state if initial_state is not None else (None, None)
-    o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size)
+    sign = None if gate_sign is None else gate_sign.detach()
+    o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size,
+                                                    sign)
     return o, ((h_kk, h_kv) if output_final_state else None), iters
 
 
@@ -496,32 +529,40 @@ def mesa_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
 
 def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
              cg_eps: float | None = None, chunk_size: int = 64, initial_state: State | None = None,
-             output_final_state: bool = False, impl: str = "auto") -> tuple[Tensor, State | None, Tensor | None]:
+             output_final_state: bool = False, impl: str = "auto", gate_sign: Tensor | None = None
+             ) -> tuple[Tensor, State | None, Tensor | None]:
     """Mesa layer core with implementation dispatch (arguments as :func:`mesa_chunk`).
 
-    ``impl``: ``"auto"`` (fla on CUDA for a fixed count with K == V <= 128 and T > 1,
-    else ``"chunk"``), ``"chunk"``, ``"fla"``, ``"recurrent"``, ``"exact"``.
+    ``impl``: ``"auto"`` (fla on CUDA for a fixed count, positive gates, K == V and inputs
+    :func:`mixlab.ops.fla.unserved` allows, else ``"chunk"``), ``"chunk"``, ``"fla"``,
+    ``"recurrent"``, ``"exact"``.
 
     Returns:
         ``o``, final state or None, CG iterations ``[B, T, H]`` (None for fla and exact).
 
     Raises:
-        ValueError: bad shapes, solver arguments, unknown ``impl``, fla limits.
+        ValueError: bad shapes, solver arguments, unknown ``impl``, fla limits, ``impl="fla"``
+            with negative gates (fla's kernel takes log gates only).
     """
     check_solver_args(cg_iters, cg_eps)
     if impl == "auto":
-        fla_ok = cg_eps is None and q.shape[-1] == v.shape[-1] and fla.unserved("mesa", q, k, v) is None
+        fla_ok = (cg_eps is None and gate_sign is None and q.shape[-1] == v.shape[-1]
+                  and fla.unserved("mesa", q, k, v) is None)
         impl = "fla" if fla_ok else "chunk"
     if impl == "chunk":
-        return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state)
+        return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state,
+                          gate_sign)
     if impl == "fla":
         if cg_eps is not None:
             raise ValueError("mesa: impl='fla' has a fixed CG count; set cg_eps=None or use impl='chunk'")
+        if gate_sign is not None:
+            raise ValueError("mesa: impl='fla' takes positive forget gates only (log gates); negative gates need "
+                             "impl='auto' or 'chunk'")
         o, st = mesa_fla(q, k, v, g, beta, lamb, cg_iters, initial_state, output_final_state)
         return o, st, None
     if impl == "recurrent":
-        return mesa_recurrent(q, k, v, g, beta, lamb, cg_iters, cg_eps, initial_state, output_final_state)
+        return mesa_recurrent(q, k, v, g, beta, lamb, cg_iters, cg_eps, initial_state, output_final_state, gate_sign)
     if impl == "exact":
-        o, st = mesa_exact(q, k, v, g, beta, lamb, initial_state, output_final_state)
+        o, st = mesa_exact(q, k, v, g, beta, lamb, initial_state, output_final_state, gate_sign)
         return o, st, None
     raise ValueError(f"mesa: impl must be 'auto', 'chunk', 'fla', 'recurrent' or 'exact'; got {impl!r}")
