@@ -35,12 +35,14 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from mixlab.compare import load_scalars
+from mixlab.eval.runner import Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID = "kda*3,mla"
@@ -77,90 +79,11 @@ def cases(mixers: list[str], heads: list[str], precisions: list[str], dims: list
     return out
 
 
-def _scalars(run_dir: Path) -> dict[str, list[tuple[float, int, float]]]:
-    """TensorBoard scalars of every event file under ``run_dir``: tag -> [(wall, step, value)]."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    found: dict[str, list] = {}
-    for ev in sorted(run_dir.rglob("events.out.tfevents.*")):
-        acc = EventAccumulator(str(ev), size_guidance={"scalars": 0})
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            found.setdefault(tag, []).extend((e.wall_time, e.step, e.value) for e in acc.Scalars(tag))
-    return found
-
-
 def _tail(text: str, n: int = 12) -> str:
     return "\n".join([ln for ln in text.splitlines() if ln.strip()][-n:])
 
 
-def _cli(argv: list[str], log: str, env: dict) -> int:
-    """``python -m mixlab <argv>`` in this (forked, preloaded) process; output to ``log``; exit status."""
-    import traceback
-
-    import torch
-
-    os.environ.update(env)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
-    os.chdir(ROOT)
-    from mixlab.cli import main
-
-    try:
-        main(argv)
-        return 0
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
-    except BaseException:  # noqa: BLE001 - a crash is a result here
-        traceback.print_exc()
-        return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-class Launcher:
-    """Runs CLI commands in fresh processes forked from a server that already imported torch,
-    Lightning and mixlab (saves ~10 s of imports per command; each command still gets its own
-    process, as a user's would). Falls back to ``python -m mixlab`` subprocesses before Python 3.11."""
-
-    def __init__(self, workers: int, env: dict, timeout: int) -> None:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        self.env, self.timeout, self.pool = env, timeout, None
-        if sys.version_info >= (3, 11):
-            os.environ.update(env)  # the fork server inherits it (thread counts read at import)
-            ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "lightning.pytorch", "mixlab.cli", "mixlab.heads", "mixlab.mixers",
-                                        "mixlab.datamodules"])
-            self.pool = ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)
-
-    def __call__(self, argv: list[str], log: Path) -> tuple[int, str]:
-        if self.pool is not None:
-            try:
-                rc = self.pool.submit(_cli, argv, str(log), self.env).result(timeout=self.timeout)
-            except TimeoutError:
-                rc = 124
-            except Exception as e:  # noqa: BLE001 - e.g. the child died (BrokenProcessPool)
-                rc = 1
-                with open(log, "a") as f:
-                    f.write(f"\n{type(e).__name__}: {e}\n")
-        else:
-            try:
-                with open(log, "w") as f:
-                    rc = subprocess.run([sys.executable, "-m", "mixlab", *argv], cwd=ROOT, env=self.env, stdout=f,
-                                        stderr=subprocess.STDOUT, timeout=self.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
-        return rc, log.read_text(errors="replace") if log.exists() else ""
-
-
-def run_case(case: dict, steps: int, run_root: Path, launch: Launcher) -> dict:
+def run_case(case: dict, steps: int, run_root: Path, launch) -> dict:
     config, extra, hd = head_args(case["head"], case["mixer"], case["head_dim"])
     name = f"{case['mixer'].replace('*', 'x').replace(',', '-')}-{case['head']}-{case['precision']}-hd{hd}"
     if case["mixer"] == HYBRID and case["head"] != "lm":  # the 3:1 pattern needs a multiple of 4 layers
@@ -184,7 +107,7 @@ def run_case(case: dict, steps: int, run_root: Path, launch: Launcher) -> dict:
     if rc != 0:
         return {**row, "status": "fail", "why": f"fit exit {rc}", "log": _tail(text)}
     run_dirs = sorted(run_root.glob(f"*/{name}"))
-    sc = _scalars(run_dirs[0]) if run_dirs else {}
+    sc = load_scalars(run_dirs[0]) if run_dirs else {}
     loss = sorted(sc.get("train/loss", []), key=lambda e: e[1])
     values = [v for _, _, v in loss]
     if len(values) < 10 or not all(math.isfinite(v) for v in values):
@@ -198,7 +121,7 @@ def run_case(case: dict, steps: int, run_root: Path, launch: Launcher) -> dict:
     if not last < first:
         return {**row, "status": "fail", "why": "loss did not decrease"}
     rc, text = launch(test, logs / f"{name}.test.log")
-    tags = [t for t in _scalars(run_dirs[0]) if t.startswith("test/")]
+    tags = [t for t in load_scalars(run_dirs[0]) if t.startswith("test/")]
     if rc != 0 or not tags:
         return {**row, "status": "fail", "why": f"test exit {rc}, {len(tags)} test metrics", "log": _tail(text)}
     return {**row, "status": "pass", "total_s": round(time.perf_counter() - t0, 1)}
@@ -262,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('why', '')}", flush=True)
         return row
 
-    launch = Launcher(args.workers, env, args.timeout)
+    launch = Launcher(args.workers, env, args.timeout, cwd=ROOT)
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(one, todo))
     (out / "gpu_matrix_failures.log").write_text("".join(f"=== {r['name']}: {r.get('why', '')}\n{r.get('log', '')}\n"

@@ -1,0 +1,515 @@
+"""Reproduce the papers' headline results: ``python -m mixlab reproduce SUITE [--quick] [--out DIR]``.
+
+Suites (``--only`` picks experiments by name; ``all`` runs every suite):
+
+* ``goat`` (GOAT, arXiv 2601.15380): ``text_length`` (byte-level LM trained at 128 tokens, PPL at
+  1x..8x, GOAT vs RoPE), ``genome`` (bits per base, tokens/s, peak memory, GOAT vs RoPE),
+  ``vit_resolution`` (ViT on digits at 24 px, top-1 at 16..48 px, GOAT-2D vs APE),
+  ``vqa`` (four-image spatial VQA, seen vs held-out scan orders, GOAT / NoPE / RoPE);
+* ``fg2`` (FG²-GDN, arXiv 2604.19021): ``table4`` (the Table-4 ablation GDN / FGBGDN / KDA /
+  FG²-GDN / separate beta / FG²-GDN+ on a small byte-level text LM, test PPL ranking),
+  ``mad_recall_fg2`` (MAD in-context recall);
+* ``mesa`` (MesaNet, arXiv 2506.05233): ``mad`` (MAD's six tasks, Transformer / GDN / Hawk-Mesa /
+  Mesa, MAD score), ``regbench``, ``parity`` (DeltaNet and Mesa with and without negative
+  eigenvalues / forget gates, test lengths 40..256), ``cg_iters`` (CG iterations per head of a
+  trained Mesa LM).
+
+Every run is ``python -m mixlab fit`` then ``test`` through the real CLI (several at once,
+:class:`~mixlab.eval.runner.Launcher`); experiments with an evaluation command run it after
+training (``length-extrapolation``, ``resolution``). Written to ``--out``:
+``REPRODUCTION_<suite>.md`` (one table: experiment, measure, paper, mixlab, verdict, command),
+``reproduce_<suite>.json`` (every number), the evaluation commands' outputs and figures, and
+the runs (TensorBoard) under ``OUT/runs``. A verdict is ``reproduced`` (the paper's claim holds
+at its stated margin), ``same direction`` (the ordering holds, the margin does not) or ``not
+reproduced``. Full budgets are sized for one H200 (each suite's runs side by side in about ten
+minutes); ``--quick`` runs every experiment for a few steps on CPU (checks the pipeline, not the
+numbers); ``--scale F`` multiplies every step budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shlex
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["RunSpec", "Experiment", "SUITES", "run_suite", "main"]
+
+M = "--model.init_args."
+D = "--data.init_args."
+
+
+@dataclass
+class RunSpec:
+    """One training run: ``python -m mixlab fit --config <config> <args>`` then ``test``.
+
+    Attributes:
+        name: run name (``--run_name``), unique within its experiment.
+        config: base config path (relative to the repository root).
+        args: CLI overrides at full budget; ``{steps}`` in them is replaced by ``steps``.
+        steps: training steps at full budget (``--scale`` multiplies it; ``--quick``: 4).
+        quick: extra overrides in ``--quick`` mode (smaller data and models).
+    """
+
+    name: str
+    config: str
+    args: list[str] = field(default_factory=list)
+    steps: int = 1000
+    quick: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Experiment:
+    """Runs, an optional evaluation command over their checkpoints, and the table rows.
+
+    ``rows(results) -> [(measure, paper, mixlab, verdict)]`` reads ``results``: per run name
+    ``{"test": {tag: value}, "val": {...}, "perf": {...}}`` plus ``"eval"`` (the evaluation
+    command's parsed output).
+    """
+
+    name: str
+    title: str
+    runs: list[RunSpec]
+    rows: Callable[[dict], list[tuple[str, str, str, str]]]
+    evaluate: Callable[[dict[str, str], Path, bool], list[str]] | None = None
+    parse_eval: Callable[[Path], Any] | None = None
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _get(results: dict, run: str, kind: str, tag: str) -> float | None:
+    return results.get(run, {}).get(kind, {}).get(tag)
+
+
+def _verdict(strong: bool, direction: bool) -> str:
+    return "reproduced" if strong else ("same direction" if direction else "not reproduced")
+
+
+def _rank_corr(a: list[float], b: list[float]) -> float:
+    """Spearman rank correlation (no ties expected)."""
+    ra = {i: r for r, i in enumerate(sorted(range(len(a)), key=lambda i: a[i]))}
+    rb = {i: r for r, i in enumerate(sorted(range(len(b)), key=lambda i: b[i]))}
+    n = len(a)
+    return 1 - 6 * sum((ra[i] - rb[i]) ** 2 for i in range(n)) / (n * (n * n - 1)) if n > 1 else float("nan")
+
+
+# ---------------------------------------------------------------------------------- GOAT suite
+def _length_eval(ckpts: dict[str, str], out: Path, quick: bool) -> list[str]:
+    names = list(ckpts)
+    return ["length-extrapolation", "--ckpt", *ckpts.values(), "--labels", *names, "--lengths", "1", "2", "4", "8",
+            "--max-windows", "2" if quick else "16", "--out", str(out)]
+
+
+def _length_parse(out: Path) -> dict[str, dict[str, float]]:
+    with open(out / "length_extrapolation.csv") as f:
+        rows = list(csv.reader(f))
+    head = rows[0]
+    return {r[0]: {h: float(v) for h, v in zip(head[2:], r[2:]) if v} for r in rows[1:]}
+
+
+def _length_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    ev = res.get("eval") or {}
+    ratio = {}
+    cells = []
+    for name in ("goat", "rope"):
+        ppl = ev.get(name, {})
+        if not ppl:
+            cells.append(f"{name}: n/a")
+            continue
+        lens = sorted(ppl, key=int)
+        ratio[name] = ppl[lens[-1]] / ppl[lens[0]]
+        cells.append(f"{name} " + " / ".join(_fmt(ppl[x], 2) for x in lens))
+    ok = len(ratio) == 2
+    strong = ok and ratio["goat"] < 1.25 and ratio["rope"] > 2.0
+    direction = ok and ratio["goat"] < ratio["rope"]
+    return [("PPL at 1x / 2x / 4x / 8x the training length (128 bytes)",
+             "GOAT flat (20.75 -> 24.77 at 1x -> 8x), RoPE degrades (20.82 -> 417.43); Table 1",
+             "; ".join(cells) + (f" (8x/1x: goat {ratio['goat']:.2f}, rope {ratio['rope']:.2f})" if ok else ""),
+             _verdict(strong, direction))]
+
+
+def _genome_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    g, r = (_get(res, n, "test", "test/bits_per_base") for n in ("goat", "rope"))
+    tg, tr = (_get(res, n, "perf", "tokens_per_s") for n in ("goat", "rope"))
+    mg, mr = (_get(res, n, "perf", "peak_mem_gb") for n in ("goat", "rope"))
+    ok = g is not None and r is not None
+    rows = [("test bits per base (lower is better)", "RoPE 1.7390, GOAT 1.6294 (-0.11); Fig. 4",
+             f"RoPE {_fmt(r, 4)}, GOAT {_fmt(g, 4)}" + (f" ({g - r:+.4f})" if ok else ""),
+             _verdict(ok and g < r - 0.02, ok and g < r))]
+    if tg and tr:
+        rows.append(("training tokens/s, GOAT / RoPE", "0.988 (138,171 vs 139,886)", f"{tg / tr:.3f}",
+                     _verdict(tg / tr > 0.95, tg / tr > 0.9)))
+    if mg and mr:
+        rows.append(("peak memory, GOAT / RoPE", "0.64 (1.83 vs 2.86 GB)", f"{mg / mr:.3f}",
+                     _verdict(mg / mr < 0.9, mg / mr <= 1.0)))
+    return rows
+
+
+def _resolution_eval(ckpts: dict[str, str], out: Path, quick: bool) -> list[str]:
+    return ["resolution", "--ckpt", *ckpts.values(), "--resolutions", "16", "24", "32", "40", "48", "--split", "test",
+            "--out", str(out), *(["--limit-batches", "2"] if quick else [])]
+
+
+def _resolution_parse(out: Path) -> dict[str, dict[str, float]]:
+    found: dict[str, dict[str, float]] = {}
+    with open(out / "resolution.csv") as f:
+        for r in csv.DictReader(f):
+            found.setdefault(r["run"], {})[r["height"]] = float(r["top1"])
+    return found
+
+
+def _resolution_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    ev = res.get("eval") or {}
+    runs = {k: v for k, v in ev.items()}
+    goat = next((v for k, v in runs.items() if "goat" in k), None)
+    ape = next((v for k, v in runs.items() if "ape" in k), None)
+    if not goat or not ape:
+        return [("top-1 at 2x the training resolution", "GOAT-2D 76.6 vs APE 72.8 at 512 from 224; Fig. 5a", "n/a",
+                 "not reproduced")]
+    cells = "; ".join(f"{name} " + " / ".join(_fmt(v[h], 1) for h in sorted(v, key=int)) for name, v in
+                      (("GOAT-2D", goat), ("APE", ape)))
+    g2, a2 = goat.get("48"), ape.get("48")
+    g1, a1 = goat.get("24"), ape.get("24")
+    ok = g2 is not None and a2 is not None
+    return [("top-1 (%) at 16 / 24 / 32 / 40 / 48 px, trained at 24", "GOAT-2D 76.6 vs APE 72.8 at 2.3x (512 from 224)",
+             cells, _verdict(ok and g2 >= a2 + 1.0, ok and g2 >= a2)),
+            ("drop from 1x to 2x (points)", "GOAT-2D loses less than APE",
+             f"GOAT-2D {_fmt(g1 - g2, 1) if ok and g1 else 'n/a'}, APE {_fmt(a1 - a2, 1) if ok and a1 else 'n/a'}",
+             _verdict(False, ok and g1 is not None and a1 is not None and g1 - g2 <= a1 - a2))]
+
+
+def _vqa_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    seen = {n: _get(res, n, "test", "test/acc_seen") for n in ("goat", "nope", "rope")}
+    held = {n: _get(res, n, "test", "test/acc_heldout") for n in ("goat", "nope", "rope")}
+    cells = ", ".join(f"{n} {_fmt(seen[n])} / {_fmt(held[n])}" for n in seen)
+    ok = all(v is not None for v in held.values())
+    order = ok and held["goat"] > held["nope"] > held["rope"]
+    best = ok and held["goat"] >= max(held["nope"], held["rope"])
+    learned = all(v is not None and v > 0.6 for v in seen.values())
+    return [("answer accuracy, seen / held-out scan orders",
+             "held-out: GOAT 20.3% > NoPE 17.2% > RoPE 16.5% (CIFAR-10 scenes); Tables 9-10", cells,
+             _verdict(order and learned, best)),
+            ("every scheme learned the task (seen accuracy > 0.6)", "(protocol)",
+             ", ".join(f"{n} {_fmt(v)}" for n, v in seen.items()), "reproduced" if learned else "not reproduced")]
+
+
+# ---------------------------------------------------------------------------------- FG² suite
+_TABLE4 = [("gdn", "GDN", 14.01), ("fgbgdn", "FGBGDN", 13.96), ("kda", "KDA", 13.80), ("fg2gdn", "FG²-GDN", 13.09),
+           ("kda_kvbeta", "separate beta", 13.56), ("fg2gdn_plus", "FG²-GDN+", 13.91)]
+
+
+def _table4_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    ppl = {m: _get(res, m, "test", "test/ppl") for m, _, _ in _TABLE4}
+    have = [(m, label, p) for m, label, p in _TABLE4 if ppl[m] is not None]
+    cells = ", ".join(f"{label} {_fmt(ppl[m], 4)}" for m, label, _ in have)
+    rho = _rank_corr([p for _, _, p in have], [ppl[m] for m, _, _ in have]) if len(have) > 2 else float("nan")
+    fg2_better = ppl["fg2gdn"] is not None and ppl["gdn"] is not None and ppl["fg2gdn"] < ppl["gdn"]
+    return [("test PPL per variant (small text LM)", "GDN 14.01, FGBGDN 13.96, KDA 13.80, FG²-GDN 13.09, "
+             "separate beta 13.56, FG²-GDN+ 13.91 (1.3B); Table 4", cells + f"; rank correlation with the paper "
+             f"{_fmt(rho, 2)}", _verdict(rho >= 0.8, fg2_better))]
+
+
+def _recall_rows(names: list[tuple[str, str]], paper: str) -> Callable[[dict], list]:
+    def rows(res: dict) -> list[tuple[str, str, str, str]]:
+        acc = {label: _get(res, n, "test", "test/acc") for n, label in names}
+        attn = [v for (n, label), v in zip(names, acc.values()) if n in ("rope", "goat", "swa") and v is not None]
+        cells = ", ".join(f"{label} {_fmt(v)}" for label, v in acc.items())
+        return [("test accuracy on the recall positions (MAD protocol sizes)", paper, cells,
+                 _verdict(bool(attn) and min(attn) >= 0.99, bool(attn) and max(attn) >= 0.99))]
+
+    return rows
+
+
+# ---------------------------------------------------------------------------------- Mesa suite
+MAD_TASKS = ["in_context_recall", "noisy_recall", "fuzzy_recall", "selective_copy", "compression", "memorization"]
+MAD_MODELS = [("rope", "Transformer", 75.8), ("gdn", "Gated DeltaNet", 71.0), ("hawk,mesa", "Hawk-Mesa", 73.5),
+              ("mesa", "MesaNet", 76.1)]
+
+
+def _mad_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    score = {}
+    for mixer, label, _ in MAD_MODELS:
+        accs = [_get(res, f"{_safe(mixer)}-{t}", "test", "test/acc") for t in MAD_TASKS]
+        accs = [a for a in accs if a is not None]
+        score[label] = 100 * sum(accs) / len(accs) if len(accs) == len(MAD_TASKS) else None
+    paper = {label: p for _, label, p in MAD_MODELS}
+    have = [k for k, v in score.items() if v is not None]
+    rho = _rank_corr([paper[k] for k in have], [score[k] for k in have]) if len(have) > 2 else float("nan")
+    return [("MAD score (mean test accuracy over six tasks, %)", "Transformer 75.8, GDN 71.0, Hawk-Mesa 73.5, "
+             "MesaNet 76.1; Table 9", ", ".join(f"{k} {_fmt(v, 1)}" for k, v in score.items())
+             + f"; rank correlation {_fmt(rho, 2)}", _verdict(rho >= 0.8, rho > 0))]
+
+
+def _regbench_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    acc = {label: _get(res, m, "test", "test/regbench_acc") for m, label in (("rope", "Transformer"),
+                                                                             ("gdn", "GDN"), ("mesa", "Mesa"))}
+    ok = all(v is not None for v in acc.values())
+    return [("RegBench accuracy (valid next symbol)", "MesaNet above the other RNNs, below the Transformer; Fig. 9",
+             ", ".join(f"{k} {_fmt(v)}" for k, v in acc.items()),
+             _verdict(ok and acc["Transformer"] >= acc["Mesa"] > acc["GDN"], ok and acc["Mesa"] > acc["GDN"]))]
+
+
+def _parity_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    acc = {n: _get(res, n, "test", "test/acc") for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")}
+    d_neg, d_pos, m_neg, m_pos = acc.values()
+    rows = [("DeltaNet parity accuracy at lengths 40..256, beta in [0, 2) vs (0, 1)",
+             "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
+             f"with {_fmt(d_neg)}, without {_fmt(d_pos)}",
+             _verdict(d_neg is not None and d_pos is not None and d_neg >= 0.95 and d_pos < 0.6,
+                      d_neg is not None and d_pos is not None and d_neg > d_pos)),
+            ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
+             "negative forget gates enable parity; Fig. 8 (right)", f"with {_fmt(m_neg)}, without {_fmt(m_pos)}",
+             _verdict(m_neg is not None and m_pos is not None and m_neg >= 0.95 and m_pos < 0.6,
+                      m_neg is not None and m_pos is not None and m_neg > m_pos))]
+    return rows
+
+
+def _cg_rows(res: dict) -> list[tuple[str, str, str, str]]:
+    it = res.get("mesa", {}).get("val", {})
+    heads = {k.split("/")[-2] + "/" + k.split("/")[-1]: v for k, v in it.items() if "cg_iters/h" in k}
+    mean = [v for k, v in it.items() if k.endswith("cg_iters/mean")]
+    spread = f"{min(heads.values()):.1f}..{max(heads.values()):.1f}" if heads else "n/a"
+    avg = sum(mean) / len(mean) if mean else None
+    return [("adaptive CG iterations at eps 1e-4 (validation), mean and range over heads",
+             "about 9 on average (vs 30 fixed); some heads need many more; Fig. 5",
+             f"mean {_fmt(avg, 1)}, heads {spread}", _verdict(avg is not None and avg < 15, avg is not None and avg < 30))]
+
+
+# ---------------------------------------------------------------------------------- the suites
+def _safe(mixer: str) -> str:
+    return mixer.replace(",", "-").replace("*", "x")
+
+
+
+
+def _goat_suite() -> list[Experiment]:
+    text = [RunSpec(m, f"configs/text/{m}.yaml", steps=1000) for m in ("goat", "rope")]
+    genome = [RunSpec(m, f"configs/genome/{m}.yaml", [D + "context_length", "512", D + "batch_size", "32"], steps=1500,
+                      quick=[D + "context_length", "64"]) for m in ("goat", "rope")]
+    vit = [RunSpec(n, f"configs/vit/{n}_digits.yaml", ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch",
+                                                        "null", "--trainer.val_check_interval", "{steps}"], steps=1500)
+           for n in ("goat", "ape")]
+    vqa = [RunSpec(n, f"configs/vqa/{n}_digits.yaml", ["--trainer.val_check_interval", "{steps}"], steps=8000,
+                   quick=[D + "n_train", "256", D + "n_val", "64", D + "n_test", "128"]) for n in ("goat", "nope", "rope")]
+    return [
+        Experiment("text_length", "Text LM length extrapolation (tinyshakespeare, bytes)", text, _length_rows,
+                   _length_eval, _length_parse),
+        Experiment("genome", "Genome LM: bits per base, throughput, memory", genome, _genome_rows),
+        Experiment("vit_resolution", "ViT resolution transfer (UCI digits, 24 px)", vit, _resolution_rows,
+                   _resolution_eval, _resolution_parse),
+        Experiment("vqa", "Spatial VQA, held-out scan orders (UCI digits)", vqa, _vqa_rows),
+    ]
+
+
+#: Model options each MAD task needs (its vocabulary; compression's decoder), MAD's defaults.
+MAD_MODEL_ARGS = {"noisy_recall": [M + "vocab_size", "32"], "memorization": [M + "vocab_size", "256"],
+                  "compression": [M + "decoder", "compression", M + "max_len", "32"]}
+
+
+def _mad_run(name: str, mixer: str, task: str, steps: int) -> RunSpec:
+    return RunSpec(name, "configs/reproduce/mad.yaml",
+                   [D + "task", task, M + "backbone.mixer", mixer, *MAD_MODEL_ARGS.get(task, [])], steps=steps,
+                   quick=[D + "n_train", "256", D + "n_test", "64", D + "n_val", "64", D + "batch_size", "16"])
+
+
+def _fg2_suite() -> list[Experiment]:
+    table4 = [RunSpec(m, "configs/reproduce/fg2_lm.yaml", [M + "backbone.mixer", m], steps=2000,
+                      quick=[D + "context_length", "64"]) for m, _, _ in _TABLE4]
+    recall = [_mad_run(m, m, "in_context_recall", 4000) for m in ("fg2gdn", "fg2gdn_plus", "kda", "gdn", "rope")]
+    labels = [(m, m) for m in ("fg2gdn", "fg2gdn_plus", "kda", "gdn", "rope")]
+    return [Experiment("table4", "FG²-GDN Table 4 ablation ranking (small byte-level text LM)", table4, _table4_rows),
+            Experiment("mad_recall_fg2", "MAD in-context recall, delta-rule family vs attention", recall,
+                       _recall_rows(labels, "attention near-perfect (MAD); no FG²-GDN number in the paper"))]
+
+
+def _mesa_suite() -> list[Experiment]:
+    mad = [_mad_run(f"{_safe(m)}-{t}", m, t, 3000) for m, _, _ in MAD_MODELS for t in MAD_TASKS]
+    reg = [RunSpec(m, "configs/synthetic/regbench.yaml", [M + "backbone.mixer", m], steps=3000,
+                   quick=[D + "n_train", "64", D + "n_test", "16", D + "n_val", "16"]) for m in ("rope", "gdn", "mesa")]
+    parity = [RunSpec(n, f"configs/reproduce/parity_{n}.yaml", steps=6000,
+                      quick=[D + "n_train", "512", D + "n_test", "64", D + "n_val", "64"])
+              for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")]
+    cg = [RunSpec("mesa", "configs/genome/mesa.yaml", steps=1000, quick=[D + "context_length", "64"])]
+    recall = [_mad_run(m, m, "in_context_recall", 4000) for m in ("rope", "goat", "swa", "mesa", "gdn")]
+    return [
+        Experiment("mad", "MAD six tasks and MAD score (protocol sizes, reduced steps)", mad, _mad_rows),
+        Experiment("mad_recall", "MAD in-context recall, attention under MAD's protocol", recall,
+                   _recall_rows([(m, m) for m in ("rope", "goat", "swa", "mesa", "gdn")],
+                                "attention near-perfect; MesaNet strong on recall")),
+        Experiment("regbench", "RegBench (in-context regular languages)", reg, _regbench_rows),
+        Experiment("parity", "Parity, train 3..40, test 40..256", parity, _parity_rows),
+        Experiment("cg_iters", "Mesa: adaptive CG iterations per head (genome LM)", cg, _cg_rows),
+    ]
+
+
+SUITES: dict[str, Callable[[], list[Experiment]]] = {"goat": _goat_suite, "fg2": _fg2_suite, "mesa": _mesa_suite}
+
+
+# ---------------------------------------------------------------------------------- running
+def _steps(spec: RunSpec, quick: bool, scale: float) -> int:
+    return 4 if quick else max(1, int(round(spec.steps * scale)))
+
+
+def fit_argv(spec: RunSpec, run_root: Path, quick: bool, scale: float) -> list[str]:
+    """The ``fit`` command line of one run (also shown in the table)."""
+    steps = _steps(spec, quick, scale)
+    argv = ["fit", *_common(spec, run_root, quick, steps), "--trainer.max_steps", str(steps)]
+    if quick:
+        argv += ["--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1"]
+    return argv
+
+
+def test_argv(spec: RunSpec, run_root: Path, quick: bool, scale: float) -> list[str]:
+    """``test --ckpt_path last`` with the same model and data options as :func:`fit_argv`."""
+    argv = ["test", *_common(spec, run_root, quick, _steps(spec, quick, scale)), "--ckpt_path", "last"]
+    return argv + (["--trainer.limit_test_batches", "1"] if quick else [])
+
+
+def _common(spec: RunSpec, run_root: Path, quick: bool, steps: int) -> list[str]:
+    args = [a.replace("{steps}", str(steps)) for a in spec.args]
+    return ["--config", spec.config, *args, *(spec.quick if quick else []), "--run_root", str(run_root),
+            "--run_name", spec.name, "--trainer.enable_progress_bar", "false"]
+
+
+def _collect(run_dir: Path) -> dict:
+    from mixlab.compare import load_scalars
+
+    sc = load_scalars(run_dir)
+    last = lambda prefix: {t: ev[-1][2] for t, ev in sc.items() if t.startswith(prefix)}  # noqa: E731
+    tok = [v for _, _, v in sc.get("perf/tokens_per_s", [])]
+    mem = [v for _, _, v in sc.get("perf/peak_mem_gb", [])]
+    perf = {"tokens_per_s": sorted(tok)[len(tok) // 2] if tok else None, "peak_mem_gb": max(mem) if mem else None}
+    return {"test": last("test/"), "val": last("val/"), "perf": perf}
+
+
+def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float, workers: int) -> dict:
+    """Train and test every run of ``exp`` (side by side), then its evaluation command; returns results."""
+    root = out / "runs" / exp.name
+    results: dict[str, Any] = {}
+
+    def one(spec: RunSpec) -> None:
+        argv = fit_argv(spec, root, quick, scale)
+        rc, text = launch(argv, out / "logs" / f"{exp.name}-{spec.name}.fit.log")
+        entry: dict[str, Any] = {"command": "python -m mixlab " + shlex.join(argv), "fit_rc": rc}
+        if rc == 0:
+            entry["test_rc"], _ = launch(test_argv(spec, root, quick, scale), out / "logs" / f"{exp.name}-{spec.name}.test.log")
+        else:
+            entry["error"] = "\n".join(text.strip().splitlines()[-5:])
+        run_dirs = sorted(root.glob(f"*/{spec.name}"))
+        if run_dirs:
+            entry.update(_collect(run_dirs[0]))
+            ckpts = sorted(run_dirs[0].glob("version_*/checkpoints/last.ckpt"))
+            entry["ckpt"] = str(ckpts[-1]) if ckpts else None
+        results[spec.name] = entry
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, exp.runs))
+    if exp.evaluate is not None:
+        ckpts = {s.name: results[s.name].get("ckpt") for s in exp.runs}
+        if all(ckpts.values()):
+            eval_out = out / exp.name
+            rc, text = launch(exp.evaluate(ckpts, eval_out, quick), out / "logs" / f"{exp.name}.eval.log")
+            results["eval_rc"] = rc
+            if rc == 0 and exp.parse_eval is not None:
+                results["eval"] = exp.parse_eval(eval_out)
+            else:
+                results["eval_error"] = "\n".join(text.strip().splitlines()[-5:])
+    return results
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| experiment | measure | paper | mixlab | verdict | command |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cmd = "<br>".join(f"`{c}`" for c in r["commands"])
+        lines.append(f"| {r['experiment']} | {r['measure']} | {r['paper']} | {r['mixlab']} | **{r['verdict']}** | {cmd} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_suite(suite: str, out: Path, quick: bool = False, scale: float = 1.0, workers: int = 12,
+              only: list[str] | None = None, timeout: float = 3600) -> list[dict]:
+    """Run one suite; write ``REPRODUCTION_<suite>.md`` and ``reproduce_<suite>.json`` into ``out``.
+
+    Raises:
+        ValueError: unknown suite, ``--only`` names that match no experiment of it, or not run from
+            the repository root (the configs are read from ``configs/``).
+    """
+    from mixlab.eval.runner import Launcher
+
+    if suite not in SUITES:
+        raise ValueError(f"reproduce: unknown suite {suite!r}; choose from {', '.join([*SUITES, 'all'])}")
+    exps = SUITES[suite]()
+    if only:
+        known = {e.name for e in exps}
+        exps = [e for e in exps if e.name in only]
+        if not exps:
+            raise ValueError(f"reproduce {suite}: --only {' '.join(only)} matches no experiment; this suite has "
+                             f"{', '.join(sorted(known))}")
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
+           "MIXLAB_FLA_AUTOTUNE": os.environ.get("MIXLAB_FLA_AUTOTUNE", "2")}
+    if not Path("configs/reproduce").is_dir():
+        raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
+    launch = Launcher(workers, env, timeout, cwd=Path.cwd())
+    t0 = time.perf_counter()
+    rows, dump = [], {}
+    with ThreadPoolExecutor(max(1, len(exps))) as pool:  # experiments side by side; runs inside them too
+        futures = {e.name: pool.submit(run_experiment, e, out, launch, quick, scale, workers) for e in exps}
+        for exp in exps:
+            res = futures[exp.name].result()
+            dump[exp.name] = res
+            commands = [res[s.name]["command"] for s in exp.runs if s.name in res]
+            failed = [s.name for s in exp.runs if res.get(s.name, {}).get("fit_rc") != 0]
+            try:
+                exp_rows = exp.rows(res)
+            except Exception as e:  # noqa: BLE001 - a row that cannot be computed is reported, not fatal
+                exp_rows = [("(table)", "", f"could not compute: {type(e).__name__}: {e}", "not reproduced")]
+            for measure, paper, value, verdict in exp_rows:
+                if failed:
+                    value += f" (runs that failed: {', '.join(failed)}; see logs/)"
+                rows.append({"experiment": exp.title, "measure": measure, "paper": paper, "mixlab": value,
+                             "verdict": verdict, "commands": commands[:1] + ([f"... ({len(commands)} runs)"]
+                                                                             if len(commands) > 1 else [])})
+            print(f"[reproduce {time.perf_counter() - t0:6.0f}s] {exp.name} done", flush=True)
+    launch.close()
+    mode = "quick (CPU check, numbers not meaningful)" if quick else f"full budget x{scale:g}"
+    md = (f"# Reproduction: {suite} suite\n\nMode: {mode}; wall {time.perf_counter() - t0:.0f} s; commands relative "
+          f"to the repository root, runs in `{out / 'runs'}`.\n\n" + table(rows))
+    (out / f"REPRODUCTION_{suite}.md").write_text(md)
+    (out / f"reproduce_{suite}.json").write_text(json.dumps(dump, indent=1, default=str))
+    print(md, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """``python -m mixlab reproduce SUITE [--quick] [--out DIR] [--only NAME ...] [--scale F] [--workers N]``."""
+    p = argparse.ArgumentParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0])
+    p.add_argument("suite", choices=[*SUITES, "all"])
+    p.add_argument("--out", default="runs/reproduce", help="output folder")
+    p.add_argument("--quick", action="store_true", help="a few steps per run on CPU (checks the pipeline)")
+    p.add_argument("--only", nargs="+", default=None, help="experiment names to run (default: all of the suite)")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply every step budget")
+    p.add_argument("--workers", type=int, default=12, help="runs at a time")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per command")
+    args = p.parse_args(argv)
+    if args.scale <= 0:
+        p.error(f"--scale must be > 0; got {args.scale}")
+    rows = []
+    for suite in (SUITES if args.suite == "all" else [args.suite]):
+        only = args.only
+        if only and args.suite == "all":
+            names = {e.name for e in SUITES[suite]()}
+            only = [n for n in only if n in names]
+            if not only:
+                continue
+        rows += run_suite(suite, Path(args.out), args.quick, args.scale, args.workers, only, args.timeout)
+    return rows
