@@ -295,3 +295,18 @@ def test_hawk_mesa_hybrid_pattern_decodes_like_parallel():
     steps = torch.cat([net(x[:, i : i + 1], None, caches) for i in range(7)], dim=1)
     torch.testing.assert_close(steps, y, rtol=1e-9, atol=1e-10)
     assert bool(torch.isfinite(y).all()) and float(y.std()) > 0
+
+
+def test_gated_rmsnorm_keeps_float64_inputs_in_float64():
+    """The float64 reference paths must not round through float32 (that made decode-vs-parallel
+    checks depend on the CPU's kernels, AVX2 vs AVX-512): equal to the formula to 1e-15."""
+    from mixlab.mixers.layers import GatedRMSNorm
+
+    g = _gen(11)
+    x, gate = torch.randn(3, 5, 8, generator=g, dtype=F64), torch.randn(3, 5, 8, generator=g, dtype=F64)
+    norm = GatedRMSNorm(8).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8, dtype=F64))
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight * F.silu(gate)
+    torch.testing.assert_close(norm(x, gate), want, rtol=1e-15, atol=1e-15)
+    assert norm(x.bfloat16(), gate.bfloat16()).dtype == torch.bfloat16

@@ -76,7 +76,9 @@ class GatedRMSNorm(nn.Module):
     ``y = x / sqrt(mean(x^2) + eps) * weight * act(gate)`` over the last dim (head dim),
     ``act`` = ``swish`` (GLA, GDN, Mamba2, Mesa) or ``sigmoid`` (KDA).
 
-    Forward: ``x [..., d]``, ``gate [..., d]`` or ``None`` (plain RMSNorm) -> same shape, dtype of x.
+    Forward: ``x [..., d]``, ``gate [..., d]`` or ``None`` (plain RMSNorm) -> same shape, dtype of x;
+    computed in float32 for half-precision inputs and in float64 for float64 ones (a float32
+    step inside a float64 reference made its results depend on the CPU's kernels: AVX2 vs AVX-512).
     """
 
     def __init__(self, dim: int, eps: float = 1e-5, activation: Literal["swish", "sigmoid"] = "swish") -> None:
@@ -91,9 +93,10 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: Tensor, gate: Tensor | None = None) -> Tensor:
         dtype = x.dtype
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        calc = torch.promote_types(dtype, torch.float32)  # float32 for half inputs, float64 stays float64
+        xf = x.to(calc)
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(calc)
         if gate is not None:
-            gf = gate.float()
+            gf = gate.to(calc)
             y = y * (F.silu(gf) if self.activation == "swish" else torch.sigmoid(gf))
         return y.to(dtype)
