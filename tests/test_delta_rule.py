@@ -240,7 +240,7 @@ def test_bad_input_errors_are_named():
         delta_rule_recurrent(torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="cu_seqlens.*cannot be combined with a decoding cache"):
         build_mixer("gdn", d_model=8, n_heads=1, causal=True)(torch.randn(1, 3, 8), cache={}, cu_seqlens=torch.tensor([0, 3]))
-    with pytest.raises(ValueError, match="impl='fla' needs CUDA"):
+    with pytest.raises(ValueError, match="impl='fla' cannot take these inputs: fla kernels need CUDA"):
         delta_rule(q, q, q, impl="fla")
 
 

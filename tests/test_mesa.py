@@ -170,7 +170,7 @@ def test_bad_solver_arguments_raise():
     with pytest.raises(ValueError, match="impl"):
         mesa_net(*args, impl="triton")
     big = _inputs(t=2, h=1, k=130, v=130, dtype=torch.float32)
-    with pytest.raises(ValueError, match="K <= 128"):
+    with pytest.raises(ValueError, match="head dims up to 128; got 130"):
         mesa_fla(*big)
     with pytest.raises(ValueError, match="fixed CG count"):
         mesa_net(*big, cg_eps=1e-4, impl="fla")

@@ -68,7 +68,6 @@ class Launcher:
 
         self.env, self.timeout, self.cwd, self.pool = dict(env), timeout, str(Path(cwd).resolve()), None
         if sys.version_info >= (3, 11):
-            os.environ.update(self.env)  # the fork server inherits it (thread counts are read at import)
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
             self.pool = ProcessPoolExecutor(workers, mp_context=ctx, max_tasks_per_child=1)

@@ -118,13 +118,13 @@ def unserved(op: str, q: Tensor, k: Tensor, v: Tensor) -> str | None:
     explicit ``impl="fla"`` raises ``ValueError`` with it.
     """
     lim = LIMITS[op]
+    dim = max(q.shape[-1], v.shape[-1])
+    if dim > lim["max_dim"]:
+        return f"fla {op} serves head dims up to {lim['max_dim']}; got {dim}"
     if not q.is_cuda:
         return "fla kernels need CUDA tensors"
     if q.dtype == torch.float64:
         return "fla has no float64 kernels"
-    dim = max(q.shape[-1], v.shape[-1])
-    if dim > lim["max_dim"]:
-        return f"fla {op} serves head dims up to {lim['max_dim']}; got {dim}"
     if activation_dtype(q, k, v) == torch.float32 and dim > lim["max_dim_fp32"]:
         return (f"fla {op}'s float32 kernels serve head dims up to {lim['max_dim_fp32']} (shared memory); got {dim} "
                 "(bf16-mixed precision serves it)")
