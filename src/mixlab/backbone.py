@@ -14,7 +14,7 @@ from timm.layers import DropPath, Mlp, SwiGLU
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.registry import build_mixer, get_mixer_cls, list_mixers
+from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
 
 __all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern"]
 
@@ -163,8 +163,8 @@ class Backbone(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, name, i, dpr[i]) for i, name in enumerate(self.pattern))
         self.norm = make_norm(cfg)
         self.apply(self._init_linear)
-        for m in self.modules():  # mixer-specific init (gates, priors) after the generic one
-            if type(m).__module__.startswith("mixlab.mixers") and hasattr(m, "reset_parameters"):
+        for m in self.modules():  # mixer-specific init (gates, priors, convolutions) after the generic one
+            if isinstance(m, (Mixer, SubLayer)):
                 m.reset_parameters()
 
     def _init_linear(self, m: nn.Module) -> None:
@@ -175,6 +175,11 @@ class Backbone(nn.Module):
             nn.init.normal_(m.weight, 0.0, std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    def position_axes(self) -> set[int]:
+        """Coordinate axes read by the layers that have a position scheme (``{1}`` for a GOAT
+        LM, ``{2}`` for a ViT, ``{3}`` for mixed VQA); empty when no layer reads coordinates."""
+        return {blk.mixer.position_axes for blk in self.blocks} - {None}
 
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
         for i, blk in enumerate(self.blocks):
