@@ -33,11 +33,14 @@ def _close(got, want, what: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_old_checkpoint_loads_and_reproduces_its_forward(name):
-    from mixlab.eval.common import load_model
+    from mixlab.eval.common import load_run
 
     exp = EXPECTED[name]
-    model = load_model(FIXTURES / f"{name}.ckpt")
+    run = load_run(FIXTURES / f"{name}.ckpt")
+    model = run.model
     assert f"{type(model).__module__}.{type(model).__qualname__}" == exp["head"]
+    assert run.data == exp["data"]  # recorded by LightningCLI (SpatialVQADataModule kept no hparams then: None)
+    assert all(run.data_args[k] == v for k, v in exp["data_args"].items())
     assert model.run_name == exp["run_name"]
     assert sum(p.numel() for p in model.parameters()) == exp["n_params"]
     x = make_fixtures.fixed_input(name, model, exp["data_args"])
@@ -59,14 +62,12 @@ def test_old_checkpoint_through_the_cli_test_command(name, tmp_path):
     _close([got[k] for k in sorted(got)], [exp["test_metrics"][k] for k in sorted(got)], f"{name} test metrics")
 
 
-def test_old_synthetic_checkpoint_prior_panels():
-    from mixlab.eval.common import load_model
-    from mixlab.eval.prior import goat_layers, prior_panels
+def test_old_synthetic_checkpoint_prior_panels(tmp_path):
+    from mixlab.eval.figures import copy_prior
 
     exp = EXPECTED["copy_mixture_goat"]["prior_panels"]
-    (layer, prior), = goat_layers(load_model(FIXTURES / "copy_mixture_goat.ckpt"))
-    assert layer == exp["layer"]
-    panels = prior_panels(prior, exp["length"], head=exp["head"])
+    panels = copy_prior(["--ckpt", str(FIXTURES / "copy_mixture_goat.ckpt"), "--layer", str(exp["layer"]),
+                         "--head", str(exp["head"]), "--length", str(exp["length"]), "--out", str(tmp_path)])
     for k in ("key_only", "relative", "causal_prior"):
         _close(panels[k], exp[k], f"prior panel {k}")
 

@@ -253,10 +253,11 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2) from None
 
+
 register_command("length-extrapolation", "mixlab.eval.length:main")
 register_command("passkey", "mixlab.eval.retrieval:passkey_main")
 register_command("niah", "mixlab.eval.retrieval:niah_main")
-register_command("copy-prior", "mixlab.eval.prior:main")
 register_command("resolution", "mixlab.eval.resolution:main")
-register_command("compare", "mixlab.compare:main")
-register_command("figure", "mixlab.figures:main")
+register_command("compare", "mixlab.eval.compare:main")
+register_command("figure", "mixlab.eval.figures:main")
+register_command("copy-prior", "mixlab.eval.figures:copy_prior")  # alias of "figure goat-prior"
