@@ -335,6 +335,7 @@ def test_retrieval_eval_chunked_and_cli(tmp_path):
 
     run = load_run(ckpt)
     assert type(run.model) is SyntheticLM  # the head class is recorded in the checkpoint
+    assert run.data == "mixlab.datamodules.retrieval.RetrievalDataModule" and run.data_args["context_length"] == 64
     res = copy_prior(["--ckpt", str(ckpt), "--length", "12", "--out", str(tmp_path / "prior"), "--all-heads"])
     assert sorted(res) == [0, 1] and res[1]["causal_prior"].shape == (12, 12)
     assert (tmp_path / "prior" / "goat_prior_l0_h1.png").stat().st_size > 0

@@ -32,7 +32,9 @@ def run_record_of(checkpoint: dict) -> tuple[str | None, str | None, dict[str, A
     ``mixlab_datamodule`` (ImageClassifier) and LightningCLI's ``_class_path`` entries in
     ``hyper_parameters`` / ``datamodule_hyper_parameters``.
     """
-    record = checkpoint.get("mixlab") or {}
+    from mixlab.heads.common import CHECKPOINT_KEY
+
+    record = checkpoint.get(CHECKPOINT_KEY) or {}
     hp = checkpoint.get("hyper_parameters") or {}
     head = record.get("head") or checkpoint.get("mixlab_class_path") or hp.get("_class_path")
     if "data" in record:
