@@ -167,7 +167,8 @@ def _report(env, B, T, D, H, unknown, rows) -> str:
     hdr = ["mixer", "dtype", "paths", "output max abs / rel", "worst param grad max abs / rel", "finite", "note"]
     table = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)] + ["| " + " | ".join(r) + " |" for r in rows]
     return (f"# Fast path vs torch reference ({env})\n\nLayer B={B} T={T} D={D} H={H}; relative = max abs error / "
-            f"max |reference|. Mixers without a fast path: {', '.join(unknown) or 'none'}.\n\n" + "\n".join(table) + "\n")
+            f"max |reference|. Mixers without a fast path: {', '.join(unknown) or 'none'}.\n\n"
+            + "\n".join(table) + "\n")
 
 
 if __name__ == "__main__":
