@@ -58,7 +58,8 @@ class CopyMixtureDataModule(SyntheticDataModule):
         super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
         self.save_hyperparameters()
         if min(p_first, p_prev) < 0 or p_first + p_prev > 1:
-            raise ValueError(f"copy-mixture needs p_first, p_prev >= 0 and p_first + p_prev <= 1; got {p_first}, {p_prev}")
+            raise ValueError(f"copy-mixture needs p_first, p_prev >= 0 and p_first + p_prev <= 1; "
+                             f"got {p_first}, {p_prev}")
         self.length, self.vocab_size, self.p_first, self.p_prev = length, vocab, p_first, p_prev
 
     def sample(self, rng, split):

@@ -26,7 +26,7 @@ import torch
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule
+from mixlab.distributed import ResumableDataModule, SplitLoaders
 
 log = logging.getLogger("mixlab.genome")
 
@@ -215,7 +215,7 @@ class GenomeEvalDataset(GenomeCropDataset):
         super().__init__(sequences, rec, start, length, context_length, context_length + 1)
 
 
-class GenomeDataModule(ResumableDataModule):
+class GenomeDataModule(SplitLoaders, ResumableDataModule):
     """FASTA genome(s) -> batches ``LongTensor [batch, context_length + 1]`` of base ids.
 
     Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each;
@@ -416,24 +416,17 @@ class GenomeDataModule(ResumableDataModule):
     val_dataset = property(lambda self: self.datasets["val"], doc="GenomeEvalDataset")
     test_dataset = property(lambda self: self.datasets["test"], doc="GenomeEvalDataset")
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def split_loader(self, split: str) -> DataLoader:
         """Loader with a :class:`~mixlab.distributed.ResumableSampler`: rank r of W gets items
         r::W of one seeded order (training: permuted per epoch, tail of n % W dropped;
         evaluation: in order, every window exactly once - padded to even ranks only where the
-        forward is collective, see :class:`~mixlab.distributed.ResumableDataModule`)."""
+        forward is collective, see :class:`~mixlab.distributed.ResumableDataModule`).
+
+        ``"train"``: shuffled crops, ``LongTensor [batch_size, context_length + 1]``, drop_last=True;
+        ``"val"``/``"test"``: fixed windows in order, ``LongTensor [eval_batch_size, context_length + 1]``.
+        """
         self.setup()
+        train = split == "train"
         return self.resumable_loader(self.datasets[split], self.batch_size if train
                                      else self.eval_batch_size, train, seed=self.seed,
                                      num_workers=self.num_workers)
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled crops, ``LongTensor [batch_size, context_length + 1]``, drop_last=True."""
-        return self._loader("train", True)
-
-    def val_dataloader(self) -> DataLoader:
-        """Fixed val windows in order, ``LongTensor [eval_batch_size, context_length + 1]``."""
-        return self._loader("val", False)
-
-    def test_dataloader(self) -> DataLoader:
-        """Fixed test windows in order, ``LongTensor [eval_batch_size, context_length + 1]``."""
-        return self._loader("test", False)

@@ -65,8 +65,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mixlab.distributed import (EpochSyncLoader, ResumableDataModule, consumer_slice, fit_progress, stream_seed,
-                                worker_skip)
+from mixlab.distributed import (
+    EpochSyncLoader,
+    ResumableDataModule,
+    SplitLoaders,
+    consumer_slice,
+    fit_progress,
+    stream_seed,
+    worker_skip,
+)
 
 __all__ = ["ImageNetDataModule", "ShardStream", "expand_shards", "decode_sample", "write_imagefolder_shards",
            "SKIPPED", "eval_transform", "train_transform"]
@@ -146,7 +153,8 @@ def train_transform(size, auto_augment: str | None = "rand-m9-mstd0.5-inc1", re_
                             scale=tuple(scale), interpolation=interpolation, mean=mean, std=std)
 
 
-def eval_transform(size, crop_pct: float = 224 / 256, interpolation: str = "bicubic", mean=IMAGENET_MEAN, std=IMAGENET_STD):
+def eval_transform(size, crop_pct: float = 224 / 256, interpolation: str = "bicubic", mean=IMAGENET_MEAN,
+                   std=IMAGENET_STD):
     """Resize the short side to ``floor(size / crop_pct)`` (= ``size * 256/224``) then center crop ``size``."""
     from timm.data import create_transform
 
@@ -322,7 +330,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                 return
 
 
-class ImageNetDataModule(ResumableDataModule):
+class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     """ImageNet (or any ImageNet-format classification set) as WebDataset shards or ImageFolder trees.
 
     Args:
@@ -450,15 +458,19 @@ class ImageNetDataModule(ResumableDataModule):
             raise FileNotFoundError(f"{split}_path: ImageFolder root {root!r} is not a directory")
         ds = ImageFolder(root, transform=self.transform(split))
         if len(ds.classes) > self.num_classes:
-            raise ValueError(f"{split}_path {root!r} has {len(ds.classes)} class folders but num_classes={self.num_classes}")
+            raise ValueError(f"{split}_path {root!r} has {len(ds.classes)} class folders but "
+                             f"num_classes={self.num_classes}")
         return ds
 
-    def _loader(self, split: str):
+    def split_loader(self, split: str):
+        """Loader of ``split`` (ImageFolder or WebDataset shards): ``(images [B, 3, H, W] float, labels [B]
+        int64)`` batches; training augmented and resumable, evaluation resized and center-cropped."""
         train = split == "train"
         bs = self.batch_size if train else self.eval_batch_size
         ds = self.wds_dataset(split) if self.format == "wds" else self.folder_dataset(split)
         kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
-                                  pin_memory=torch.cuda.is_available(), persistent_workers=train and self.num_workers > 0 and self.persistent_workers)
+                                  pin_memory=torch.cuda.is_available(),
+                                  persistent_workers=train and self.num_workers > 0 and self.persistent_workers)
         if self.format == "folder":  # map-style: rank split + resumable train position
             return self.resumable_loader(ds, bs, train, seed=self.seed, **kw)
         if isinstance(ds, ShardStream):  # wds training: seeded per epoch, resumable
@@ -496,15 +508,6 @@ class ImageNetDataModule(ResumableDataModule):
         """Restore the position saved by :meth:`state_dict` (applied to the next train loader)."""
         super().load_state_dict(state_dict)
         self._pending_stream_state, self._pending_stream_owner = state_dict.get("train_stream"), self.trainer
-
-    def train_dataloader(self):
-        return self._loader("train")
-
-    def val_dataloader(self):
-        return self._loader("val")
-
-    def test_dataloader(self):
-        return self._loader("test")
 
 
 # ---------------------------------------------------------------------- shard writer

@@ -32,7 +32,8 @@ import torch
 
 from mixlab.datamodules.synthetic import SyntheticDataModule
 
-__all__ = ["CHARS", "encode", "decode", "make_example", "span_metrics", "load_essay", "RetrievalDataModule", "TASK_DEFAULTS"]
+__all__ = ["CHARS", "encode", "decode", "make_example", "span_metrics", "load_essay", "RetrievalDataModule",
+           "TASK_DEFAULTS"]
 
 CHARS = "\n " + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789" + ".,;:!?'\"-()"
 _INDEX = {c: i for i, c in enumerate(CHARS)}

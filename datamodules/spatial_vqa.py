@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule
+from mixlab.distributed import ResumableDataModule, SplitLoaders
 
 log = logging.getLogger("mixlab.spatial_vqa")
 
@@ -136,7 +136,8 @@ def scan_order(name: str, patches_per_side: int) -> np.ndarray:
     if name.startswith("cells_"):
         digits = name[len("cells_"):]
         if sorted(digits) != ["0", "1", "2", "3"]:
-            raise ValueError(f"scan order {name!r}: 'cells_' must be followed by a permutation of 0123, e.g. cells_2301")
+            raise ValueError(f"scan order {name!r}: 'cells_' must be followed by a permutation of 0123, "
+                             f"e.g. cells_2301")
         cell = (y // s) * 2 + (x // s)
         rank = np.empty(4, dtype=np.int64)
         rank[[int(c) for c in digits]] = np.arange(4)
@@ -424,7 +425,7 @@ class SpatialVQADataset(Dataset):
 
 
 # ---------------------------------------------------------------------------- datamodule
-class SpatialVQADataModule(ResumableDataModule):
+class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
     """Four-image spatial VQA scenes with train and held-out scan orders.
 
     Args:
@@ -478,6 +479,7 @@ class SpatialVQADataModule(ResumableDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # recorded in checkpoints: evaluation commands rebuild the datamodule
         if source not in ("digits", "cifar10"):
             raise ValueError(f"data.init_args.source must be 'digits' or 'cifar10'; got {source!r}")
         self.source, self.root = source, root
@@ -485,7 +487,8 @@ class SpatialVQADataModule(ResumableDataModule):
         self.patch_size = patch_size or (4 if source == "digits" else 8)
         image_size = 8 if source == "digits" else 32
         if image_size % self.patch_size:
-            raise ValueError(f"data.init_args.patch_size={self.patch_size} does not divide the {source} image size {image_size}")
+            raise ValueError(f"data.init_args.patch_size={self.patch_size} does not divide the {source} "
+                             f"image size {image_size}")
         self.patches_per_side = image_size // self.patch_size
         self.train_orders = list(DEFAULT_TRAIN_ORDERS if train_orders is None else train_orders)
         self.heldout_orders = list(DEFAULT_HELDOUT_ORDERS if heldout_orders is None else heldout_orders)
@@ -549,16 +552,8 @@ class SpatialVQADataModule(ResumableDataModule):
         log.info("spatial VQA (%s): %d image tokens, orders seen=%s held-out=%s", self.source, self.n_image_tokens,
                  self.train_orders, self.heldout_orders)
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+    def split_loader(self, split: str) -> DataLoader:
+        """Scenes of ``split`` (shuffled and resumable for ``"train"``), dict batches of ``batch_size``."""
         self.setup()
-        return self.resumable_loader(self.datasets[split], self.batch_size, shuffle, seed=self.seed,
+        return self.resumable_loader(self.datasets[split], self.batch_size, split == "train", seed=self.seed,
                                      num_workers=self.num_workers, drop_last=False)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", False)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", False)

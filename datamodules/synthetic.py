@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule
+from mixlab.distributed import ResumableDataModule, SplitLoaders
 
 __all__ = ["GeneratedDataset", "SyntheticDataModule", "SPLIT_IDS"]
 
@@ -29,7 +29,8 @@ SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 class GeneratedDataset(Dataset):
     """``n`` samples ``make(rng, split)`` with ``rng = default_rng([seed, SPLIT_IDS[split], i])``."""
 
-    def __init__(self, make: Callable[[np.random.Generator, str], dict[str, Any]], n: int, seed: int, split: str) -> None:
+    def __init__(self, make: Callable[[np.random.Generator, str], dict[str, Any]], n: int, seed: int,
+                 split: str) -> None:
         self.make, self.n, self.seed, self.split = make, n, seed, split
 
     def __len__(self) -> int:
@@ -42,7 +43,7 @@ class GeneratedDataset(Dataset):
         return {k: torch.as_tensor(v) for k, v in self.make(rng, self.split).items()}
 
 
-class SyntheticDataModule(ResumableDataModule):
+class SyntheticDataModule(SplitLoaders, ResumableDataModule):
     """Subclasses set ``task_name``/``vocab_size`` and implement ``sample(rng, split)``.
 
     Args:
@@ -70,17 +71,9 @@ class SyntheticDataModule(ResumableDataModule):
     def dataset(self, split: str) -> GeneratedDataset:
         return GeneratedDataset(self.sample, self.sizes[split], self.seed, split)
 
-    def _loader(self, split: str) -> DataLoader:
+    def split_loader(self, split: str) -> DataLoader:
+        """Generated samples of ``split`` (shuffled and resumable for ``"train"``), dict batches."""
         train = split == "train"
         return self.resumable_loader(self.dataset(split), self.batch_size, train, seed=self.seed,
                                      num_workers=self.num_workers,
                                      drop_last=train and self.sizes[split] >= self.batch_size)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")

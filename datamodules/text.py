@@ -187,7 +187,8 @@ def iter_documents(path, text_field: str = "text") -> Iterator[str]:
                 raise ImportError(f"reading {f} needs pyarrow (pip install pyarrow)") from err
             pf = pq.ParquetFile(f)
             if text_field not in pf.schema_arrow.names:
-                raise ValueError(f"{f}: no column {text_field!r} (data.init_args.text_field); columns {pf.schema_arrow.names}")
+                raise ValueError(f"{f}: no column {text_field!r} (data.init_args.text_field); "
+                                 f"columns {pf.schema_arrow.names}")
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
         elif name.endswith(_TAR_SUFFIXES):
@@ -235,7 +236,8 @@ def read_token_shards(tokens_dir: str | os.PathLike, split: str) -> tuple[dict, 
     """
     d = Path(tokens_dir)
     if not (d / "meta.json").is_file():
-        raise FileNotFoundError(f"{d}/meta.json not found (data.init_args.tokens_dir); run scripts/pretokenize.py first")
+        raise FileNotFoundError(f"{d}/meta.json not found (data.init_args.tokens_dir); "
+                                "run scripts/pretokenize.py first")
     meta = json.loads((d / "meta.json").read_text())
     files = sorted(d.glob(f"{split}_*.bin"))
     if not files:
@@ -371,7 +373,8 @@ class TextDataModule(ResumableDataModule):
             }
         return self._splits
 
-    def windows(self, split: str, length: int, stride: int | None = None, max_windows: int | None = None) -> TokenWindows:
+    def windows(self, split: str, length: int, stride: int | None = None,
+                max_windows: int | None = None) -> TokenWindows:
         """Dataset of ``LongTensor [length]`` windows of ``split`` ("train" / "val" / "test").
 
         Raises:

@@ -123,7 +123,8 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
     for name, pa in [("goat", dict(n_modes=4)), ("goat", dict(n_modes=4, lane_impl="torch")),
                      ("rope", None), ("alibi", None), ("nope", None), ("goat", dict(n_modes=4))]:
         m = Autocast(build_mixer(name, d_model=D, n_heads=H, causal=True, position_args=pa)).to(dev)
-        label = f"mixlab {name}" + (" R=4" if name == "goat" else "") + (" (torch lanes)" if pa and "lane_impl" in pa else "")
+        label = (f"mixlab {name}" + (" R=4" if name == "goat" else "")
+                 + (" (torch lanes)" if pa and "lane_impl" in pa else ""))
         if any(r[0] == label for r in rows):
             label += " (again, end of run)"
         rows.append((label, *time_fwd_bwd(m, x)))
@@ -141,7 +142,8 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
                 mc = torch.compile(m)
                 rows.append(("mixlab goat R=4, torch.compile", *time_fwd_bwd(mc, x)))
             except Exception as e:  # noqa: BLE001 - optional row
-                rows.append((f"goat torch.compile failed ({type(e).__name__})", float("nan"), float("nan"), float("nan")))
+                rows.append((f"goat torch.compile failed ({type(e).__name__})", float("nan"), float("nan"),
+                             float("nan")))
     plain = Autocast(PlainAttention(D, H)).to(dev)
     rows.append(("plain (again, end of run: drift check)", *time_fwd_bwd(plain, x)))
     # CUDA graphs (torch.cuda.make_graphed_callables): host launch overhead removed from both layers,
@@ -182,7 +184,8 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
 
         rows.append(("goat-attention 0.1.1 GoatAttention", *time_fwd_bwd(Autocast(Ref()).to(dev), x)))
     except Exception as e:  # noqa: BLE001 - optional comparison
-        rows.append((f"goat-attention 0.1.1 unavailable ({type(e).__name__}: {e})"[:120], float("nan"), float("nan"), float("nan")))
+        rows.append((f"goat-attention 0.1.1 unavailable ({type(e).__name__}: {e})"[:120], float("nan"), float("nan"),
+                     float("nan")))
     return rows
 
 
@@ -224,7 +227,7 @@ def lm_bench(args) -> list[tuple[str, float, float]]:
         peak = torch.cuda.max_memory_allocated() / 2**30
         n_params = sum(p.numel() for p in model.parameters()) / 1e6
         rows.append((f"genome LM {mixer} ({n_params:.0f}M params)", tps, peak))
-        del model, opt
+        model = opt = None  # release them (the step closure holds these names)
         torch.cuda.empty_cache()
     return rows
 

@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="run the two 1-GPU runs concurrently on GPUs 0 and 1 (saves time; shared host CPUs)")
     p.add_argument("--reuse", action="store_true",
                    help="reuse the per-step CSVs of runs already in --out (e.g. to rerun only a failed one)")
-    p.add_argument("extra", nargs="*", help="extra CLI overrides after --, e.g. -- --data.init_args.context_length 1024")
+    p.add_argument("extra", nargs="*",
+                   help="extra CLI overrides after --, e.g. -- --data.init_args.context_length 1024")
     args = p.parse_args(argv)
     if not args.cpu and torch.cuda.device_count() < 2:
         sys.exit(f"bench_ddp needs 2 CUDA GPUs, found {torch.cuda.device_count()}")

@@ -95,6 +95,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_goat_lanes.py needs a CUDA device")
     from mixlab.mixers.attention import Attention
+    from mixlab.ops import goat as G
     from mixlab.ops import goat_triton as GT
 
     dev = torch.device("cuda")
@@ -109,7 +110,7 @@ def main() -> None:
                       bias=True).to(dev)
         pos = m.pos
         c = _coords(spec, dev)
-        feat = pos._packed_features(pos._features(c, torch.float32))
+        feat = G.packed_features(pos._features(c, torch.float32))
         params = pos._flat_params().detach()
         meta = pos._kernel_meta()
         qkv = torch.randn(B * T, 3 * H * 64, device=dev, dtype=torch.bfloat16)
@@ -142,7 +143,7 @@ def main() -> None:
             cfg = f"warps={warps} block={block} programs={programs}"
             if name not in best or fwd + bwd < best[name][0]:
                 best[name] = (fwd + bwd, cfg)
-        del m, qkv, dq, dk, dv
+        m = qkv = dq = dk = dv = None  # release them (the timing lambdas hold these names)
     lines += [""] + [f"fastest at {n}: {cfg} ({us:.1f} us)" for n, (us, cfg) in best.items()]
     print("\n".join(lines[-len(best):]))
     if args.out:

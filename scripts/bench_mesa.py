@@ -125,7 +125,8 @@ def bench_train(dev, shape, reps) -> str:
     except Exception as e:  # noqa: BLE001  (e.g. out of memory at full size)
         rows.append([f"mixlab impl=chunk failed: {type(e).__name__}: {str(e)[:80]}", float("nan"), float("nan")])
     title = f"### 1. Mesa fwd+bwd, 30 CG, B{b} T{t} H{h} K=V={d} ({ins[0].dtype})\n\n"
-    return title + md_table(["implementation", "ms (median)", "ratio vs fla"], rows) + "\n\nGoal: mixlab impl=auto <= 1.05x fla."
+    return (title + md_table(["implementation", "ms (median)", "ratio vs fla"], rows)
+            + "\n\nGoal: mixlab impl=auto <= 1.05x fla.")
 
 
 # ---------------------------------------------------------------------------- 2. inference
@@ -229,7 +230,8 @@ def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: in
     anchor = curves[variants[0][0]]
     rows = []
     for label, tps in curves.items():
-        rows.append([label] + [f"{v:.0f} ({v / a:.2f}x)" if math.isfinite(v) and a > 0 else "n/a" for v, a in zip(tps, anchor)])
+        rows.append([label] + [f"{v:.0f} ({v / a:.2f}x)" if math.isfinite(v) and a > 0 else "n/a"
+                               for v, a in zip(tps, anchor)])
     try:
         import matplotlib
 
@@ -266,7 +268,8 @@ def main() -> None:
     ap.add_argument("--sections", default="train,inference,decode")
     ap.add_argument("--decode-steps", type=int, default=32, help="decoding steps per length (4 of them untimed)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; "
+                         "mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)

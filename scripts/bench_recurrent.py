@@ -218,7 +218,8 @@ def section_fwd_bwd(dev, smoke, report, skip=()):
     fused = lambda *a: fg2_gate_prep(*a, impl="triton" if dev.type == "cuda" else "torch")  # noqa: E731
     cases = [("raw chunk_kda (l2norm in kernel)", raw_kda), ("KDA", kda), ("GDN (chunk_kda, broadcast gate)", gdn),
              ("FG²-GDN, fused gate prep", fg2(fused)), ("FG²-GDN, eager gate prep", fg2(fg2_gate_prep_torch)),
-             ("FG²-GDN+, fused gate prep", fg2(fused, True)), ("FG²-GDN+, eager gate prep", fg2(fg2_gate_prep_torch, True))]
+             ("FG²-GDN+, fused gate prep", fg2(fused, True)),
+             ("FG²-GDN+, eager gate prep", fg2(fg2_gate_prep_torch, True))]
     if "compile" not in skip:
         cases.append(("FG²-GDN, compiled gate prep", fg2(compiled_prep)))
     times = {}
@@ -294,7 +295,7 @@ def section_prefill(dev, smoke, report, out):
             except Exception as e:
                 tput[n][T] = float("nan")
                 print(f"[prefill] {n} T={T}: {type(e).__name__}: {e}", file=sys.stderr)
-        del x
+        x = None  # release it (the fwd closure holds the name)
     header = ["layer"] + [f"{T // 1024}K" if T >= 1024 else str(T) for T in lengths]
     rows = [[n] + [f"{tput[n][T] / 1e6:.2f}" for T in lengths] for n in layers]
     report.append(f"\n## 3. Prefill throughput (M tokens/s, forward only, {total} tokens per call, "
@@ -333,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed calls per case (after autotuning)")
     ap.add_argument("--iters", type=int, default=10, help="timed calls per case (median reported)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; "
+                         "mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args(argv)
     global WARMUP, ITERS
     WARMUP, ITERS = args.warmup, args.iters

@@ -66,7 +66,7 @@ def bench_train(model, batch: int, res: int, iters: int, warmup: int) -> tuple[f
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(dev) / 1e9
-    del opt
+    opt = None  # release it (the step closure holds the name)
     return batch / statistics.median(times), peak
 
 
@@ -97,7 +97,8 @@ def flash_only_ok() -> str:
     model = build("goat").cuda().eval()
     x = torch.randn(8, 3, 224, 224, device="cuda")
     try:
-        with torch.inference_mode(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]), torch.autocast("cuda", dtype=torch.bfloat16):
+        with (torch.inference_mode(), sdpa_kernel([SDPBackend.FLASH_ATTENTION]),
+              torch.autocast("cuda", dtype=torch.bfloat16)):
             model(x)
         return "yes"
     except RuntimeError as exc:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         label = ("timm vit_small_patch16_224" if name == "timm" else f"mixlab {name}") + (" + compile" if comp else "")
         rows.append(dict(label=label, name=name, compiled=comp, params=params, ips=ips, peak=peak, eval_ips=eval_ips))
         print(f"{label}: {ips:.0f} img/s train, {peak:.2f} GB, {eval_ips:.0f} img/s eval@{a.eval_res}", flush=True)
-        del model, run
+        model = run = None  # release them (the step closure holds these names)
         torch.cuda.empty_cache()
     anchor = {c: next((r for r in rows if r["name"] == "timm" and r["compiled"] == c), None) for c in (False, True)}
     dev = torch.cuda.get_device_name()
@@ -139,11 +140,13 @@ def main(argv: list[str] | None = None) -> None:
              f"Training: batch {a.batch} at 224, fwd+bwd+step, median of {a.iters}. Eval: batch {a.eval_batch} at "
              f"{a.eval_res}, inference. Ratios against timm vit_small_patch16_224 in the same run "
              "(compiled rows against compiled timm).", "",
-             f"| model | params (M) | train img/s | x timm | peak mem (GB) | x timm | eval img/s @{a.eval_res} | x timm |",
+             "| model | params (M) | train img/s | x timm | peak mem (GB) | x timm | "
+             f"eval img/s @{a.eval_res} | x timm |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         an = anchor[r["compiled"]] or anchor[False]
-        lines.append(f"| {r['label']} | {r['params']:.2f} | {r['ips']:.0f} | {r['ips'] / an['ips']:.3f} | {r['peak']:.2f} | "
+        lines.append(f"| {r['label']} | {r['params']:.2f} | {r['ips']:.0f} | {r['ips'] / an['ips']:.3f} | "
+                     f"{r['peak']:.2f} | "
                      f"{r['peak'] / an['peak']:.3f} | {r['eval_ips']:.0f} | {r['eval_ips'] / an['eval_ips']:.3f} |")
     goat = next((r for r in rows if r["name"] == "goat" and not r["compiled"]), None)
     lines.append("")

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="heads of the D=512 layer (K=V=512/heads); fla's float32 Mesa/KDA backward kernels need "
                          "K=V <= 64 (--heads 8) on an H200's shared memory")
     ap.add_argument("--fla-max-configs", type=int, default=3,
-                    help="autotune each fla kernel over at most N configs (0: fla's full search; mixlab.ops.fla.limit_autotune)")
+                    help="autotune each fla kernel over at most N configs (0: fla's full search; "
+                         "mixlab.ops.fla.limit_autotune)")
     ap.add_argument("--fast-impl", nargs="*", default=[], metavar="MIXER=IMPL",
                     help="override a fast impl, e.g. hawk=fla (opt-in fla chunk_hgrn) or mamba2=fla_simple")
     args = ap.parse_args(argv)
@@ -169,7 +170,8 @@ def _report(env, B, T, D, H, unknown, rows) -> str:
     hdr = ["mixer", "dtype", "paths", "output max abs / rel", "worst param grad max abs / rel", "finite", "note"]
     table = ["| " + " | ".join(hdr) + " |", "|" + "---|" * len(hdr)] + ["| " + " | ".join(r) + " |" for r in rows]
     return (f"# Fast path vs torch reference ({env})\n\nLayer B={B} T={T} D={D} H={H}; relative = max abs error / "
-            f"max |reference|. Mixers without a fast path: {', '.join(unknown) or 'none'}.\n\n" + "\n".join(table) + "\n")
+            f"max |reference|. Mixers without a fast path: {', '.join(unknown) or 'none'}.\n\n"
+            + "\n".join(table) + "\n")
 
 
 if __name__ == "__main__":

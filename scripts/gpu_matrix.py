@@ -41,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mixlab.compare import load_scalars
+from mixlab.eval.compare import load_scalars
 from mixlab.eval.runner import Launcher
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,9 +61,8 @@ def head_args(head: str, mixer: str, head_dim: int | None) -> tuple[str, list[st
             "--data.init_args.seq_len", "128", "--data.init_args.batch_size", "128", "--data.init_args.n_train", "4096",
             f"{M}backbone.d_model", "128", f"{M}backbone.n_heads", "4"], 32
     if head == "vit":
-        pos = {"goat": "goat2d", "rope": "rope2d"}.get(mixer, "nope")
-        return "configs/vit/goat_digits.yaml", [f"{M}position", pos, "--trainer.max_epochs", "-1",
-                                                "--trainer.check_val_every_n_epoch", "null"], 32
+        return "configs/vit/goat_digits.yaml", ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch",
+                                                "null"], 32
     if head == "vqa":
         return "configs/vqa/goat_digits.yaml", ["--data.init_args.n_train", "4096"], 32
     raise ValueError(f"unknown head {head!r}")
@@ -111,7 +110,8 @@ def run_case(case: dict, steps: int, run_root: Path, launch) -> dict:
     loss = sorted(sc.get("train/loss", []), key=lambda e: e[1])
     values = [v for _, _, v in loss]
     if len(values) < 10 or not all(math.isfinite(v) for v in values):
-        return {**row, "status": "fail", "why": f"train/loss: {len(values)} values, finite={all(map(math.isfinite, values))}"}
+        finite = all(map(math.isfinite, values))
+        return {**row, "status": "fail", "why": f"train/loss: {len(values)} values, finite={finite}"}
     first, last = sum(values[:5]) / 5, sum(values[-5:]) / 5
     row.update(loss_first=round(first, 4), loss_last=round(last, 4))
     (w0, s0, _), (w1, s1, _) = loss[4], loss[-1]
@@ -134,7 +134,8 @@ def table(rows: list[dict]) -> str:
         loss = f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}" if "loss_first" in r else ""
         note = r.get("why", "") if r["status"] != "pass" else ""
         lines.append(f"| {r['mixer']} | {r['head']} | {r['precision']} | {r['head_dim']} | {r['status']} | "
-                     f"{r.get('steps_per_s') or ''} | {r.get('peak_mem_gb') or ''} | {loss} | {note.replace('|', '/')} |")
+                     f"{r.get('steps_per_s') or ''} | {r.get('peak_mem_gb') or ''} | {loss} | "
+                     f"{note.replace('|', '/')} |")
     counts = {s: sum(r["status"] == s for r in rows) for s in ("pass", "refused", "fail")}
     lines.append("")
     lines.append(f"{len(rows)} cases: {counts['pass']} pass, {counts['refused']} refused, {counts['fail']} fail")

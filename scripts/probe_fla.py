@@ -107,7 +107,8 @@ def worker(op: str, dtype: str, dims: list[int], shapes: list[tuple[int, int]]) 
                 ((ro * wo).sum() + (rs * ws).sum()).backward()
                 rel = lambda a, r: float((a.double() - r).abs().max() / r.abs().max().clamp_min(1e-30))  # noqa: E731
                 grads = [rel(a.grad, r.grad) for a, r in zip(leaves, ref_leaves) if r.grad is not None]
-                finite = all(bool(torch.isfinite(z).all()) for z in [o, s] + [x.grad for x in leaves if x.grad is not None])
+                outs = [o, s] + [x.grad for x in leaves if x.grad is not None]
+                finite = all(bool(torch.isfinite(z).all()) for z in outs)
                 case.update(status="ok" if finite else "nonfinite", out=rel(o, ro), state=rel(s, rs), grad=max(grads))
             except Exception as e:  # noqa: BLE001 - the table reports every failure kind
                 first = (str(e).strip().splitlines() or [""])[0][:160]

@@ -46,7 +46,10 @@ def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: tor
     phi = _phi(pos, present, p.key_mlp_freqs, p.abs_scale)  # [T, F]
     z = torch.empty(H, T, T, dtype=torch.float64)
     for h in range(H):
-        g = F.silu(phi @ p.mlp_w1[h] + p.mlp_b1[h]) @ p.mlp_w2[h] if p.key_mlp_hidden else torch.zeros(T, dtype=torch.float64)
+        if p.key_mlp_hidden:
+            g = F.silu(phi @ p.mlp_w1[h] + p.mlp_b1[h]) @ p.mlp_w2[h]
+        else:
+            g = torch.zeros(T, dtype=torch.float64)
         for i in range(T):
             for j in range(T):
                 content = float((qc[i, h] @ kc[j, h]).detach()) / math.sqrt(dc)
@@ -54,7 +57,8 @@ def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: tor
                 for r, a in enumerate(axis):
                     if present[i, a] and present[j, a]:
                         d = float(pos[i, a] - pos[j, a])
-                        rel += float(p.alpha[h, r]) * math.cos(float(w[r]) * d) + float(p.beta[h, r]) * math.sin(float(w[r]) * d)
+                        wd = float(w[r]) * d
+                        rel += float(p.alpha[h, r]) * math.cos(wd) + float(p.beta[h, r]) * math.sin(wd)
                 u = float(g[j])
                 if p.key_linear and present[j, 0]:
                     u += float(p.slope[h]) * float(pos[j, 0])
@@ -115,7 +119,7 @@ def test_alibi_lane_equals_dense_alibi_bias():
     T = 29
     m = Attention(D, H, causal=True, position="alibi").double()
     x = torch.randn(2, T, D, dtype=torch.float64)
-    dc, dh = m.d_c, m.head_dim
+    dc = m.d_c
     q, k, v = m._split(x)  # [B, H, T, d]
     i = torch.arange(T)
     bias = -alibi_slopes(H)[:, None, None] * (i[:, None] - i[None, :]).double()  # [H, T, T]
@@ -153,7 +157,8 @@ def test_cached_decoding_equals_parallel_forward(name):
     x = torch.randn(2, 11, D, dtype=torch.float64)
     full = m(x)
     cache: dict = {}
-    parts = [m(x[:, :4], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(4, 9)] + [m(x[:, 9:], cache=cache)]
+    parts = ([m(x[:, :4], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(4, 9)]
+             + [m(x[:, 9:], cache=cache)])
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
 
 
@@ -206,8 +211,10 @@ def test_goat_lane_gradients_equal_autograd_through_explicit_prior(mixed):
     with torch.no_grad():
         m.pos.log_freqs.copy_(torch.linspace(0.0, -3.0, 3, dtype=torch.float64))
     if mixed:
-        c = Coords.cat([Coords.empty(1, 3), Coords(torch.tensor([[[0, 0, 0], [1, 0, 0]]]), torch.tensor([[[1, 0, 0]] * 2], dtype=torch.bool)),
-                        Coords(torch.tensor([[[0, y, x] for y in range(2) for x in range(2)]]), torch.tensor([[[0, 1, 1]] * 4], dtype=torch.bool))])
+        text = Coords(torch.tensor([[[0, 0, 0], [1, 0, 0]]]), torch.tensor([[[1, 0, 0]] * 2], dtype=torch.bool))
+        grid = Coords(torch.tensor([[[0, y, x] for y in range(2) for x in range(2)]]),
+                      torch.tensor([[[0, 1, 1]] * 4], dtype=torch.bool))
+        c = Coords.cat([Coords.empty(1, 3), text, grid])
     else:
         c = Coords.seq(300, offset=3)  # j spans several key-linear blocks (c = 128)
     W = torch.randn(1, H, c.length, c.length, dtype=torch.float64)
@@ -233,8 +240,8 @@ def test_goat_lanes_gradcheck():
     pres = torch.ones(B, T, R, **d)
     phi = torch.randn(B, T, Fd, **d)
     j = torch.arange(T, **d).view(1, T)
-    params = [torch.randn(H, R, **d), torch.randn(H, R, **d), torch.randn(H, **d), torch.randn(H, **d), torch.randn(H, **d),
-              torch.randn(H, Fd, Hd, **d), torch.randn(H, Hd, **d), torch.randn(H, Hd, **d)]
+    params = [torch.randn(H, R, **d), torch.randn(H, R, **d), torch.randn(H, **d), torch.randn(H, **d),
+              torch.randn(H, **d), torch.randn(H, Fd, Hd, **d), torch.randn(H, Hd, **d), torch.randn(H, Hd, **d)]
     params = [p.requires_grad_() for p in params]
     fn = lambda cs, sn, *ps: GoatLanes.apply(cs, sn, pres, cs, sn, pres, phi, j // 2, j % 2, (j == 0).double(),
                                              torch.zeros_like(j), *ps, 1.7, torch.float64)

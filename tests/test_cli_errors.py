@@ -112,7 +112,8 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     ("mamba2", {"d_state": 0}, "mamba2 mixer: d_state must be an integer >= 1; got 0"),
     ("mamba2", {"expand": 0}, "mamba2 mixer: expand must be an integer >= 1; got 0"),
     ("mesa", {"chunk_size": 0}, "mesa mixer: chunk_size must be an integer >= 1; got 0"),
-    ("mesa", {"impl": "fal"}, "mesa mixer: impl must be one of ('auto', 'chunk', 'fla', 'recurrent', 'exact'); got 'fal'"),
+    ("mesa", {"impl": "fal"},
+     "mesa mixer: impl must be one of ('auto', 'chunk', 'fla', 'recurrent', 'exact'); got 'fal'"),
     ("mesa", {"eval_cg_eps": 0.0}, "mesa: eval_cg_eps (adaptive CG tolerance) must be > 0"),
     ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
     ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),
@@ -127,7 +128,7 @@ def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):
 
 
 def test_run_names_are_shell_safe():
-    from mixlab.heads.lm import pattern_name
+    from mixlab.backbone import pattern_name
 
     assert pattern_name("kda*3,mla") == "kdax3-mla"
     assert pattern_name(["goat", "mla"]) == "goat-mla"
@@ -173,7 +174,8 @@ def test_resolution_command_bad_input_is_one_line(capsys, tmp_path, monkeypatch)
     with pytest.raises(SystemExit) as info:
         cli.main(["resolution", "--ckpt", str(tmp_path / "missing.ckpt"), "--resolutions", "16",
                   "--out", str(tmp_path / "out")])
-    assert capsys.readouterr().err.strip().splitlines()[-2] == f"error: --ckpt {tmp_path / 'missing.ckpt'}: file not found"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2] == f"error: --ckpt {tmp_path / 'missing.ckpt'}: file not found"
 
 
 def test_image_size_not_divisible_by_patch_is_one_line_before_training(capsys, tmp_path, monkeypatch):
@@ -187,3 +189,10 @@ def test_image_size_not_divisible_by_patch_is_one_line_before_training(capsys, t
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-2] == ("error: model: data.image_size=26: image size 26x26 is not divisible by patch_size=4; "
                        "resize/crop to multiples of 4 (e.g. 24x24)")
+
+
+def test_every_extra_command_name_resolves():
+    """The README's commands keep their names after the evaluation wing moved into ``mixlab.eval``."""
+    assert sorted(cli.COMMANDS) == ["compare", "copy-prior", "figure", "length-extrapolation", "niah", "passkey",
+                                    "reproduce", "resolution"]
+    assert all(t.startswith("mixlab.eval.") and callable(cli._resolve(t)) for t in cli.COMMANDS.values())

@@ -9,7 +9,7 @@ import pytest
 import torch
 import yaml
 
-from mixlab.compare import Metric, TASK_METRICS, collect, compare, task_metrics
+from mixlab.eval.compare import TASK_METRICS, Metric, collect, compare, task_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,10 +132,10 @@ def test_real_fit_run_and_hparams(tmp_path: Path) -> None:
     assert "test/bits_per_base" in [m.name.tag for m in exp.experiment.metric_infos]
 
     # figure CLI on the run's checkpoint: PNGs, and images + scalars in the run's TensorBoard dir
-    from mixlab.figures import heldout_batches
+    from mixlab.eval.figures import heldout_batches
 
     ckpt = runs / "genome/goat/version_0/checkpoints/last.ckpt"
-    from mixlab.figures import main as figure_main
+    from mixlab.eval.figures import main as figure_main
 
     spec = figure_main(["goat-spectrum", "--ckpt", str(ckpt), "--out", str(tmp_path / "fig")])
     main(["figure", "goat-prior", "--ckpt", str(ckpt), "--out", str(tmp_path / "fig"), "--length", "8", "--head", "1"])
@@ -144,6 +144,7 @@ def test_real_fit_run_and_hparams(tmp_path: Path) -> None:
     figs = EventAccumulator(str(runs / "genome/goat/version_0/figures"))
     figs.Reload()
     assert {"figures/goat_spectrum", "figures/goat_prior_l0_h1"} <= set(figs.Tags()["images"])
-    assert figs.Scalars("figures/goat_spectrum/antisym_share")[0].value == pytest.approx(float(spec[0]["antisym_share"]))
+    share = figs.Scalars("figures/goat_spectrum/antisym_share")[0].value
+    assert share == pytest.approx(float(spec[0]["antisym_share"]))
     batch = heldout_batches(ckpt, 1)[0]
     assert batch.dtype == torch.long and tuple(batch.shape) == (2, 33)

@@ -261,9 +261,12 @@ def test_map_style_resume_under_lightning_mid_epoch_and_at_the_last_batch(n, wor
 
     def fit(ckpt=None, every=None):
         model = Rec()
-        cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")] if every else []
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=bool(every),
-                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        cbs = []
+        if every:
+            cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs,
+                             enable_checkpointing=bool(every), limit_val_batches=0, enable_progress_bar=False,
+                             enable_model_summary=False)
         trainer.fit(model, _IndexData(n, 2, workers), ckpt_path=ckpt)
         return model.seen
 

@@ -100,7 +100,8 @@ def test_packed_varlen_equals_separate_sequences(variant):
     S0 = torch.randn(len(lens), 2, 4, 4, dtype=DT)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)))
     g = None if alpha is None else alpha.log()
-    o, S = gated_delta_rule(q, k, v, g, beta, beta_v, initial_state=S0, output_final_state=True, cu_seqlens=cu, chunk_size=8)
+    o, S = gated_delta_rule(q, k, v, g, beta, beta_v, initial_state=S0, output_final_state=True, cu_seqlens=cu,
+                            chunk_size=8)
     o_rec, S_rec = gated_delta_rule(q, k, v, g, beta, beta_v, initial_state=S0, output_final_state=True, cu_seqlens=cu,
                                     impl="recurrent")
     torch.testing.assert_close(o, o_rec, rtol=1e-10, atol=1e-10)
@@ -170,7 +171,8 @@ def test_layer_stepwise_decoding_and_recurrent_impl_equal_parallel_forward(varia
     torch.testing.assert_close(m(x), full, rtol=1e-10, atol=1e-10)
     m.impl = "auto"  # chunks for the prefix, the recurrence for single tokens
     cache: dict = {}
-    parts = [m(x[:, :6], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(6, 15)] + [m(x[:, 15:], cache=cache)]
+    parts = ([m(x[:, :6], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(6, 15)]
+             + [m(x[:, 15:], cache=cache)])
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     assert cache["state"].dtype == DT and cache["state"].shape == (2, 2, 12, 12)
 
@@ -229,7 +231,8 @@ def test_bad_input_errors_are_named():
     with pytest.raises(ValueError, match="initial_state is torch.float16.*float32"):
         delta_rule(q, q, q, initial_state=torch.zeros(1, 1, 4, 4, dtype=torch.float16))
     with pytest.raises(ValueError, match="cached recurrent state is torch.bfloat16"):
-        build_mixer("gdn", d_model=8, n_heads=1, causal=True)(torch.randn(1, 3, 8), cache={"state": torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16)})
+        build_mixer("gdn", d_model=8, n_heads=1, causal=True)(
+            torch.randn(1, 3, 8), cache={"state": torch.zeros(1, 1, 8, 8, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="unknown mixer 'fg2gnd'"):
         parse_pattern("fg2gdn*3,fg2gnd", 4)
     with pytest.raises(ValueError, match="causal=False is not supported"):
@@ -237,9 +240,11 @@ def test_bad_input_errors_are_named():
     with pytest.raises(ValueError, match="needs d_k == d_v"):
         gated_delta_rule(q, q, torch.randn(1, 10, 1, 3), None, torch.rand(1, 10, 1, 4))
     with pytest.raises(ValueError, match="cu_seqlens needs packed inputs with B=1"):
-        delta_rule_recurrent(torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), cu_seqlens=torch.tensor([0, 4]))
+        delta_rule_recurrent(torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4), torch.randn(2, 4, 1, 4),
+                             cu_seqlens=torch.tensor([0, 4]))
     with pytest.raises(ValueError, match="cu_seqlens.*cannot be combined with a decoding cache"):
-        build_mixer("gdn", d_model=8, n_heads=1, causal=True)(torch.randn(1, 3, 8), cache={}, cu_seqlens=torch.tensor([0, 3]))
+        build_mixer("gdn", d_model=8, n_heads=1, causal=True)(torch.randn(1, 3, 8), cache={},
+                                                              cu_seqlens=torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="impl='fla' cannot take these inputs: fla kernels need CUDA"):
         delta_rule(q, q, q, impl="fla")
 
@@ -273,7 +278,8 @@ def test_fused_gate_prep_triton_kernel_equals_torch_forward_and_backward():
 
 def test_gate_prep_reference_equals_formula():
     torch.manual_seed(0)
-    k, v, bk, bv = torch.randn(2, 3, 2, 4, dtype=DT), torch.randn(2, 3, 2, 5, dtype=DT), torch.randn(2, 3, 2, 4, dtype=DT), torch.randn(2, 3, 2, 5, dtype=DT)
+    k, v = torch.randn(2, 3, 2, 4, dtype=DT), torch.randn(2, 3, 2, 5, dtype=DT)
+    bk, bv = torch.randn(2, 3, 2, 4, dtype=DT), torch.randn(2, 3, 2, 5, dtype=DT)
     kt, vt = fg2_gate_prep_torch(k, v, bk, bv, max_rate=2.0, eps=0.0)
     torch.testing.assert_close(kt, (2 * torch.sigmoid(bk)).sqrt() * k / k.norm(dim=-1, keepdim=True))
     torch.testing.assert_close(vt, (2 * torch.sigmoid(bv)).sqrt() * v)
@@ -282,8 +288,9 @@ def test_gate_prep_reference_equals_formula():
 @pytest.mark.parametrize("name", ["deltanet", "gdn", "kda", "fg2gdn", "fg2gdn_plus", "hybrid_fg2gdn_mla"])
 def test_shipped_genome_configs_build_and_run(name):
     """configs/genome/<name>.yaml: the backbone builds from the YAML and runs forward + backward."""
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     from mixlab.backbone import Backbone, BackboneConfig
 
@@ -294,6 +301,28 @@ def test_shipped_genome_configs_build_and_run(name):
     y = bb(torch.randn(2, 40, cfg["d_model"]))
     y.square().mean().backward()
     assert bool(torch.isfinite(y).all()) and y.std() > 0.1
+
+
+def test_short_conv_is_shared_loads_the_former_delta_weight_and_packs_sequences():
+    """The delta-rule mixers use :class:`mixlab.mixers.layers.ShortConv` (one short convolution in
+    mixlab); their former ``[C, W]`` weight still loads, and the formula is the one they had."""
+    from mixlab.mixers.layers import ShortConv
+
+    torch.manual_seed(0)
+    conv = ShortConv(6, 4, bias=False).double()
+    w = conv.weight.detach()[:, 0].clone()  # [C, W], as the delta mixers stored it
+    x = torch.randn(2, 9, 6, dtype=torch.float64)
+    xp = torch.cat([x.new_zeros(2, 3, 6), x], 1)
+    want = F.silu(sum(xp[:, 3 - s: 3 - s + 9] * w[:, 3 - s] for s in range(4)))  # silu(sum_s w[W-1-s] x_{t-s})
+    torch.testing.assert_close(conv(x), want, rtol=1e-12, atol=1e-12)
+    fresh = ShortConv(6, 4, bias=False).double()
+    fresh.load_state_dict({"weight": w})
+    assert fresh.weight.shape == (6, 1, 4) and torch.equal(fresh.weight[:, 0], w)
+    cu = torch.tensor([0, 4, 9])
+    torch.testing.assert_close(conv(x[:1], cu_seqlens=cu), torch.cat([conv(x[:1, :4]), conv(x[:1, 4:])], 1),
+                               rtol=0, atol=0)
+    m = build_mixer("kda", d_model=16, n_heads=2, causal=True)
+    assert all(type(c) is ShortConv and c.bias is None for c in (m.q_conv, m.k_conv, m.v_conv))
 
 
 # ------------------------------------------------------------- correlated keys (issue 15)

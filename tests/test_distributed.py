@@ -17,8 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from mixlab.cli import main
 from mixlab.datamodules.genome import GenomeDataModule
-from mixlab.distributed import (ResumableSampler, SeededStream, consumer_slice, stream_seed,
-                                worker_skip)
+from mixlab.distributed import ResumableSampler, SeededStream, consumer_slice, stream_seed, worker_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "configs" / "trainer"

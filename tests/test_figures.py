@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mixlab.backbone import Backbone, BackboneConfig
-from mixlab.figures import (goat_prior_figure, goat_spectrum_figure, mesa_solver_figure, write_rate_figure)
+from mixlab.eval.figures import goat_prior_figure, goat_spectrum_figure, mesa_solver_figure, write_rate_figure
 from mixlab.heads.lm import CausalLM
 
 

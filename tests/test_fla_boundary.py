@@ -40,7 +40,8 @@ def _inputs(b=2, t=9, h=2, k=8, v=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
     return (r(b, t, h, k), F.normalize(r(b, t, h, k), dim=-1), r(b, t, h, v),
-            -0.3 * torch.rand(b, t, h, k, generator=gen, dtype=F64), 1.9 * torch.rand(b, t, h, generator=gen, dtype=F64),
+            -0.3 * torch.rand(b, t, h, k, generator=gen, dtype=F64),
+            1.9 * torch.rand(b, t, h, generator=gen, dtype=F64),
             r(b, h, k, v))
 
 

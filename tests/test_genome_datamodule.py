@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mixlab.datamodules import genome
-from mixlab.datamodules.genome import GenomeDataModule, encode_sequence, read_fasta
+from mixlab.datamodules.genome import GenomeDataModule, encode_sequence
 
 IDS = {"A": 0, "C": 1, "G": 2, "T": 3, "N": 4}
 IUPAC = "RYKMSWBDHV"
@@ -279,7 +279,8 @@ def test_context_length_too_long(tmp_path):
     # every region dropped for its N content: the message says so (a user test found "holds 0 bases")
     path = write(tmp_path / "all_n.fa", fasta_text({"r": "N" * 500}))
     with pytest.raises(ValueError, match=r"holds 0 bases \(region_size=64\); 8 of 8 region\(s\) were dropped for "
-                                         r"holding more than max_n_fraction=.* N bases; raise max_n_fraction, or lower"):
+                                         r"holding more than max_n_fraction=.* N bases; "
+                                         r"raise max_n_fraction, or lower"):
         make([path], context_length=32, region_size=64, max_n_fraction=0.5)
     # 160 bases = regions of 64, 64, 32: a window fits, but only two regions can hold one
     path = write(tmp_path / "tail.fa", fasta_text({"r": "ACGT" * 40}))

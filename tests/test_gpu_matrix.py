@@ -14,7 +14,8 @@ def test_gpu_matrix_quick_runs_the_cli_and_classifies_cases(tmp_path, monkeypatc
 
     rc = gpu_matrix.main(["--out", str(tmp_path / "out"), "--run-dir", str(tmp_path / "runs"), "--quick",
                           "--mixers", "goat", "kda", "--steps", "10"])
-    rows = {(r["mixer"], r["head"]): r for r in map(json.loads, (tmp_path / "out/gpu_matrix.jsonl").read_text().splitlines())}
+    lines = (tmp_path / "out/gpu_matrix.jsonl").read_text().splitlines()
+    rows = {(r["mixer"], r["head"]): r for r in map(json.loads, lines)}
     assert rc == 0
     assert rows[("goat", "lm")]["status"] == "pass" and rows[("kda", "lm")]["status"] == "pass"
     assert rows[("goat", "lm")]["loss_last"] < rows[("goat", "lm")]["loss_first"]

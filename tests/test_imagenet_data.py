@@ -13,7 +13,13 @@ from PIL import Image
 
 from mixlab.datamodules.digits import load_uci_digits
 from mixlab.datamodules.imagenet import (
-    SKIPPED, ImageNetDataModule, decode_sample, eval_transform, expand_shards, write_imagefolder_shards)
+    SKIPPED,
+    ImageNetDataModule,
+    decode_sample,
+    eval_transform,
+    expand_shards,
+    write_imagefolder_shards,
+)
 
 N_CLASSES, PER_CLASS = 3, 4
 
@@ -107,7 +113,8 @@ def test_missing_shards_and_too_few_shards_are_clear_errors(shards, tmp_path):
     out, _ = shards
     with pytest.raises(FileNotFoundError, match=r"val_path: 2 of 6 shards .*train-\{0000\.\.0005\}"):
         expand_shards(str(out / "train-{0000..0005}.tar"), "val_path")
-    dm = ImageNetDataModule(format="wds", val_path=str(out / "train-{0000..0001}.tar"), num_classes=N_CLASSES, num_workers=4)
+    dm = ImageNetDataModule(format="wds", val_path=str(out / "train-{0000..0001}.tar"), num_classes=N_CLASSES,
+                            num_workers=4)
     with pytest.raises(ValueError, match="2 shards but world_size x num_workers = 1 x 4"):
         dm.val_dataloader()
     with pytest.raises(FileNotFoundError, match="ImageFolder root"):
@@ -279,9 +286,12 @@ def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
                                 shuffle_buffer=4)
         model = _BatchRecorder()
-        cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")] if every else []
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=bool(every),
-                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        cbs = []
+        if every:
+            cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
+        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs,
+                             enable_checkpointing=bool(every), limit_val_batches=0, enable_progress_bar=False,
+                             enable_model_summary=False)
         trainer.fit(model, dm, ckpt_path=ckpt)
         return model.seen
 
@@ -311,10 +321,11 @@ def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, r
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=workers,
                                 train_samples=8, shuffle_buffer=4)
         model = _BatchRecorder(expect_total_steps=12)
-        cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")]
-        trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=cbs, enable_checkpointing=not ckpt,
-                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
-                             reload_dataloaders_every_n_epochs=reload)
+        cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1,
+                                               filename="{step}")]
+        trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=cbs,
+                             enable_checkpointing=not ckpt, limit_val_batches=0, enable_progress_bar=False,
+                             enable_model_summary=False, reload_dataloaders_every_n_epochs=reload)
         trainer.fit(model, dm, ckpt_path=ckpt)
         return model.seen
 

@@ -134,6 +134,26 @@ def test_pattern_parsing_and_residual_init():
     assert std_proj == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
+def test_backbone_owns_the_pattern_grammar_and_answers_position_questions():
+    from mixlab.backbone import mixer_names, pattern_name
+
+    assert mixer_names("kda*3, mla") == ["kda", "kda", "kda", "mla"] and pattern_name("kda*3, mla") == "kdax3-mla"
+    with pytest.raises(ValueError, match="expected 'name\\*count'"):
+        mixer_names("kda*x")
+    cfg = BackboneConfig(d_model=64, n_layers=5, n_heads=2, causal=False, mixer="goat,rope,nope,mla,swa",
+                         mixer_args={"goat": {"position_args": {"n_modes": 2, "default_bias": False}}})
+    assert Backbone(cfg).position_axes() == {1}  # goat, rope, swa (RoPE), mla (decoupled RoPE); nope reads none
+    two = cfg.with_position_axes(2, defaults={"default_bias": True})
+    assert two.mixer_args["goat"]["position_args"] == {"n_modes": 2, "default_bias": False, "axes": 2}  # set keys kept
+    assert two.mixer_args["rope"]["position_args"] == {"axes": 2}  # GOAT's default_bias is not a RoPE key
+    assert "nope" not in two.mixer_args and "mla" not in two.mixer_args
+    assert cfg.mixer_args == {"goat": {"position_args": {"n_modes": 2, "default_bias": False}}}  # a copy
+    assert {b.mixer_name: b.mixer.position_axes for b in Backbone(two).blocks} == \
+        {"goat": 2, "rope": 2, "nope": None, "mla": 1, "swa": 2}
+    forced = cfg.with_position_axes(3, force={"default_bias": True})
+    assert forced.mixer_args["goat"]["position_args"] == {"n_modes": 2, "default_bias": True, "axes": 3}
+
+
 def test_vocab_mismatch_is_a_clear_error(tmp_path):
     dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=32, batch_size=4, region_size=1024)
     model = CausalLM(vocab_size=4, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="nope"))

@@ -117,7 +117,8 @@ def test_adjoint_backward_equals_autograd_through_linalg_solve(t, chunk):
     *args, h0 = _inputs(b=2, t=t, h=2, k=5, v=4, state=True, seed=3)
     lc = [z.clone().requires_grad_() for z in (*args, *h0)]
     le = [z.clone().requires_grad_() for z in (*args, *h0)]
-    o_c, s_c, _ = mesa_chunk(*lc[:6], cg_iters=30, chunk_size=chunk, initial_state=tuple(lc[6:]), output_final_state=True)
+    o_c, s_c, _ = mesa_chunk(*lc[:6], cg_iters=30, chunk_size=chunk, initial_state=tuple(lc[6:]),
+                             output_final_state=True)
     o_e, s_e = mesa_exact(*le[:6], initial_state=tuple(le[6:]), output_final_state=True)
     gen = torch.Generator().manual_seed(9)
     w = [torch.randn(z.shape, generator=gen, dtype=F64) for z in (o_c, *s_c)]
@@ -243,10 +244,11 @@ def test_mixer_metrics_callback_logs_cg_iterations_per_layer_and_head():
     logged = {}
     model.log = lambda name, value, **kw: logged.__setitem__(name, (float(value), kw))  # type: ignore[method-assign]
     MixerMetrics()._log(model, "val")
-    assert set(logged) == {"val/mixer/layer1/cg_iters/h0", "val/mixer/layer1/cg_iters/h1", "val/mixer/layer1/cg_iters/mean"}
+    tag = "val/mixer/layer1/cg_iters/"
+    assert set(logged) == {tag + "h0", tag + "h1", tag + "mean"}
     mean, kw = logged["val/mixer/layer1/cg_iters/mean"]
     assert 0 < mean <= 7 and kw["on_epoch"] and not kw["on_step"]
-    assert mean == pytest.approx((logged["val/mixer/layer1/cg_iters/h0"][0] + logged["val/mixer/layer1/cg_iters/h1"][0]) / 2)
+    assert mean == pytest.approx((logged[tag + "h0"][0] + logged[tag + "h1"][0]) / 2)
 
 
 # ---------------------------------------------------------------------------- negative forget gates

@@ -61,7 +61,8 @@ def mla_explicit(m, x, pos):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("cfg", [dict(), dict(q_rank=12, kv_rank=10, rope_dim=4, v_dim=6)], ids=["default", "lowrank-q"])
+@pytest.mark.parametrize("cfg", [dict(), dict(q_rank=12, kv_rank=10, rope_dim=4, v_dim=6)],
+                         ids=["default", "lowrank-q"])
 def test_mla_equals_explicit_formula(cfg, causal):
     torch.manual_seed(0)
     m = build_mixer("mla", d_model=32, n_heads=2, causal=causal, **cfg).double()
@@ -83,7 +84,8 @@ def test_mla_cached_decoding_equals_parallel_and_caches_only_the_latent():
     x = torch.randn(2, 11, 32, dtype=DT)
     full = m(x)
     cache: dict = {}
-    parts = [m(x[:, :4], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(4, 9)] + [m(x[:, 9:], cache=cache)]
+    parts = ([m(x[:, :4], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(4, 9)]
+             + [m(x[:, 9:], cache=cache)])
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-10, atol=1e-10)
     assert cache["c_kv"].shape == (2, 11, 12) and cache["k_r"].shape == (2, 1, 11, m.rope_dim)
 

@@ -10,7 +10,8 @@ def test_all_packages_are_listed():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(cfg["packages"])
     found = {".".join(p.parent.relative_to(ROOT / "src").parts) for p in (ROOT / "src" / "mixlab").rglob("__init__.py")}
-    found |= {"mixlab." + ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "datamodules").rglob("__init__.py")}
+    found |= {"mixlab." + ".".join(p.parent.relative_to(ROOT).parts)
+              for p in (ROOT / "datamodules").rglob("__init__.py")}
     assert found <= listed, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(found - listed)}"
     assert cfg["package-dir"]["mixlab.datamodules"] == "datamodules"
 

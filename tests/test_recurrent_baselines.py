@@ -56,7 +56,8 @@ def test_linear_scan_chunk_equals_loop(t, chunk):
     torch.testing.assert_close(s, s_ref, rtol=1e-12, atol=1e-12)
     # the loop itself against the formula h_t = sum_i prod_{s=i+1..t} exp(g_s) x_i + prod exp(g) h0
     tt = t - 1
-    want = torch.exp(a[:, : tt + 1].sum(1)) * h0 + sum(torch.exp(a[:, i + 1 : tt + 1].sum(1)) * x[:, i] for i in range(t))
+    want = torch.exp(a[:, : tt + 1].sum(1)) * h0 + sum(torch.exp(a[:, i + 1 : tt + 1].sum(1)) * x[:, i]
+                                                      for i in range(t))
     torch.testing.assert_close(y_ref[:, -1], want, rtol=1e-12, atol=1e-12)
 
 

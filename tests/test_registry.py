@@ -56,3 +56,101 @@ def test_state_dict_round_trip(name):
     a.eval(), b.eval()
     with torch.no_grad():
         torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- position schemes: built like mixers
+from mixlab.registry import MIXERS, POSITIONS  # noqa: E402
+
+
+@pytest.mark.parametrize("name", POSITIONS.names())
+def test_position_scheme_typo_is_a_one_line_error_naming_the_accepted_keys(name):
+    """A typo in any scheme's ``position_args`` is an error (rope and alibi used to ignore it silently)."""
+    with pytest.raises(ValueError) as info:
+        build_mixer("goat", d_model=D, n_heads=H, causal=True, position=name, position_args={"n_mode": 2})
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"position_args of {name!r} got unknown key(s) 'n_mode'; it ")
+    accepted = POSITIONS.options(name)
+    assert accepted == [] or msg.endswith("it accepts: " + ", ".join(accepted))
+    assert accepted != [] or msg.endswith("it accepts no keys")
+
+
+def test_rope_and_alibi_reject_their_likely_typos():
+    with pytest.raises(ValueError,
+                       match=r"position_args of 'rope' got unknown key\(s\) 'bsae'; it accepts: axes, base"):
+        build_mixer("rope", d_model=D, n_heads=H, causal=True, position_args={"bsae": 100.0})
+    with pytest.raises(ValueError,
+                       match=r"position_args of 'alibi' got unknown key\(s\) 'n_modes'; it accepts no keys"):
+        build_mixer("alibi", d_model=D, n_heads=H, causal=True, position_args={"n_modes": 2})
+    with pytest.raises(ValueError,
+                       match="unknown position scheme 'goat2d'; registered position schemes: alibi, goat, nope"):
+        build_mixer("goat", d_model=D, n_heads=H, causal=True, position="goat2d")
+
+
+@pytest.mark.parametrize("name", POSITIONS.names())
+def test_every_position_scheme_describes_the_axes_it_reads(name):
+    m = build_mixer("goat", d_model=D, n_heads=H, causal=True, position=name).double()
+    assert m.describe()["position"] == name
+    assert m.position_axes == (None if name == "nope" else 1)
+    assert Backbone(BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat",
+                                   mixer_args={"goat": {"position": name}})).position_axes() == \
+        (set() if name == "nope" else {1})
+
+
+def test_registry_names_its_entries_and_refuses_a_second_registration():
+    assert {"goat", "rope", "alibi", "nope"} <= set(list_mixers())
+    assert POSITIONS.names() == ["alibi", "goat", "nope", "rope"]
+    with pytest.raises(ValueError, match="mixer 'goat' is already registered"):
+        MIXERS.register("goat")(type("Other", (), {}))
+    with pytest.raises(ValueError, match="unknown mixer 'gaot'; registered mixers: alibi, deltanet"):
+        MIXERS.get("gaot")
+
+
+# ---------------------------------------------------------------------- init by type, also for mixers outside mixlab
+USER_PACKAGE = '''
+import torch
+from torch import nn
+
+from mixlab.mixers.base import Mixer
+from mixlab.registry import register_mixer
+
+
+@register_mixer("user_gate")
+class UserGate(Mixer):
+    def __init__(self, d_model, n_heads, causal=True, layer_idx=0, n_layers=1, scale=0.5):
+        super().__init__()
+        self.proj = nn.Linear(d_model, d_model)
+        self.gate = nn.Parameter(torch.empty(d_model))
+        self.scale = scale
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.gate.fill_(self.scale)
+            self.proj.weight.copy_(torch.eye(self.proj.weight.shape[0]))  # its own init of its linear layer
+
+    def forward(self, x, coords=None, cache=None):
+        return self.proj(x) * self.gate
+'''
+
+
+def test_a_mixer_registered_outside_mixlab_gets_its_own_reset_parameters(tmp_path, monkeypatch):
+    """The backbone selects mixers by type (``isinstance(m, Mixer)``), not by module path: a user's
+    mixer gets its own init after the generic one, which would otherwise overwrite its linear layers."""
+    (tmp_path / "my_lab_mixers.py").write_text(USER_PACKAGE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(MIXERS, "_classes", dict(MIXERS._classes))  # registrations of this test are undone
+    monkeypatch.setattr(MIXERS, "_defaults", dict(MIXERS._defaults))
+    import importlib
+
+    mod = importlib.import_module("my_lab_mixers")
+    monkeypatch.delitem(__import__("sys").modules, "my_lab_mixers")
+    assert mod.UserGate.__module__ == "my_lab_mixers"
+    torch.manual_seed(0)
+    bb = Backbone(BackboneConfig(d_model=8, n_layers=2, n_heads=2, mixer="user_gate,nope",
+                                 mixer_args={"user_gate": {"scale": 0.25}}))
+    mixer = bb.blocks[0].mixer
+    assert torch.equal(mixer.gate, torch.full((8,), 0.25))
+    assert torch.equal(mixer.proj.weight, torch.eye(8))  # not the generic N(0, 0.02) init
+    x = torch.randn(1, 3, 8)
+    torch.testing.assert_close(mixer(x), x @ torch.eye(8).T * 0.25 + mixer.proj.bias * 0.25)

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from mixlab.backbone import BackboneConfig
 from mixlab.coords import Coords
 from mixlab.datamodules.spatial_vqa import (
-    CELL_NAMES, DEFAULT_HELDOUT_ORDERS, DEFAULT_TRAIN_ORDERS, SpatialVQADataModule, ask, scan_order,
+    CELL_NAMES,
+    DEFAULT_HELDOUT_ORDERS,
+    DEFAULT_TRAIN_ORDERS,
+    SpatialVQADataModule,
+    ask,
+    scan_order,
 )
 from mixlab.heads.vqa import SpatialVQA
 from mixlab.mixers.attention import Attention
@@ -129,7 +134,8 @@ def test_items_match_their_scene():
             cell, inner = (y // 2) * 2 + x // 2, (y % 2) * 2 + x % 2
             np.testing.assert_array_equal(raw[t], pool.patches[images[cell], inner])
             assert it["coords"][t].tolist() == [0, y, x] and it["coord_mask"][t].tolist() == [False, True, True]
-        assert it["coords"][16:, 0].tolist() == list(range(16, 22)) and it["coord_mask"][16:].tolist() == [[True, False, False]] * 6
+        assert it["coords"][16:, 0].tolist() == list(range(16, 22))
+        assert it["coord_mask"][16:].tolist() == [[True, False, False]] * 6
         words = dm.vocab.decode(it["text"])
         assert words[-1] == "<ans>"
         answer = dm.vocab.answers[int(it["answer"])]
@@ -155,10 +161,12 @@ def _write_cifar(root: Path, n: int = 12) -> dict[str, tuple[np.ndarray, list[in
         data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         labels = [int(v) for v in rng.permutation(np.arange(n) % 10)]
         with open(folder / name, "wb") as f:
-            pickle.dump({"batch_label": name, "labels": labels, "data": data, "filenames": [f"{j}.png" for j in range(n)]}, f)
+            pickle.dump({"batch_label": name, "labels": labels, "data": data,
+                         "filenames": [f"{j}.png" for j in range(n)]}, f)
         written[name] = (data, labels)
     with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]}, f)
+        names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+        pickle.dump({"label_names": names}, f)
     return written
 
 
@@ -207,8 +215,8 @@ def goat_explicit_batched(m: Attention, x: torch.Tensor, pos: torch.Tensor, pres
         qc, kc, v = q_all[b].transpose(0, 1), k_all[b].transpose(0, 1), v_all[b].transpose(0, 1)  # [T, H, d]
         c, pr = pos[b].double(), present[b].double()
         phi = torch.cat([torch.cat([torch.sin(c[:, a:a + 1] * v_abs), torch.cos(c[:, a:a + 1] * v_abs),
-                                    c[:, a:a + 1] / p.abs_scale, torch.ones(T, 1, dtype=torch.float64)], -1) * pr[:, a:a + 1]
-                         for a in range(3)], -1)
+                                    c[:, a:a + 1] / p.abs_scale, torch.ones(T, 1, dtype=torch.float64)], -1)
+                         * pr[:, a:a + 1] for a in range(3)], -1)
         z = torch.empty(H, T, T, dtype=torch.float64)
         for h in range(H):
             g = F.silu(phi @ p.mlp_w1[h] + p.mlp_b1[h]) @ p.mlp_w2[h]
@@ -302,7 +310,8 @@ def test_fit_and_test_report_seen_and_heldout(tmp_path):
     assert {f"test/acc_q/{q}" for q in ("what_at", "where", "relation")} <= set(res)
 
 
-@pytest.mark.parametrize("name", ["goat_digits", "rope_digits", "nope_digits", "goat_cifar10", "rope_cifar10", "nope_cifar10"])
+@pytest.mark.parametrize("name", ["goat_digits", "rope_digits", "nope_digits", "goat_cifar10", "rope_cifar10",
+                                  "nope_cifar10"])
 def test_shipped_configs_build_and_answer(name, tmp_path):
     """Every shipped YAML parses, builds model + datamodule + trainer, and the model answers a real batch."""
     from mixlab.cli import MixlabCLI
@@ -327,5 +336,6 @@ def test_cli_fit_fast_dev_run(tmp_path):
     from mixlab.cli import main
 
     main(["fit", "--config", str(CONFIGS / "goat_digits.yaml"), "--trainer.fast_dev_run", "1",
-          "--trainer.default_root_dir", str(tmp_path), "--run_root", str(tmp_path), "--trainer.enable_progress_bar", "false",
-          "--trainer.enable_model_summary", "false", "--data.init_args.batch_size", "4"])
+          "--trainer.default_root_dir", str(tmp_path), "--run_root", str(tmp_path),
+          "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+          "--data.init_args.batch_size", "4"])

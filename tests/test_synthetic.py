@@ -132,7 +132,6 @@ def test_random_dfas_and_strings_are_valid():
         strings = R.sample_strings(rng, t, 3, 5, 1, 10)
         assert 3 <= len(strings) <= 5 and all(R.accepts_walk(t, s) for s in strings)
         ex = R.regbench_example(t, strings, 40)
-        seq = np.concatenate([ex["inputs"], [0]])
         # valid_next recomputed by hand from the table
         s = 0
         for i, tok in enumerate(ex["inputs"]):
@@ -260,7 +259,8 @@ def test_configs_build_and_one_step(config, tmp_path):
     from mixlab.cli import MixlabCLI
 
     argv = ["--config", str(config), "--trainer.max_steps", "1", "--trainer.limit_val_batches", "1",
-            "--trainer.limit_test_batches", "1", "--trainer.val_check_interval", "1", "--run_root", str(tmp_path / "runs"),
+            "--trainer.limit_test_batches", "1", "--trainer.val_check_interval", "1",
+            "--run_root", str(tmp_path / "runs"),
             "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
             "--trainer.enable_model_summary", "false",
             "--model.init_args.backbone.d_model", "32", "--data.init_args.batch_size", "2",
@@ -287,7 +287,7 @@ def test_configs_build_and_one_step(config, tmp_path):
 
 # ---------------------------------------------------------------------- passkey / NIAH eval, copy-mixture prior plot
 def test_prior_panels_split_into_terms():
-    from mixlab.eval.prior import prior_panels
+    from mixlab.eval.figures import goat_prior_panels
     from mixlab.mixers.positions import GoatPrior
 
     torch.manual_seed(0)
@@ -295,10 +295,10 @@ def test_prior_panels_split_into_terms():
     with torch.no_grad():
         prior.slope.fill_(0.1)
         prior.bos.fill_(2.0)
-    p = prior_panels(prior, 9, head=1)
+    p = goat_prior_panels(prior, head=1, length=9)
     low = np.tril(np.ones((9, 9), dtype=bool))
-    np.testing.assert_allclose(p["total"][low], (p["key_only"] + p["relative"])[low], atol=1e-12)
-    assert np.isneginf(p["total"][~low]).all()
+    np.testing.assert_allclose(p["total"], p["key_only"] + p["relative"], atol=1e-12)
+    assert (p["causal_prior"][~low] == 0).all()
     np.testing.assert_allclose(p["causal_prior"].sum(-1), 1.0, atol=1e-12)
     np.testing.assert_allclose(p["key_only"][5], p["key_only"][0])  # key-only: the same for every query row
     assert np.allclose(p["relative"][3, :4], p["relative"][7, 4:8])  # relative: a function of i - j
@@ -307,8 +307,8 @@ def test_prior_panels_split_into_terms():
 
 
 def test_retrieval_eval_chunked_and_cli(tmp_path):
-    from mixlab.eval import prior as P
     from mixlab.eval import retrieval as E
+    from mixlab.eval.figures import copy_prior
 
     torch.manual_seed(0)
     model = SyntheticLM(75, BackboneConfig(d_model=32, n_layers=1, n_heads=2, mixer="goat",
@@ -331,8 +331,11 @@ def test_retrieval_eval_chunked_and_cli(tmp_path):
     assert all(0 <= m["span_acc"] <= 1 and m["span_logprob"] <= 0 for m in res.values())
     for f in ("passkey_noise.md", "passkey_noise.csv", "passkey_noise_heatmap.png"):
         assert (tmp_path / "ev" / f).stat().st_size > 0
-    from mixlab.eval.common import load_model
+    from mixlab.eval.common import load_run
 
-    assert type(load_model(ckpt)) is SyntheticLM  # the head class is recorded in the checkpoint
-    paths = P.main(["--ckpt", str(ckpt), "--length", "12", "--out", str(tmp_path / "prior")])
-    assert paths and paths[0].stat().st_size > 0
+    run = load_run(ckpt)
+    assert type(run.model) is SyntheticLM  # the head class is recorded in the checkpoint
+    assert run.data == "mixlab.datamodules.retrieval.RetrievalDataModule" and run.data_args["context_length"] == 64
+    res = copy_prior(["--ckpt", str(ckpt), "--length", "12", "--out", str(tmp_path / "prior"), "--all-heads"])
+    assert sorted(res) == [0, 1] and res[1]["causal_prior"].shape == (12, 12)
+    assert (tmp_path / "prior" / "goat_prior_l0_h1.png").stat().st_size > 0

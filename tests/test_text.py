@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from mixlab.datamodules.text import (
-    ByteTokenizer, GPT2Tokenizer, TextDataModule, TokenWindows, iter_documents, pack_documents, shipped_file,
+    ByteTokenizer,
+    GPT2Tokenizer,
+    TextDataModule,
+    TokenWindows,
+    iter_documents,
+    pack_documents,
+    shipped_file,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

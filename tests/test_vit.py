@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixlab.backbone import BackboneConfig
 from mixlab.coords import Coords
 from mixlab.datamodules.digits import DigitsDataModule, load_uci_digits
 from mixlab.heads.vit import ImageClassifier, MixupConfig, MixViT, vit_backbone
@@ -274,3 +275,53 @@ def test_resolution_command_writes_table_plot_and_prior(tmp_path):
             hits += int((model(x).argmax(-1) == y).sum())
         n += len(y)
     assert float(got[0]["top1"]) == pytest.approx(100 * hits / n, abs=1e-3)
+
+
+# ---------------------------------------------------------------------- one knob: the mixer states the scheme, plus ape
+@pytest.mark.parametrize("preset", ["goat2d", "ape", "rope2d", "nope"])
+@pytest.mark.parametrize("pool", ["cls", "avg"])
+def test_former_position_option_maps_to_the_mixer_and_ape(preset, pool):
+    """``position: <preset>`` (configs and checkpoints before ``ape``) builds the same model as the
+    mixer + ``ape`` form, with the same run name, parameters and outputs."""
+    mixer = {"goat2d": "goat", "rope2d": "rope", "ape": "nope", "nope": "nope"}[preset]
+    old_args = {"goat": {"bias": True, "position_args": {"n_modes": 4, "axes": 2, "default_bias": True}},
+                "rope": {"bias": True, "position_args": {"axes": 2}}, "nope": {"bias": True}}[mixer]
+    kw = dict(d_model=32, n_layers=2, n_heads=2, causal=False, mlp="gelu", norm="layernorm", bias=True)
+    torch.manual_seed(0)
+    old = ImageClassifier(10, 16, 4, position=preset, pool=pool,
+                          backbone=BackboneConfig(mixer=mixer, mixer_args={mixer: old_args}, **kw))
+    torch.manual_seed(0)
+    new_args = {"bias": True, "position_args": {"n_modes": 4}} if mixer == "goat" else {"bias": True}
+    new = ImageClassifier(10, 16, 4, pool=pool, ape=preset == "ape",
+                          backbone=BackboneConfig(mixer=mixer, mixer_args={mixer: new_args}, **kw))
+    assert new.run_name == old.run_name == preset and new.position == old.position == preset
+    assert old.model.ape == new.model.ape == (preset == "ape")
+    sd_old, sd_new = old.state_dict(), new.state_dict()
+    assert list(sd_old) == list(sd_new) and all(torch.equal(sd_old[k], sd_new[k]) for k in sd_old)
+    x = torch.randn(2, 3, 16, 12)
+    torch.testing.assert_close(old.eval()(x), new.eval()(x), rtol=0, atol=0)
+    if mixer == "goat":
+        assert new.model.attention_layers()[0].pos.axes == 2
+        assert new.model.attention_layers()[0].pos.use_default == (pool == "cls")
+
+
+@pytest.mark.parametrize("name", ["goat", "ape", "rope2d", "nope"])
+def test_shipped_digits_configs_keep_their_run_names_and_old_form_builds_the_same(name, tmp_path):
+    from pathlib import Path
+
+    from mixlab.cli import MixlabCLI
+
+    cfg = str(Path(__file__).resolve().parents[1] / "configs" / "vit" / f"{name}_digits.yaml")
+    small = ["--run_root", str(tmp_path), "--model.init_args.backbone.n_layers", "1"]
+    new = MixlabCLI(args=["--config", cfg, *small], run=False).model
+    preset = {"goat": "goat2d"}.get(name, name)
+    assert new.run_name == preset  # runs/digits/<preset>/..., as the README's resolution command expects
+    old_form = ["--model.init_args.position", preset]
+    if name == "goat":
+        old_form += ["--model.init_args.backbone.mixer_args",
+                     "{goat: {position_args: {n_modes: 8, axes: 2, default_bias: true, freq_base: 100.0}}}"]
+    if name == "ape":
+        old_form += ["--model.init_args.ape", "false"]
+    old = MixlabCLI(args=["--config", cfg, *small, *old_form], run=False).model
+    assert old.run_name == preset and old.model.ape == new.model.ape
+    assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))

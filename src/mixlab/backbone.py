@@ -1,11 +1,16 @@
 """Pre-norm residual backbone: ``x + mixer(norm(x))``, ``x + mlp(norm(x))``, per-layer mixer pattern.
 
 Heads own their input embedding (tokens, patches, text + patches) and output layer; the
-backbone maps ``[B, T, D]`` and :class:`~mixlab.coords.Coords` to ``[B, T, D]``.
+backbone maps ``[B, T, D]`` and :class:`~mixlab.coords.Coords` to ``[B, T, D]``. It owns the
+mixer-pattern grammar (:func:`mixer_names`, :func:`parse_pattern`, :func:`pattern_name`) and
+answers what heads need to know about its layers (:meth:`Backbone.position_axes`,
+:meth:`BackboneConfig.with_position_axes`), so heads never import mixer internals.
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -14,28 +19,30 @@ from timm.layers import DropPath, Mlp, SwiGLU
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.registry import build_mixer, get_mixer_cls, list_mixers
+from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
+from mixlab.registry import MIXERS, POSITIONS
 
-__all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern"]
+__all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern", "mixer_names", "pattern_name"]
 
 
-def parse_pattern(pattern: str | list[str], n_layers: int) -> list[str]:
-    """Expand a mixer pattern to one name per layer.
+def _items(pattern: str | list[str]) -> list[str]:
+    """The stripped, non-empty comma items of a pattern (``"kda*3, mla"`` -> ``["kda*3", "mla"]``)."""
+    items = pattern.split(",") if isinstance(pattern, str) else list(pattern)
+    return [item.strip() for item in items if item.strip()]
 
-    ``pattern`` is a name (``"goat"``), a comma list (``"kda,kda,kda,mla"``), with
-    optional repeats (``"kda*3,mla"``), or a list of names. A pattern shorter than
-    ``n_layers`` is tiled (``"kda*3,mla"`` over 12 layers is the 3:1 hybrid).
+
+def mixer_names(pattern: str | list[str]) -> list[str]:
+    """The mixer pattern grammar: one name per entry, repeats expanded, before tiling.
+
+    ``pattern`` is a name (``"goat"``), a comma list (``"kda,kda,kda,mla"``), with optional
+    repeats (``"kda*3,mla"`` -> ``["kda", "kda", "kda", "mla"]``), or a list of names. Names are
+    not checked against the registry here.
 
     Raises:
-        ValueError: empty pattern, ``n_layers`` not a multiple of the pattern length,
-            or an unknown mixer name (the message lists the registered ones).
+        ValueError: an item ``name*count`` whose count is not an integer; a pattern naming no mixer.
     """
-    items = pattern.split(",") if isinstance(pattern, str) else list(pattern)
     names: list[str] = []
-    for item in items:
-        item = item.strip()
-        if not item:
-            continue
+    for item in _items(pattern):
         if "*" in item:
             name, _, rep = item.partition("*")
             if not rep.strip().isdigit():
@@ -45,11 +52,29 @@ def parse_pattern(pattern: str | list[str], n_layers: int) -> list[str]:
             names.append(item)
     if not names:
         raise ValueError(f"mixer pattern {pattern!r} names no mixer")
+    return names
+
+
+def parse_pattern(pattern: str | list[str], n_layers: int) -> list[str]:
+    """Expand a mixer pattern (see :func:`mixer_names`) to one name per layer; a pattern shorter
+    than ``n_layers`` is tiled (``"kda*3,mla"`` over 12 layers is the 3:1 hybrid).
+
+    Raises:
+        ValueError: bad pattern (:func:`mixer_names`), ``n_layers`` not a multiple of the
+            pattern length, or an unknown mixer name (the message lists the registered ones).
+    """
+    names = mixer_names(pattern)
     if n_layers % len(names):
         raise ValueError(f"mixer pattern {pattern!r} has {len(names)} entries; n_layers={n_layers} is not a multiple")
-    for name in set(names):
+    for name in dict.fromkeys(names):
         get_mixer_cls(name)
     return names * (n_layers // len(names))
+
+
+def pattern_name(pattern: str | list[str]) -> str:
+    """Short run name (a directory name safe in a shell) for a mixer pattern: ``"goat"``,
+    ``"kda*3,mla"`` -> ``"kdax3-mla"``."""
+    return "-".join(item.replace("*", "x") for item in _items(pattern))
 
 
 @dataclass
@@ -107,6 +132,39 @@ class BackboneConfig:
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
                              f"registered mixers: {', '.join(list_mixers())}")
 
+    def with_position_axes(self, axes: int, defaults: dict[str, Any] | None = None,
+                           force: dict[str, Any] | None = None) -> BackboneConfig:
+        """Copy whose position schemes read ``axes`` coordinate axes (ViT: 2, mixed text + patches: 3).
+
+        Applies to every mixer of the pattern that takes a position scheme (constructor arguments
+        ``position`` and ``position_args``) whose scheme reads coordinates (has an ``axes``
+        option): ``axes`` and ``defaults`` fill its ``position_args`` where unset, ``force``
+        overrides them; keys a scheme does not accept are skipped (e.g. GOAT's ``default_bias``
+        for RoPE). Mixers without a position scheme are left as they are.
+
+        Raises:
+            ValueError: an unknown mixer or position scheme name.
+        """
+        cfg = copy.deepcopy(self)
+        args = {k: dict(v) for k, v in (cfg.mixer_args or {}).items()}
+        for name in dict.fromkeys(mixer_names(cfg.mixer)):
+            params = inspect.signature(get_mixer_cls(name).__init__).parameters
+            if "position" not in params or "position_args" not in params:
+                continue
+            given = args.get(name, {})
+            scheme = {**MIXERS.defaults(name), **given}.get("position", params["position"].default)
+            accepted = POSITIONS.options(scheme) or []
+            if "axes" not in accepted:
+                continue
+            pargs = dict(given.get("position_args") or {})
+            for key, value in {"axes": axes, **(defaults or {})}.items():
+                if key in accepted:
+                    pargs.setdefault(key, value)
+            pargs.update({k: v for k, v in (force or {}).items() if k in accepted})
+            args[name] = {**given, "position_args": pargs}
+        cfg.mixer_args = args
+        return cfg
+
 
 def make_norm(cfg: BackboneConfig) -> nn.Module:
     """``nn.RMSNorm`` or ``nn.LayerNorm`` over ``d_model`` as ``cfg.norm`` says.
@@ -163,8 +221,8 @@ class Backbone(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, name, i, dpr[i]) for i, name in enumerate(self.pattern))
         self.norm = make_norm(cfg)
         self.apply(self._init_linear)
-        for m in self.modules():  # mixer-specific init (gates, priors) after the generic one
-            if type(m).__module__.startswith("mixlab.mixers") and hasattr(m, "reset_parameters"):
+        for m in self.modules():  # mixer-specific init (gates, priors, convolutions) after the generic one
+            if isinstance(m, (Mixer, SubLayer)):
                 m.reset_parameters()
 
     def _init_linear(self, m: nn.Module) -> None:
@@ -175,6 +233,11 @@ class Backbone(nn.Module):
             nn.init.normal_(m.weight, 0.0, std)
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
+
+    def position_axes(self) -> set[int]:
+        """Coordinate axes read by the layers that have a position scheme (``{1}`` for a GOAT
+        LM, ``{2}`` for a ViT, ``{3}`` for mixed VQA); empty when no layer reads coordinates."""
+        return {blk.mixer.position_axes for blk in self.blocks} - {None}
 
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
         for i, blk in enumerate(self.blocks):

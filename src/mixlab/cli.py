@@ -118,10 +118,11 @@ class MixlabCLI(LightningCLI):
         "use sync_dist=True" for epoch-level eval metrics (the heads log exact sums that
         torchmetrics already reduced over all ranks)."""
         from mixlab.distributed import ResumableDataModule
+        from mixlab.heads.common import Head
 
         if isinstance(self.datamodule, ResumableDataModule):
             warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
-        if type(self.model).__module__.startswith("mixlab.heads"):
+        if isinstance(self.model, Head):
             # eval metrics are exact sums reduced across ranks by torchmetrics, identical on every rank
             warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level.*")
 
@@ -165,7 +166,8 @@ def _latest_checkpoint(run_dir: Path) -> str:
         FileNotFoundError: no run of this task and mixer has a ``last.ckpt`` yet.
     """
     found = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"),
-                   key=lambda p: int(p.parent.parent.name.split("_")[-1]) if p.parent.parent.name.split("_")[-1].isdigit() else -1)
+                   key=lambda p: int(p.parent.parent.name.split("_")[-1])
+                   if p.parent.parent.name.split("_")[-1].isdigit() else -1)
     if not found:
         raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train first "
                                 f"(fit) or pass the checkpoint file")
@@ -253,11 +255,12 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2) from None
 
+
 register_command("length-extrapolation", "mixlab.eval.length:main")
 register_command("passkey", "mixlab.eval.retrieval:passkey_main")
 register_command("niah", "mixlab.eval.retrieval:niah_main")
-register_command("copy-prior", "mixlab.eval.prior:main")
 register_command("resolution", "mixlab.eval.resolution:main")
-register_command("compare", "mixlab.compare:main")
-register_command("figure", "mixlab.figures:main")
+register_command("compare", "mixlab.eval.compare:main")
+register_command("figure", "mixlab.eval.figures:main")
+register_command("copy-prior", "mixlab.eval.figures:copy_prior")  # alias of "figure goat-prior"
 register_command("reproduce", "mixlab.eval.reproduce:main")

@@ -51,7 +51,7 @@ from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
 __all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
-           "ResumableDataModule", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
+           "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader"]
 
 log = logging.getLogger("mixlab.distributed")
@@ -209,6 +209,25 @@ def restore_sampler(sampler: ResumableSampler, state: dict[str, Any] | None) -> 
     """Apply a state saved by :func:`sampler_state` (no-op for ``None``)."""
     if state:
         sampler.load_state_dict(state)
+
+
+class SplitLoaders:
+    """Mixin (before the datamodule base) for datamodules whose three loaders differ only by split:
+    subclasses implement :meth:`split_loader`; ``train_dataloader``, ``val_dataloader`` and
+    ``test_dataloader`` call it with ``"train"``, ``"val"`` and ``"test"``."""
+
+    def split_loader(self, split: str) -> DataLoader:
+        """The loader of ``split`` (``"train"``: shuffled and resumable; ``"val"``/``"test"``: in order)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement split_loader(split)")
+
+    def train_dataloader(self) -> DataLoader:
+        return self.split_loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self.split_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self.split_loader("test")
 
 
 class ResumableDataModule(pl.LightningDataModule):

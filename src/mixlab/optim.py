@@ -66,5 +66,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dic
     """Lightning ``configure_optimizers`` dict: AdamW + per-step LambdaLR."""
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     total = cfg.total_steps or total_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, cfg.warmup_steps, total, cfg.min_lr_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: warmup_cosine(s, cfg.warmup_steps, total, cfg.min_lr_ratio))
     return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,86 +1,136 @@
-"""Name -> mixer class registry.
+"""Registries of named components: mixers and attention position schemes.
 
-Adding a mixer is one file under ``mixlab/mixers/``, one ``@register_mixer("name")``
-decorator on its class (plus an import line in ``mixlab/mixers/__init__.py``), and
-one test. Every registered mixer is built with the same keyword contract::
+A leaf module: it imports nothing of mixlab, so any layer can register into it without an
+import cycle. The packages gather their entries (``mixlab.mixers`` imports every built-in
+mixer and position scheme, and ``import mixlab`` imports ``mixlab.mixers``), as timm's
+``timm.models`` gathers its models.
+
+Adding a mixer is one file under ``mixlab/mixers/`` with a class decorated
+``@register_mixer("name")`` (plus an import line in ``mixlab/mixers/__init__.py``); every
+registered mixer is built with the same keyword contract::
 
     cls(d_model=..., n_heads=..., causal=..., layer_idx=..., n_layers=..., **mixer_args)
 
-and obeys :class:`mixlab.mixers.base.Mixer`'s ``forward(x, coords, cache)``.
+and obeys :class:`mixlab.mixers.base.Mixer`'s ``forward(x, coords, cache)``. A position
+scheme is one class decorated ``@register_position("name")``, built as
+``cls(n_heads=..., head_dim=..., causal=..., **position_args)``.
 """
 
 from __future__ import annotations
 
 import inspect
-
 from typing import Any, Callable
 
-__all__ = ["register_mixer", "get_mixer_cls", "list_mixers", "build_mixer"]
-
-_MIXERS: dict[str, type] = {}
-_DEFAULTS: dict[str, dict[str, Any]] = {}
+__all__ = ["Registry", "MIXERS", "POSITIONS", "register_mixer", "register_position", "get_mixer_cls",
+           "list_mixers", "build_mixer"]
 
 
-def register_mixer(name: str, **defaults: Any) -> Callable[[type], type]:
-    """Class decorator registering a mixer under ``name``.
+class Registry:
+    """Name -> class, with bound default arguments per name and one checked way to build.
 
-    ``defaults`` are keyword arguments bound for this name (e.g. the attention class
-    is registered as ``rope``, ``alibi``, ``nope`` and ``goat`` with different
-    ``position=``); user ``mixer_args`` override them.
-
-    Raises:
-        ValueError: if ``name`` is already registered.
+    Args:
+        kind: what the entries are (``"mixer"``), used in messages.
+        label: how messages name an entry's arguments, a format string with ``{name}``
+            (``"mixer {name!r}"``, ``"position_args of {name!r}"``).
+        word: what one argument is called in messages (``"argument"``, ``"key"``).
+        contract: keywords every entry receives from its caller (not user options): left
+            out of the "it accepts" list of an unknown-argument error.
+        positive: contract keywords that must be integers >= 1.
     """
 
-    def deco(cls: type) -> type:
-        if name in _MIXERS:
-            raise ValueError(f"mixer {name!r} is already registered (by {_MIXERS[name].__qualname__})")
-        _MIXERS[name] = cls
-        _DEFAULTS[name] = dict(defaults)
-        return cls
+    def __init__(self, kind: str, label: str, word: str = "argument", contract: tuple[str, ...] = (),
+                 positive: tuple[str, ...] = ()) -> None:
+        self.kind = kind
+        self.label = label
+        self.word = word
+        self.contract = contract
+        self.positive = positive
+        self._classes: dict[str, type] = {}
+        self._defaults: dict[str, dict[str, Any]] = {}
 
-    return deco
+    def register(self, name: str, **defaults: Any) -> Callable[[type], type]:
+        """Class decorator registering the class under ``name``.
+
+        ``defaults`` are keyword arguments bound for this name (e.g. the attention class is
+        registered as ``rope``, ``alibi``, ``nope`` and ``goat`` with different
+        ``position=``); arguments given to :meth:`build` override them.
+
+        Raises:
+            ValueError: ``name`` is already registered.
+        """
+
+        def deco(cls: type) -> type:
+            if name in self._classes:
+                raise ValueError(f"{self.kind} {name!r} is already registered (by {self._classes[name].__qualname__})")
+            self._classes[name] = cls
+            self._defaults[name] = dict(defaults)
+            return cls
+
+        return deco
+
+    def names(self) -> list[str]:
+        """Sorted registered names."""
+        return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._classes
+
+    def get(self, name: str) -> type:
+        """Class registered as ``name``.
+
+        Raises:
+            ValueError: unknown name; the message lists the registered ones.
+        """
+        if name not in self._classes:
+            raise ValueError(f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.names())}")
+        return self._classes[name]
+
+    def defaults(self, name: str) -> dict[str, Any]:
+        """Arguments bound to ``name`` at registration (a copy); ValueError for an unknown name."""
+        self.get(name)
+        return dict(self._defaults[name])
+
+    def options(self, name: str) -> list[str] | None:
+        """Keyword arguments a user may set for ``name`` (constructor parameters minus the
+        contract), in signature order; None when the constructor takes ``**kwargs``."""
+        params = inspect.signature(self.get(name).__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return None
+        return [n for n, p in params.items() if n != "self" and n not in self.contract
+                and p.kind is not inspect.Parameter.VAR_POSITIONAL]
+
+    def build(self, name: str, /, **kwargs: Any) -> Any:
+        """Instantiate ``name`` with its registered defaults updated by ``kwargs``.
+
+        Raises:
+            ValueError: unknown ``name``; an argument the class does not take (a typo in a
+                config), in one line naming the accepted ones; a ``positive`` contract argument
+                that is not an integer >= 1.
+        """
+        cls = self.get(name)
+        accepted = self.options(name)
+        if accepted is not None:
+            unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
+            if unknown:
+                accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
+                raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
+                                 f"{', '.join(map(repr, unknown))}; {accepts}")
+        for arg in self.positive:
+            value = kwargs.get(arg)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{self.kind} {name!r}: {arg} must be an integer >= 1; got {value!r}")
+        return cls(**{**self._defaults[name], **kwargs})
 
 
-def _ensure_loaded() -> None:
-    import mixlab.mixers  # noqa: F401  (registers the built-in mixers)
+MIXERS = Registry("mixer", "mixer {name!r}", "argument",
+                  contract=("d_model", "n_heads", "causal", "layer_idx", "n_layers"), positive=("d_model", "n_heads"))
+"""Every sequence mixer (``mixer:`` / ``mixer_args:`` in configs)."""
 
+POSITIONS = Registry("position scheme", "position_args of {name!r}", "key", contract=("n_heads", "head_dim", "causal"))
+"""Every attention position scheme (``position:`` / ``position_args:`` of attention mixers)."""
 
-def list_mixers() -> list[str]:
-    """Sorted names of all registered mixers."""
-    _ensure_loaded()
-    return sorted(_MIXERS)
-
-
-def get_mixer_cls(name: str) -> type:
-    """Class registered as ``name``.
-
-    Raises:
-        ValueError: for an unknown name; the message lists the known ones.
-    """
-    _ensure_loaded()
-    if name not in _MIXERS:
-        raise ValueError(f"unknown mixer {name!r}; registered mixers: {', '.join(sorted(_MIXERS))}")
-    return _MIXERS[name]
-
-
-def build_mixer(name: str, **kwargs: Any):
-    """Instantiate mixer ``name`` with its registered defaults updated by ``kwargs``.
-
-    Raises:
-        ValueError: unknown ``name``; an argument the mixer does not take (a typo in
-            ``mixer_args``), naming the accepted ones; ``d_model`` or ``n_heads`` < 1.
-    """
-    cls = get_mixer_cls(name)
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(kwargs) - set(params))
-        if unknown:
-            accepted = ", ".join(n for n in params if n != "self")
-            raise ValueError(f"mixer {name!r} got unknown argument(s) {', '.join(map(repr, unknown))}; "
-                             f"it accepts: {accepted}")
-    for arg in ("d_model", "n_heads"):
-        value = kwargs.get(arg)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"mixer {name!r}: {arg} must be an integer >= 1; got {value!r}")
-    return cls(**{**_DEFAULTS[name], **kwargs})
+register_mixer = MIXERS.register
+register_position = POSITIONS.register
+get_mixer_cls = MIXERS.get
+list_mixers = MIXERS.names
+build_mixer = MIXERS.build

@@ -18,7 +18,8 @@ start (and at test/validate start for runs that did not fit): flat, filterable k
 ========================  ====================================================================
 
 and declares the metrics the tab shows as columns (``val/loss``, ``test/loss``, the task's
-:data:`mixlab.compare.TASK_METRICS` tags, ``perf/tokens_per_s``). The summary is written
+:data:`mixlab.eval.metrics.TASK_METRICS` tags, ``perf/tokens_per_s``). Position schemes and
+``n_modes`` come from each mixer's :meth:`~mixlab.mixers.base.Mixer.describe`. The summary is written
 without logging metric values (the tab reads the run's own scalars of those tags), so no
 fake point appears at step 0.
 """
@@ -30,13 +31,17 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from mixlab.eval.metrics import task_metrics
+from mixlab.mixers.base import Mixer
+
 __all__ = ["HParams", "flatten_hparams", "run_hparams"]
 
 _SCALAR = (int, float, str, bool)
 
 
 def flatten_hparams(d: Any, prefix: str = "") -> dict[str, int | float | str | bool]:
-    """Nested dicts/lists/dataclass-likes -> ``{"a/b/c": scalar}``; other values become ``str``; ``None`` -> ``"None"``."""
+    """Nested dicts/lists/dataclass-likes -> ``{"a/b/c": scalar}``; other values become ``str``;
+    ``None`` -> ``"None"``."""
     out: dict[str, Any] = {}
     if hasattr(d, "__dataclass_fields__"):
         d = {k: getattr(d, k) for k in d.__dataclass_fields__}
@@ -58,15 +63,14 @@ def flatten_hparams(d: Any, prefix: str = "") -> dict[str, int | float | str | b
 
 def run_hparams(pl_module: pl.LightningModule, datamodule: Any = None) -> dict[str, int | float | str | bool]:
     """The flat HParams of a run (see the module docstring for the keys)."""
-    from mixlab.mixers.positions import GoatPrior
-
     positions, n_modes = [], 0
     for m in pl_module.modules():
-        name = getattr(m, "position_name", None)
-        if isinstance(name, str) and name not in positions:
-            positions.append(name)
-        if isinstance(m, GoatPrior) and type(m) is GoatPrior:
-            n_modes = max(n_modes, int(m.n_modes))
+        if not isinstance(m, Mixer):
+            continue
+        info = m.describe()
+        if "position" in info and info["position"] not in positions:
+            positions.append(info["position"])
+        n_modes = max(n_modes, int(info.get("n_modes", 0)))
     hp = {
         "mixer": str(getattr(pl_module, "run_name", type(pl_module).__name__.lower())),
         "task": str(getattr(datamodule, "task_name", "none")) if datamodule is not None else "none",
@@ -89,8 +93,6 @@ def run_hparams(pl_module: pl.LightningModule, datamodule: Any = None) -> dict[s
 
 
 def _metric_tags(task: str) -> list[str]:
-    from mixlab.compare import task_metrics
-
     tags = ["val/loss", "test/loss"]
     tags += [m.tag for m in task_metrics(task) if not m.by_step and "*" not in m.tag]
     tags += ["perf/tokens_per_s", "perf/peak_mem_gb"]

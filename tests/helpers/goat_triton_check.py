@@ -18,7 +18,6 @@ import torch
 from mixlab.ops.goat import GoatLanes
 from mixlab.ops.goat_triton import GoatLanesTriton, kernel_meta, pack_features, pack_params
 
-
 DEV = torch.device(os.environ.get("GOAT_CHECK_DEVICE", "cpu"))
 
 
@@ -82,7 +81,8 @@ def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, b
 
     torch.manual_seed(seed)
     args = dict(d_model=H * d_h, n_heads=H, causal=causal, position="goat", bias=bias)
-    pa = dict(n_modes=n_modes, axes=axes, init="random", default_bias=default, key_mlp_hidden=mlp[0], key_mlp_freqs=mlp[1])
+    pa = dict(n_modes=n_modes, axes=axes, init="random", default_bias=default, key_mlp_hidden=mlp[0],
+              key_mlp_freqs=mlp[1])
     ref = Attention(**args, position_args=dict(pa, lane_impl="torch"))
     fast = Attention(**args, position_args=dict(pa, lane_impl="triton"))
     ref.reset_parameters()
@@ -125,7 +125,8 @@ def split_case(B, T, H, d_h, seed):
 
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(B * T, 3 * H * d_h, generator=g).to(DEV)
-    grads = [torch.randn(B, T, H, d_h, generator=g).to(DEV).transpose(1, 2), torch.randn(B, H, T, d_h, generator=g).to(DEV),
+    grads = [torch.randn(B, T, H, d_h, generator=g).to(DEV).transpose(1, 2),
+             torch.randn(B, H, T, d_h, generator=g).to(DEV),
              torch.randn(B, T, H, d_h, generator=g).to(DEV).transpose(1, 2)]
     outs = []
     for split in (lambda z: z.view(B, T, 3, H, d_h).permute(2, 0, 3, 1, 4).unbind(0),

@@ -1,16 +1,20 @@
-"""Shared helpers of the evaluation commands: checkpoint loading and chunked forward."""
+"""What every evaluation command shares: reading a run from its checkpoint, the plotting set-up,
+the GOAT layers of a model, and the chunked forward."""
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["load_model", "load_datamodule_hparams", "chunked_logits", "import_class"]
+__all__ = ["Run", "load_run", "run_record_of", "import_class", "pyplot", "goat_layers", "chunked_logits"]
+
+_DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
 
 def import_class(path: str) -> type:
@@ -19,34 +23,114 @@ def import_class(path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def load_model(ckpt: str | Path, device: str | torch.device = "cpu") -> pl.LightningModule:
-    """Load a mixlab head from a Lightning checkpoint (CLI or plain ``Trainer`` runs), in eval mode.
+def run_record_of(checkpoint: dict) -> tuple[str | None, str | None, dict[str, Any]]:
+    """``(head class path, datamodule class path, datamodule arguments)`` recorded in a checkpoint
+    dict; None where it records nothing.
+
+    Reads ``checkpoint["mixlab"]`` (:func:`mixlab.heads.common.run_record`, written by every head)
+    and falls back, for checkpoints written before it, to ``mixlab_class_path`` (SyntheticLM),
+    ``mixlab_datamodule`` (ImageClassifier) and LightningCLI's ``_class_path`` entries in
+    ``hyper_parameters`` / ``datamodule_hyper_parameters``.
+    """
+    from mixlab.heads.common import CHECKPOINT_KEY
+
+    record = checkpoint.get(CHECKPOINT_KEY) or {}
+    hp = checkpoint.get("hyper_parameters") or {}
+    head = record.get("head") or checkpoint.get("mixlab_class_path") or hp.get("_class_path")
+    if "data" in record:
+        data, args = record["data"], dict(record.get("data_args") or {})
+    elif checkpoint.get("mixlab_datamodule"):
+        old = checkpoint["mixlab_datamodule"]
+        data, args = old["class_path"], dict(old["init_args"])
+    else:
+        args = dict(checkpoint.get("datamodule_hyper_parameters") or {})
+        data = args.pop("_class_path", None)
+    return head, data, {k: v for k, v in args.items() if not str(k).startswith("_")}
+
+
+@dataclass
+class Run:
+    """A trained run read back from its checkpoint (:func:`load_run`).
+
+    Attributes:
+        path: the checkpoint file.
+        model: the head, in eval mode on the requested device.
+        head: the head's class path.
+        data: the datamodule's class path, or None when the checkpoint records none.
+        data_args: the datamodule's constructor arguments.
+        step: the checkpoint's ``global_step``.
+    """
+
+    path: Path
+    model: pl.LightningModule
+    head: str
+    data: str | None
+    data_args: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+
+    def datamodule(self, default: str | None = None, **overrides: Any) -> Any:
+        """The run's datamodule rebuilt with ``overrides`` applied to its arguments (not set up).
+
+        Args:
+            default: class path used when the checkpoint records no datamodule.
+
+        Raises:
+            ValueError: the checkpoint records no datamodule and there is no ``default`` (names ``--ckpt``).
+        """
+        path = self.data or default
+        if path is None:
+            raise ValueError(f"--ckpt {self.path}: the checkpoint records no datamodule (train with the mixlab CLI "
+                             f"or with a datamodule attached to the Trainer)")
+        return import_class(path)(**{**self.data_args, **overrides})
+
+
+def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | None = None,
+             hint: str = "") -> Run:
+    """Read a mixlab run from a Lightning checkpoint (CLI or plain ``Trainer`` runs, old or new).
+
+    The head class comes from the checkpoint's run record (:func:`run_record_of`); without one,
+    ``head`` (else :class:`~mixlab.heads.lm.CausalLM`). The model is loaded in eval mode on ``device``.
+
+    Args:
+        head: the head class the command needs; a checkpoint of another head is an error.
+        hint: that error's explanation (default: ``"expected a <head> run"``).
 
     Raises:
-        FileNotFoundError: no such checkpoint (names the path given to ``--ckpt``).
+        FileNotFoundError: no such file (``"--ckpt <path>: file not found"``).
+        ValueError: the checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint; <hint>"``).
     """
-    if not Path(ckpt).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt} (--ckpt)")
-    raw = torch.load(ckpt, map_location="cpu", weights_only=False)
-    hp = raw.get("hyper_parameters", {})
-    path = raw.get("mixlab_class_path") or hp.get("_class_path")
-    if path:
-        cls = import_class(path)
-    else:
-        from mixlab.heads.lm import CausalLM
+    path = Path(ckpt)
+    if not path.is_file():
+        raise FileNotFoundError(f"--ckpt {ckpt}: file not found")
+    raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    head_path, data, data_args = run_record_of(raw)
+    if head_path is None:
+        head_path = f"{head.__module__}.{head.__qualname__}" if head is not None else _DEFAULT_HEAD
+    cls = import_class(head_path)
+    if head is not None and not issubclass(cls, head):
+        raise ValueError(f"--ckpt {ckpt}: a {head_path} checkpoint; {hint or f'expected a {head.__name__} run'}")
+    model = cls.load_from_checkpoint(path, map_location=device, weights_only=False)
+    return Run(path, model.eval().to(device), head_path, data, data_args, int(raw.get("global_step", 0)))
 
-        cls = CausalLM
-    model = cls.load_from_checkpoint(ckpt, map_location=device, weights_only=False)
-    return model.eval().to(device)
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (PNG output, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
-def load_datamodule_hparams(ckpt: str | Path) -> tuple[str | None, dict[str, Any]]:
-    """``(class_path or None, init kwargs)`` of the datamodule saved in a checkpoint."""
-    raw = torch.load(ckpt, map_location="cpu", weights_only=False)
-    hp = dict(raw.get("datamodule_hyper_parameters", {}) or {})
-    cls = hp.pop("_class_path", None)
-    hp = {k: v for k, v in hp.items() if not k.startswith("_")}
-    return cls, hp
+def goat_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{layer index: GoatPrior}`` of every GOAT attention layer of a model (ALiBi excluded):
+    the mixers that describe themselves as ``position: goat`` (:meth:`mixlab.mixers.base.Mixer.describe`)."""
+    from mixlab.mixers.base import Mixer
+
+    mixers = [m for m in model.modules() if isinstance(m, Mixer)]
+    return {int(getattr(m, "layer_idx", i)): m.pos for i, m in enumerate(mixers)
+            if m.describe().get("position") == "goat"}
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.eval.common import chunked_logits, import_class, load_datamodule_hparams, load_model
+from mixlab.eval.common import Run, chunked_logits, load_run, pyplot
 
 __all__ = ["position_nll", "length_table", "plot_position_nll", "main"]
 
@@ -73,7 +73,8 @@ def length_table(results: dict[str, dict[int, float]], train_length: dict[str, i
     head = ["model", "train_len"] + [str(length) for length in lengths]
     rows = [head]
     for label, r in results.items():
-        rows.append([label, str(train_length[label])] + [f"{r[length]:.3f}" if length in r else "" for length in lengths])
+        rows.append([label, str(train_length[label])]
+                    + [f"{r[length]:.3f}" if length in r else "" for length in lengths])
     md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     md += ["| " + " | ".join(row) + " |" for row in rows[1:]]
     return "\n".join(md) + "\n", rows
@@ -81,12 +82,7 @@ def length_table(results: dict[str, dict[int, float]], train_length: dict[str, i
 
 def plot_position_nll(curves: dict[str, np.ndarray], train_length: dict[str, int], path: Path, smooth: int = 16):
     """Save the position-wise NLL figure (one curve per model); returns the matplotlib figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    fig, ax = pyplot().subplots(figsize=(6.4, 4.0))
     for label, curve in curves.items():
         k = max(1, min(smooth, len(curve)))
         sm = np.convolve(curve, np.ones(k) / k, mode="valid")
@@ -103,18 +99,17 @@ def plot_position_nll(curves: dict[str, np.ndarray], train_length: dict[str, int
     return fig
 
 
-def _datamodule(ckpt: str, args):
-    cls_path, hp = load_datamodule_hparams(ckpt)
-    cls = import_class(cls_path or "mixlab.datamodules.text.TextDataModule")
+def _datamodule(run: Run, args):
+    over = {}
     if args.data_path is not None:
-        hp["path"], hp["tokens_dir"] = args.data_path, None
+        over["path"], over["tokens_dir"] = args.data_path, None
     if args.tokenizer is not None:
-        hp["tokenizer"] = args.tokenizer
-    dm = cls(**hp)
+        over["tokenizer"] = args.tokenizer
+    dm = run.datamodule(default="mixlab.datamodules.text.TextDataModule", **over)
     if not hasattr(dm, "windows"):
-        raise ValueError(f"{ckpt}: datamodule {cls.__name__} has no windows(split, length) method; "
+        raise ValueError(f"{run.path}: datamodule {type(dm).__name__} has no windows(split, length) method; "
                          "length extrapolation needs a text-like datamodule (--data-path)")
-    return dm, int(hp.get("context_length", 0))
+    return dm, int(run.data_args.get("context_length", 0))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -127,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--train-length", type=int, default=None, help="override the training length (tokens)")
     p.add_argument("--max-windows", type=int, default=16, help="windows per length")
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=None, help="tokens per cached forward (default: training length; 0: none)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="tokens per cached forward (default: training length; 0: none)")
     p.add_argument("--data-path", default=None, help="evaluate on these documents instead of the checkpoint's")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint datamodule's tokenizer")
     p.add_argument("--split", default="val")
@@ -145,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     curves: dict[str, np.ndarray] = {}
     train_len: dict[str, int] = {}
     for i, ckpt in enumerate(args.ckpt):
-        model = load_model(ckpt, args.device)
-        dm, l_train = _datamodule(ckpt, args)
+        run = load_run(ckpt, args.device)
+        model = run.model
+        dm, l_train = _datamodule(run, args)
         l_train = args.train_length or l_train
         if l_train <= 0:
             raise ValueError(f"{ckpt}: no context_length in the checkpoint's datamodule; pass --train-length")
@@ -156,12 +153,14 @@ def main(argv: list[str] | None = None) -> dict:
         train_len[label], results[label] = l_train, {}
         ck = Path(ckpt).resolve()
         # scalars go into the checkpoint's own run folder (where `mixlab compare` looks), whatever --out is
-        tb_dir = ck.parent.parent / "length_extrapolation" / "tb" if ck.parent.name == "checkpoints" else out / "tb" / label
+        in_run = ck.parent.name == "checkpoints"
+        tb_dir = ck.parent.parent / "length_extrapolation" / "tb" if in_run else out / "tb" / label
         writer = SummaryWriter(str(tb_dir))
         for m in args.lengths:
             length = int(round(m * l_train))
             ds = dm.windows(args.split, length + 1, max_windows=args.max_windows)
-            nll, n = position_nll(model, ds, args.batch_size, l_train if args.chunk is None else args.chunk, args.device)
+            chunk = l_train if args.chunk is None else args.chunk
+            nll, n = position_nll(model, ds, args.batch_size, chunk, args.device)
             loss = float(nll.sum() / (n * length))
             results[label][length] = math.exp(min(loss, 80.0))
             curves[label] = nll / n

@@ -282,7 +282,8 @@ def _cg_rows(res: dict) -> list[tuple[str, str, str, str]]:
     avg = sum(mean) / len(mean) if mean else None
     return [("adaptive CG iterations at eps 1e-4 (validation), mean and range over heads",
              "about 9 on average (vs 30 fixed); some heads need many more; Fig. 5",
-             f"mean {_fmt(avg, 1)}, heads {spread}", _verdict(avg is not None and avg < 15, avg is not None and avg < 30))]
+             f"mean {_fmt(avg, 1)}, heads {spread}",
+             _verdict(avg is not None and avg < 15, avg is not None and avg < 30))]
 
 
 # ---------------------------------------------------------------------------------- the suites
@@ -296,11 +297,12 @@ def _goat_suite() -> list[Experiment]:
     text = [RunSpec(m, f"configs/text/{m}.yaml", steps=1000) for m in ("goat", "rope")]
     genome = [RunSpec(m, f"configs/genome/{m}.yaml", [D + "context_length", "512", D + "batch_size", "32"], steps=1500,
                       quick=[D + "context_length", "64"]) for m in ("goat", "rope")]
-    vit = [RunSpec(n, f"configs/vit/{n}_digits.yaml", ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch",
-                                                        "null", "--trainer.val_check_interval", "{steps}"], steps=1500)
-           for n in ("goat", "ape")]
+    per_step = ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch", "null",
+                "--trainer.val_check_interval", "{steps}"]
+    vit = [RunSpec(n, f"configs/vit/{n}_digits.yaml", per_step, steps=1500) for n in ("goat", "ape")]
     vqa = [RunSpec(n, f"configs/vqa/{n}_digits.yaml", ["--trainer.val_check_interval", "{steps}"], steps=8000,
-                   quick=[D + "n_train", "256", D + "n_val", "64", D + "n_test", "128"]) for n in ("goat", "nope", "rope")]
+                   quick=[D + "n_train", "256", D + "n_val", "64", D + "n_test", "128"])
+           for n in ("goat", "nope", "rope")]
     return [
         Experiment("text_length", "Text LM length extrapolation (tinyshakespeare, bytes)", text, _length_rows,
                    _length_eval, _length_parse),
@@ -382,7 +384,7 @@ def _common(spec: RunSpec, run_root: Path, quick: bool, steps: int) -> list[str]
 
 
 def _collect(run_dir: Path) -> dict:
-    from mixlab.compare import load_scalars
+    from mixlab.eval.compare import load_scalars
 
     sc = load_scalars(run_dir)
     last = lambda prefix: {t: ev[-1][2] for t, ev in sc.items() if t.startswith(prefix)}  # noqa: E731
@@ -402,7 +404,8 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
         rc, text = launch(argv, out / "logs" / f"{exp.name}-{spec.name}.fit.log")
         entry: dict[str, Any] = {"command": "python -m mixlab " + shlex.join(argv), "fit_rc": rc}
         if rc == 0:
-            entry["test_rc"], _ = launch(test_argv(spec, root, quick, scale), out / "logs" / f"{exp.name}-{spec.name}.test.log")
+            log = out / "logs" / f"{exp.name}-{spec.name}.test.log"
+            entry["test_rc"], _ = launch(test_argv(spec, root, quick, scale), log)
         else:
             entry["error"] = "\n".join(text.strip().splitlines()[-5:])
         run_dirs = sorted(root.glob(f"*/{spec.name}"))
@@ -431,7 +434,8 @@ def table(rows: list[dict]) -> str:
     lines = ["| experiment | measure | paper | mixlab | verdict | command |", "|---|---|---|---|---|---|"]
     for r in rows:
         cmd = "<br>".join(f"`{c}`" for c in r["commands"])
-        lines.append(f"| {r['experiment']} | {r['measure']} | {r['paper']} | {r['mixlab']} | **{r['verdict']}** | {cmd} |")
+        lines.append(f"| {r['experiment']} | {r['measure']} | {r['paper']} | {r['mixlab']} | **{r['verdict']}** | "
+                     f"{cmd} |")
     return "\n".join(lines) + "\n"
 
 

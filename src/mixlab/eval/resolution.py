@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mixlab.eval.common import import_class
+from mixlab.eval.common import load_run, pyplot
 
 __all__ = ["parse_resolution", "evaluate_resolutions", "render_log_prior", "main"]
 
@@ -62,22 +62,6 @@ def _res_label(hw: tuple[int, int]) -> str:
     return str(hw[0]) if hw[0] == hw[1] else f"{hw[0]}x{hw[1]}"
 
 
-def _build_datamodule(ckpt: dict, path: str, overrides: dict[str, Any]):
-    """Rebuild the training datamodule stored in a checkpoint with ``overrides`` applied."""
-    info = ckpt.get("mixlab_datamodule")
-    if info is not None:
-        class_path, kwargs = info["class_path"], dict(info["init_args"])
-    else:  # LightningCLI stores the datamodule's init args with its class path
-        hp = dict(ckpt.get("datamodule_hyper_parameters", {}) or {})
-        class_path = hp.pop("_class_path", None)
-        kwargs = {k: v for k, v in hp.items() if not k.startswith("_")}
-    if class_path is None:
-        raise ValueError(f"{path}: the checkpoint records no datamodule (train with the mixlab CLI or an "
-                         "ImageClassifier attached to a datamodule)")
-    kwargs = {k: v for k, v in kwargs.items() if not k.startswith("_")}
-    return import_class(class_path)(**{**kwargs, **overrides})
-
-
 def _parse_kv(items: list[str]) -> dict[str, Any]:
     import yaml
 
@@ -92,11 +76,7 @@ def _parse_kv(items: list[str]) -> dict[str, Any]:
 
 def render_log_prior(model, layer: int, path: Path, grid: tuple[int, int] | None = None, title: str = ""):
     """Save a layer's 2D log-prior (:meth:`MixViT.log_prior_image`) as a PNG; returns the figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     img = model.log_prior_image(layer, grid).numpy()  # [H, gh, gw]
     qy, qx = img.shape[1] // 2, img.shape[2] // 2  # log_prior_image's default query
     n = img.shape[0]
@@ -155,15 +135,9 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
     info_level = lightning_info.level
     names_seen: dict[str, int] = {}
     for path in ckpts:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"--ckpt {path}: file not found")
-        raw = torch.load(path, map_location="cpu", weights_only=False)
-        cls_path = (raw.get("hyper_parameters") or {}).get("_class_path")
-        if cls_path is not None and not issubclass(import_class(cls_path), ImageClassifier):
-            raise ValueError(f"--ckpt {path}: a {cls_path} checkpoint; the resolution evaluation needs an "
-                             f"ImageClassifier run (e.g. configs/vit/*.yaml)")
-        model = ImageClassifier.load_from_checkpoint(path, map_location="cpu", weights_only=False)
-        model.eval()
+        run = load_run(path, "cpu", head=ImageClassifier,
+                       hint="the resolution evaluation needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
+        model = run.model
         name = model.run_name
         names_seen[name] = names_seen.get(name, 0) + 1
         if names_seen[name] > 1:
@@ -174,10 +148,11 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
             over = {"eval_size": list(hw), **(data_args or {})}
             if batch_size:
                 over["batch_size"] = batch_size
-            dm = _build_datamodule(raw, path, over)
+            dm = run.datamodule(**over)
             kw = {f"limit_{split}_batches": limit_batches} if limit_batches else {}
             trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, logger=False,
-                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                 **kw)
             fn = trainer.validate if split == "val" else trainer.test
             metrics = fn(model, datamodule=dm, verbose=False)[0]
             lightning_info.setLevel(max(lightning_info.level, logging.WARNING))
@@ -188,7 +163,8 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
             rows.append(row)
             writer.add_scalar(f"resolution/{name}/top1", row["top1"], global_step=hw[0])
             writer.add_scalar(f"resolution/{name}/top5", row["top5"], global_step=hw[0])
-            print(f"{name:>16s} @ {row['res']:>9s}: top-1 {row['top1']:6.2f}  top-5 {row['top5']:6.2f}  loss {row['loss']:.4f}")
+            print(f"{name:>16s} @ {row['res']:>9s}: top-1 {row['top1']:6.2f}  top-5 {row['top5']:6.2f}  "
+                  f"loss {row['loss']:.4f}")
         if prior_layer is not None and model.position == "goat2d":
             try:
                 fig = render_log_prior(model.model, prior_layer, out / f"prior_{name}_layer{prior_layer}.png",
@@ -203,11 +179,7 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
 
 
 def _write_tables(rows: list[dict], out: Path, writer) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fields = ["run", "position", "train_res", "res", "height", "width", "top1", "top5", "loss", "ckpt"]
     with open(out / "resolution.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)

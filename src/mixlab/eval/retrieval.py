@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mixlab.datamodules.retrieval import load_essay, make_example, span_metrics
-from mixlab.eval.common import chunked_logits, load_datamodule_hparams, load_model
+from mixlab.eval.common import chunked_logits, load_run, pyplot
 
 __all__ = ["evaluate_cell", "plot_heatmap", "main", "passkey_main", "niah_main"]
 
@@ -59,12 +59,7 @@ def evaluate_cell(model, task: str, length: int, depth: float, samples: int, hay
 
 def plot_heatmap(grid: np.ndarray, depths: list[float], lengths: list[int], path: Path, title: str):
     """Save a depth x length heatmap of ``grid [len(depths), len(lengths)]`` in [0, 1]."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
+    fig, ax = pyplot().subplots(figsize=(1.0 + 0.9 * len(lengths), 1.0 + 0.45 * len(depths)))
     im = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="upper")
     ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
@@ -94,17 +89,18 @@ def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
                    help="default: the checkpoint's training haystack")
     p.add_argument("--text", default=None, help="prose for --haystack essay (default: shipped tinyshakespeare)")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--chunk", type=int, default=None, help="tokens per cached forward (default: training length; 0: none)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="tokens per cached forward (default: training length; 0: none)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="output folder (default: <ckpt dir>/../retrieval)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    _, hp = load_datamodule_hparams(args.ckpt)
+    run = load_run(args.ckpt, args.device)
+    model, hp = run.model, run.data_args
     train_len = int(hp.get("context_length", 256))
     haystack = args.haystack or hp.get("haystack", "noise")
     lengths = args.lengths or [train_len * m for m in (1, 2, 4, 8)]
     essay = load_essay(args.text or hp.get("essay_path")) if haystack == "essay" else None
-    model = load_model(args.ckpt, args.device)
     chunk = train_len if args.chunk is None else args.chunk
     out = Path(args.out) if args.out else Path(args.ckpt).resolve().parent.parent / "retrieval"
     out.mkdir(parents=True, exist_ok=True)

@@ -1,15 +1,34 @@
-"""Helpers shared by heads: checkpoint-safe hyperparameters and the common Lightning hooks."""
+"""The base class of every head, and checkpoint-safe hyperparameters."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, TypeVar
 
-from mixlab.optim import build_optimizer
+import lightning.pytorch as pl
+
+from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
 
-__all__ = ["EvalSumsHooks", "as_config", "plain_hparams"]
+__all__ = ["Head", "CHECKPOINT_KEY", "run_record", "as_config", "plain_hparams", "qualname"]
+
+CHECKPOINT_KEY = "mixlab"
+"""Key of the run record every head writes into its checkpoints (see :func:`run_record`)."""
+
+
+def qualname(obj: Any) -> str:
+    """``"package.module.Class"`` of an object's class (what :func:`mixlab.eval.common.import_class` reads)."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def run_record(head: pl.LightningModule, datamodule: Any = None) -> dict[str, Any]:
+    """What a checkpoint needs to rebuild its run: ``{"head": class path, "data": datamodule class
+    path or None, "data_args": the datamodule's hyperparameters}`` (plain values; keys starting
+    with ``_``, LightningCLI's bookkeeping, left out). Read back by :func:`mixlab.eval.common.load_run`."""
+    args = dict(getattr(datamodule, "hparams", None) or {}) if datamodule is not None else {}
+    return {"head": qualname(head), "data": qualname(datamodule) if datamodule is not None else None,
+            "data_args": {k: v for k, v in args.items() if not str(k).startswith("_")}}
 
 
 def as_config(cls: type[T], value: T | dict | None) -> T:
@@ -45,16 +64,64 @@ def plain_hparams(module: Any) -> None:
                 store[k] = dataclasses.asdict(v)
 
 
-class EvalSumsHooks:
-    """Lightning hooks shared by the heads (mixed in before ``LightningModule``).
+class Head(pl.LightningModule):
+    """Base class of every mixlab head (input embedding -> backbone -> task output, loss, metrics).
 
-    A head accumulates exact metric sums in ``*_step`` and implements
-    ``_eval_epoch_end(stage)`` to log and reset them; it keeps its optimiser settings in
-    ``self.optim_cfg`` (:class:`mixlab.optim.OptimConfig`).
+    A new head subclasses ``Head`` and writes four methods:
+
+    * ``forward(...)``: the model;
+    * ``training_step(batch, batch_idx) -> loss`` (logs ``train/...``);
+    * ``_eval_step(batch, stage)``: accumulate exact metric sums of one batch for ``stage``
+      (``"val"`` or ``"test"``);
+    * ``_eval_epoch_end(stage)``: log ``<stage>/...`` from the sums and reset them.
+
+    and sets ``self.optim_cfg`` (:class:`~mixlab.optim.OptimConfig`) and ``self.run_name`` (the
+    run directory name, e.g. :func:`mixlab.backbone.pattern_name` of its mixer pattern) in
+    ``__init__``. Optional: ``batch_tokens(batch) -> int`` (the throughput unit; default
+    ``batch.numel()``) and ``setup(stage)`` reading the datamodule through :meth:`data_attr`
+    (the attributes heads read are listed in :mod:`mixlab.datamodules`).
+
+    Provided here: the validation/test steps and epoch ends, AdamW with warmup + cosine,
+    gradient clipping that also works under FSDP, the datamodule accessor, and the run record
+    ``checkpoint["mixlab"]`` (:func:`run_record`) that the evaluation commands read.
     """
+
+    optim_cfg: OptimConfig
+    run_name: str
+
+    # ------------------------------------------------------------------ the datamodule
+    @property
+    def data(self) -> Any:
+        """The datamodule attached to the trainer, or None (no trainer: a plain forward or an
+        evaluation command)."""
+        return getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+
+    def data_attr(self, name: str, default: Any = None) -> Any:
+        """Attribute ``name`` of the attached datamodule, else ``default`` (also without a datamodule)."""
+        return getattr(self.data, name, default)
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_step(self, batch: Any, stage: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _eval_step(batch, stage)")
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _eval_epoch_end(stage)")
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
 
     def on_validation_epoch_end(self) -> None:
         self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self):
+        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping, except under FSDP: Lightning's FSDP precision plugin refuses
@@ -67,8 +134,7 @@ class EvalSumsHooks:
         self.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
-
-    def configure_optimizers(self):
-        return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``."""
+        checkpoint[CHECKPOINT_KEY] = run_record(self, self.data)

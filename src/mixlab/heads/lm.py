@@ -4,28 +4,30 @@ from __future__ import annotations
 
 import math
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 
-from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
+from mixlab.heads.common import Head, as_config, plain_hparams
 from mixlab.optim import OptimConfig
 
-__all__ = ["CausalLM", "pattern_name"]
+__all__ = ["CausalLM", "token_nll", "pattern_name"]
 
 
-def pattern_name(mixer: str | list[str]) -> str:
-    """Short run name (a directory name safe in a shell) for a mixer pattern: ``"goat"``,
-    ``"kda*3,mla"`` -> ``"kdax3-mla"``."""
-    items = mixer.split(",") if isinstance(mixer, str) else list(mixer)
-    return "-".join(i.strip().replace("*", "x") for i in items if i.strip())
+def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token next-token scores: ``logits [B, T, V]`` float, ``targets [B, T]`` int64 ->
+    ``(nll [B*T] float32 nats (0 where ignored), valid [B*T] bool, hits [B*T] bool)``; targets
+    equal to ``ignore_index`` are not scored."""
+    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=ignore_index)
+    valid = targets.flatten() != ignore_index
+    hits = (logits.argmax(-1).flatten() == targets.flatten()) & valid
+    return nll, valid, hits
 
 
-class CausalLM(EvalSumsHooks, pl.LightningModule):
+class CausalLM(Head):
     """Decoder LM: token embedding -> :class:`~mixlab.backbone.Backbone` -> tied/untied output.
 
     Batches are ``LongTensor [B, L + 1]`` token ids; inputs are ``[:, :-1]``, targets
@@ -105,23 +107,21 @@ class CausalLM(EvalSumsHooks, pl.LightningModule):
     def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if batch.dim() != 2:
             raise ValueError(f"CausalLM expects LongTensor [B, L+1] batches; got shape {tuple(batch.shape)}")
-        inp, tgt = batch[:, :-1], batch[:, 1:]
-        logits = self(inp)
-        nll = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), reduction="none", ignore_index=-100)
-        valid = tgt.flatten() != -100
-        hits = (logits.argmax(-1).flatten() == tgt.flatten()) & valid
-        return nll, valid, hits
+        return token_nll(self(batch[:, :-1]), batch[:, 1:])
+
+    def _update_sums(self, stage: str, nll: Tensor, valid: Tensor, hits: Tensor) -> None:
+        self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
+        self.metric_sums[f"{stage}_count"].update(valid.sum().double())
+        self.metric_sums[f"{stage}_hits"].update(hits.sum().double())
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is None:
-            return
-        dm_vocab = getattr(dm, "vocab_size", None)
+        dm_vocab = self.data_attr("vocab_size")
         if dm_vocab is not None and dm_vocab > self.vocab_size:
-            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the datamodule's vocab_size={dm_vocab} "
-                             f"({type(dm).__name__}); set model.init_args.vocab_size: {dm_vocab}")
-        self.token_unit = getattr(dm, "token_unit", "token")
+            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the datamodule's "
+                             f"vocab_size={dm_vocab} ({type(self.data).__name__}); "
+                             f"set model.init_args.vocab_size: {dm_vocab}")
+        self.token_unit = self.data_attr("token_unit", "token")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         nll, valid, hits = self._nll(batch)
@@ -132,16 +132,7 @@ class CausalLM(EvalSumsHooks, pl.LightningModule):
         return loss
 
     def _eval_step(self, batch: Tensor, stage: str) -> None:
-        nll, valid, hits = self._nll(batch)
-        self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
-        self.metric_sums[f"{stage}_count"].update(valid.sum().double())
-        self.metric_sums[f"{stage}_hits"].update(hits.sum().double())
-
-    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def test_step(self, batch: Tensor, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
+        self._update_sums(stage, *self._nll(batch))
 
     def _eval_epoch_end(self, stage: str) -> None:
         sums = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "hits")}

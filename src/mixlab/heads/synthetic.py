@@ -28,14 +28,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from mixlab.backbone import BackboneConfig
 from mixlab.coords import Coords
-from mixlab.heads.lm import CausalLM
+from mixlab.heads.lm import CausalLM, token_nll
 from mixlab.optim import OptimConfig
 
 __all__ = ["SyntheticLM", "split_batch"]
@@ -96,6 +95,7 @@ class SyntheticLM(CausalLM):
         self.acc_macro = nn.ModuleDict({s: MulticlassAccuracy(vocab_size, average="macro", ignore_index=-100)
                                         for s in ("val", "test")})
         self.task_sums = nn.ModuleDict()
+        self._task_metrics = None
 
     def forward(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
         """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32."""
@@ -106,28 +106,25 @@ class SyntheticLM(CausalLM):
         z = h[:, -1:, :] + self.dec_pos.weight[:t].unsqueeze(0)
         return self.lm_head(self.dec_mlp(z)).float()
 
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Record the head's class so evaluation commands rebuild it from plain-Trainer checkpoints."""
-        checkpoint["mixlab_class_path"] = f"{type(self).__module__}.{type(self).__qualname__}"
-
     @staticmethod
     def batch_tokens(batch) -> int:
         return split_batch(batch)[0].numel()
 
-    def _scored(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=-100)
-        valid = targets.flatten() != -100
-        hits = (logits.argmax(-1).flatten() == targets.flatten()) & valid
-        return nll, valid, hits
-
     def _nll(self, batch) -> tuple[Tensor, Tensor, Tensor]:
         inp, tgt, _ = split_batch(batch)
-        return self._scored(self(inp), tgt)
+        return token_nll(self(inp), tgt)
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self._task_metrics = self.data_attr("task_metrics")  # looked up once, not per batch
+
+    def teardown(self, stage: str) -> None:
+        self._task_metrics = None  # a bound method of the datamodule: do not keep it alive with the model
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         inp, tgt, b = split_batch(batch)
         logits = self(inp)
-        nll, valid, hits = self._scored(logits, tgt)
+        nll, valid, hits = token_nll(logits, tgt)
         n = valid.sum().clamp_min(1)
         loss = nll.sum() / n
         if self.span_weight > 0 and "span" in b:
@@ -146,16 +143,12 @@ class SyntheticLM(CausalLM):
         inp, _, b = split_batch(batch)
         tgt = b.get("eval_targets", b["targets"])
         logits = self(inp)
-        nll, valid, hits = self._scored(logits, tgt)
-        self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
-        self.metric_sums[f"{stage}_count"].update(valid.sum().double())
-        self.metric_sums[f"{stage}_hits"].update(hits.sum().double())
+        nll, valid, hits = token_nll(logits, tgt)
+        self._update_sums(stage, nll, valid, hits)
         if valid.any():
             self.acc_macro[stage].update(logits.argmax(-1).flatten(), tgt.flatten())
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        fn = getattr(dm, "task_metrics", None)
-        if fn is not None:
-            for name, (s, c) in fn(logits, b).items():
+        if self._task_metrics is not None:
+            for name, (s, c) in self._task_metrics(logits, b).items():
                 self._task_sum(f"{stage}_{name}_sum").update(torch.as_tensor(s, dtype=torch.float64))
                 self._task_sum(f"{stage}_{name}_count").update(torch.as_tensor(c, dtype=torch.float64))
 

@@ -7,47 +7,56 @@ Two layers:
   ``import mixlab.heads.vit; timm.create_model("vit_small_patch16_goat")`` works.
 * :class:`ImageClassifier` - the LightningModule (losses, Mixup/CutMix, top-1/top-5, optimiser).
 
-Position schemes (``position=``), all resolution-agnostic (any image whose sides are multiples
-of the patch size runs with the same parameters):
+The position scheme is stated once, by the backbone's mixer (as for every head), plus the
+head's own embedding-side option ``ape`` (as the LM's ``abs_pos_len``). All are
+resolution-agnostic (any image whose sides are multiples of the patch size runs with the same
+parameters); the four presets (:data:`PRESETS`, the run names and timm entrypoints) are:
 
-* ``goat2d``: the GOAT log-prior (Litman & Guo, Sec. 4; 2D form of Eq. 12/20: the relative term is
-  the SUM of a y-part and an x-part) on integer patch coordinates ``(y, x)``. Modes are split
-  evenly over the axes and each axis gets the same geometric frequency grid (isotropic; the
-  reference code gives x only the lowest frequencies). ``[CLS]`` has no coordinates: its key
-  gets a learned per-head default bias (``default_bias``) and no relative term.
-* ``ape``: learned absolute embeddings (timm layout, ``[1, 1 + gh*gw, D]`` with a ``[CLS]`` slot)
-  resampled bicubically to other grids with :func:`timm.layers.resample_abs_pos_embed`
-  (identical to timm's ``VisionTransformer(dynamic_img_size=True)``).
-* ``rope2d``: 2D axial RoPE (half the head dim rotates with y, half with x; ``[CLS]`` unrotated).
-* ``nope``: no positional information.
+* ``goat2d`` (``mixer: goat``): the GOAT log-prior (Litman & Guo, Sec. 4; 2D form of Eq. 12/20:
+  the relative term is the SUM of a y-part and an x-part) on integer patch coordinates
+  ``(y, x)``. Modes are split evenly over the axes and each axis gets the same geometric
+  frequency grid (isotropic; the reference code gives x only the lowest frequencies).
+  ``[CLS]`` has no coordinates: its key gets a learned per-head default bias
+  (``default_bias``) and no relative term.
+* ``ape`` (``mixer: nope``, ``ape: true``): learned absolute embeddings (timm layout,
+  ``[1, 1 + gh*gw, D]`` with a ``[CLS]`` slot) resampled bicubically to other grids with
+  :func:`timm.layers.resample_abs_pos_embed` (identical to timm's
+  ``VisionTransformer(dynamic_img_size=True)``).
+* ``rope2d`` (``mixer: rope``): 2D axial RoPE (half the head dim rotates with y, half with x;
+  ``[CLS]`` unrotated).
+* ``nope`` (``mixer: nope``): no positional information.
 
-The backbone's mixer pattern can name any registered mixer; ``goat``/``rope`` entries get
-``axes: 2`` (and GOAT ``default_bias: true``) filled in unless set.
+The mixer pattern can name any registered mixer; position schemes that read coordinates get
+``axes: 2`` (and GOAT ``default_bias: true`` with a ``[CLS]`` token) unless set
+(:meth:`~mixlab.backbone.BackboneConfig.with_position_axes`). The former head option
+``position: goat2d|ape|rope2d|nope`` (configs and checkpoints written before ``ape``) is still
+accepted and mapped once to ``ape`` and a check of the mixer (:func:`legacy_position`).
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 
-from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
-from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.backbone import Backbone, BackboneConfig, mixer_names, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.lm import pattern_name
+from mixlab.heads.common import Head, as_config, plain_hparams
 from mixlab.optim import OptimConfig
 
-__all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "POSITIONS", "to_hw"]
+__all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "PRESETS", "POSITIONS", "legacy_position",
+           "position_label", "to_hw"]
 
-POSITIONS = ("goat2d", "ape", "rope2d", "nope")
-_POSITION_MIXER = {"goat2d": "goat", "rope2d": "rope", "ape": "nope", "nope": "nope"}
+PRESETS = {"goat2d": ("goat", False), "ape": ("nope", True), "rope2d": ("rope", False), "nope": ("nope", False)}
+"""Preset name -> (attention mixer, ``ape``): run names, :func:`vit_backbone` and the timm entrypoints."""
+
+POSITIONS = tuple(PRESETS)
+"""The preset names (the former ``position`` option's values)."""
 
 
 def to_hw(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -64,44 +73,60 @@ def vit_backbone(position: str = "goat2d", d_model: int = 384, n_layers: int = 1
                  n_modes: int = 16, drop_path: float = 0.1, **kw: Any) -> BackboneConfig:
     """ViT-S/16 defaults as timm's ``vit_small_patch16_224`` (dim 384, depth 12, 6 heads, LayerNorm
     eps 1e-6, MLP ratio 4 GELU, biases in qkv/proj/MLP, drop-path 0.1, bidirectional) with the
-    attention mixer for ``position`` (GOAT: ``n_modes`` Fourier modes over 2 axes)."""
-    if position not in POSITIONS:
-        raise ValueError(f"position must be one of {POSITIONS}; got {position!r}")
-    mixer = _POSITION_MIXER[position]
+    attention mixer of preset ``position`` (:data:`PRESETS`; GOAT: ``n_modes`` Fourier modes over
+    2 axes). The ``ape`` preset's learned embeddings are the head's (``MixViT(ape=True)``).
+
+    Raises:
+        ValueError: unknown preset.
+    """
+    mixer = _preset(position)[0]
     args: dict[str, dict] = {mixer: {"bias": True}}
     if mixer == "goat":
-        args[mixer]["position_args"] = {"n_modes": n_modes, "axes": 2, "default_bias": True}
-    elif mixer == "rope":
-        args[mixer]["position_args"] = {"axes": 2}
+        args[mixer]["position_args"] = {"n_modes": n_modes}
     kw.setdefault("norm", "layernorm")
     return BackboneConfig(d_model=d_model, n_layers=n_layers, n_heads=n_heads, mixer=mixer, mixer_args=args,
                           causal=False, mlp="gelu", mlp_ratio=4.0, drop_path=drop_path, bias=True, **kw)
 
 
-def _prepare_backbone(cfg: BackboneConfig, position: str, has_cls: bool = True) -> BackboneConfig:
-    """Copy of ``cfg`` made bidirectional, with 2-axis GOAT/RoPE arguments filled in.
-
-    GOAT's ``default_bias`` (the ``[CLS]`` key default) is on with a ``[CLS]`` token and forced off
-    without one (global average pooling), so no parameter goes unused under DDP.
-    """
-    if position not in POSITIONS:
+def _preset(position: str) -> tuple[str, bool]:
+    if position not in PRESETS:
         raise ValueError(f"position must be one of {POSITIONS}; got {position!r}")
-    cfg = copy.deepcopy(cfg)
-    cfg.causal = False
-    names = {n.strip().split("*")[0].strip() for n in (cfg.mixer.split(",") if isinstance(cfg.mixer, str) else cfg.mixer)}
-    args = {k: dict(v) for k, v in (cfg.mixer_args or {}).items()}
-    for name in names & {"goat", "rope"}:
-        entry = args.setdefault(name, {})
-        pargs = dict(entry.get("position_args") or {})
-        pargs.setdefault("axes", 2)
-        if name == "goat":
-            pargs["default_bias"] = bool(pargs.get("default_bias", True)) and has_cls
-        entry["position_args"] = pargs
-    cfg.mixer_args = args
-    need = {"goat2d": "goat", "rope2d": "rope"}.get(position)
-    if need is not None and need not in names:
-        raise ValueError(f"position={position!r} needs a {need!r} mixer in backbone.mixer; got {cfg.mixer!r}")
-    return cfg
+    return PRESETS[position]
+
+
+def legacy_position(position: str | None, ape: bool, backbone: BackboneConfig | None) -> tuple[bool, BackboneConfig]:
+    """Map the former ``position`` option once: ``(ape, backbone config)``.
+
+    ``position=None`` (current configs): ``ape`` as given, default backbone the ``goat2d`` preset
+    (``ape`` preset with ``ape=True``). A preset name sets ``ape`` for ``"ape"``, gives the
+    preset's backbone when none is given, and checks that the given pattern has the preset's
+    attention mixer (``goat2d`` needs ``goat``, ``rope2d`` needs ``rope``).
+
+    Raises:
+        ValueError: unknown preset; a pattern without the preset's mixer.
+    """
+    if position is None:
+        return ape, backbone or vit_backbone("ape" if ape else "goat2d")
+    mixer, preset_ape = _preset(position)
+    if backbone is None:
+        return ape or preset_ape, vit_backbone(position)
+    if mixer != "nope" and mixer not in mixer_names(backbone.mixer):
+        raise ValueError(f"position={position!r} needs a {mixer!r} mixer in backbone.mixer; got {backbone.mixer!r}")
+    return ape or preset_ape, backbone
+
+
+def position_label(mixer: str | list[str], ape: bool) -> str:
+    """The preset name that describes a ViT (``ape``; else ``goat2d`` / ``rope2d`` when the pattern
+    has that mixer; else ``nope``): the ``position`` column of resolution tables."""
+    names = set(mixer_names(mixer))
+    return "ape" if ape else "goat2d" if "goat" in names else "rope2d" if "rope" in names else "nope"
+
+
+def run_name(mixer: str | list[str], ape: bool) -> str:
+    """Run directory name: the preset name when the pattern is the preset's own mixer (``goat2d``,
+    ``ape``, ``rope2d``, ``nope``), else ``<pattern>-<preset>`` (``goat-nope-goat2d``)."""
+    label, base = position_label(mixer, ape), pattern_name(mixer)
+    return label if base == PRESETS[label][0] else f"{base}-{label}"
 
 
 class MixViT(nn.Module):
@@ -114,24 +139,36 @@ class MixViT(nn.Module):
         patch_size: ``P``; image sides must be multiples of ``P`` (else ValueError: no silent crop
             - the datamodules' center crop produces valid sizes).
         in_chans: image channels.
-        position: ``goat2d`` | ``ape`` | ``rope2d`` | ``nope`` (module docstring).
+        position: former option, a preset name or None (see :func:`legacy_position`).
         pool: ``cls`` (the ``[CLS]`` token) or ``avg`` (global average over patch tokens; no
             ``[CLS]`` token is added).
-        backbone: :class:`BackboneConfig`; default ViT-S/16 for ``position`` (:func:`vit_backbone`).
+        backbone: :class:`BackboneConfig` (its mixer is the position scheme); default ViT-S/16
+            with GOAT (:func:`vit_backbone`). Made bidirectional, with 2-axis position schemes.
+        ape: learned absolute position embeddings added to the tokens.
         **_: ignored keywords timm passes to model constructors (``pretrained_cfg`` ...).
 
     Shapes: ``T = n_prefix + (H/P)(W/P)`` tokens with ``n_prefix = 1`` for ``cls`` pooling.
+
+    Raises:
+        ValueError: bad ``pool``; a bad legacy ``position`` (:func:`legacy_position`).
     """
 
     def __init__(self, num_classes: int = 1000, img_size: int | tuple[int, int] = 224, patch_size: int = 16,
-                 in_chans: int = 3, position: str = "goat2d", pool: Literal["cls", "avg"] = "cls",
-                 backbone: BackboneConfig | None = None, **_: Any) -> None:
+                 in_chans: int = 3, position: str | None = None, pool: Literal["cls", "avg"] = "cls",
+                 backbone: BackboneConfig | None = None, ape: bool = False, **_: Any) -> None:
         super().__init__()
         if pool not in ("cls", "avg"):
             raise ValueError(f"pool must be 'cls' or 'avg'; got {pool!r}")
-        cfg = _prepare_backbone(backbone or vit_backbone(position), position, has_cls=pool == "cls")
+        ape, cfg = legacy_position(position, ape, backbone)
+        # GOAT's default_bias (the [CLS] key's default) exists only with a [CLS] token, so no
+        # parameter goes unused under DDP with global average pooling
+        has_cls = pool == "cls"
+        cfg = cfg.with_position_axes(2, defaults={"default_bias": True} if has_cls else None,
+                                     force=None if has_cls else {"default_bias": False})
+        cfg.causal = False
         d = cfg.d_model
-        self.num_classes, self.position, self.pool = num_classes, position, pool
+        self.num_classes, self.pool, self.ape = num_classes, pool, ape
+        self.position = position_label(cfg.mixer, ape)
         self.img_size, self.patch_size = to_hw(img_size), int(patch_size)
         self.num_prefix_tokens = 1 if pool == "cls" else 0
         self.embed_dim = self.num_features = d
@@ -139,7 +176,7 @@ class MixViT(nn.Module):
         self.grid_size = self.patch_embed.grid_size
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if pool == "cls" else None
         self.pos_embed = None
-        if position == "ape":
+        if ape:
             n = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
             self.pos_embed = nn.Parameter(torch.zeros(1, n, d))
             trunc_normal_(self.pos_embed, std=0.02)
@@ -201,7 +238,8 @@ class MixViT(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [blk.mixer for blk in self.backbone.blocks]
 
-    def log_prior_image(self, layer: int = 0, grid: tuple[int, int] | None = None, query: tuple[int, int] | None = None) -> Tensor:
+    def log_prior_image(self, layer: int = 0, grid: tuple[int, int] | None = None,
+                        query: tuple[int, int] | None = None) -> Tensor:
         """A GOAT layer's learned 2D log-prior as images ``[H, gh, gw]`` float64.
 
         Entry ``[h, y, x]`` is the prior logit (relative + key-only terms) that head ``h`` adds when
@@ -240,7 +278,7 @@ class MixupConfig:
     mode: str = "batch"
 
 
-class ImageClassifier(EvalSumsHooks, pl.LightningModule):
+class ImageClassifier(Head):
     """Image classification with :class:`MixViT` (batches ``(images [B, C, H, W] float, labels [B] int64)``).
 
     Loss: cross-entropy with ``label_smoothing``; with ``mixup`` set, timm ``Mixup`` (which folds
@@ -252,11 +290,17 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
 
     Args:
         num_classes: classes (checked against the datamodule's ``num_classes``).
-        img_size, patch_size, in_chans, position, pool: see :class:`MixViT`.
-        backbone: :class:`BackboneConfig` (default ViT-S/16 for ``position``); ``causal`` is forced False.
+        img_size, patch_size, in_chans, pool, backbone, ape: see :class:`MixViT` (the backbone's
+            mixer is the position scheme; ``causal`` is forced False).
+        position: former option (``goat2d``, ``ape``, ``rope2d``, ``nope``), kept for configs and
+            checkpoints written before ``ape``; mapped once by :func:`legacy_position`.
         optim: :class:`OptimConfig` (AdamW, no decay on 1-D and prior parameters).
         label_smoothing: label smoothing (DeiT: 0.1).
         mixup: :class:`MixupConfig` or None.
+
+    Raises:
+        ValueError: see :class:`MixViT`; in ``setup``, a datamodule whose ``num_classes`` differs or
+            whose ``image_size`` / ``eval_size`` is not a multiple of the patch size.
     """
 
     def __init__(
@@ -265,12 +309,13 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         img_size: int | list[int] = 224,
         patch_size: int = 16,
         in_chans: int = 3,
-        position: str = "goat2d",
+        position: str | None = None,
         pool: Literal["cls", "avg"] = "cls",
         backbone: BackboneConfig | None = None,
         optim: OptimConfig | None = None,
         label_smoothing: float = 0.1,
         mixup: MixupConfig | None = None,
+        ape: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -278,8 +323,8 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         backbone = None if backbone is None else as_config(BackboneConfig, backbone)
         optim = None if optim is None else as_config(OptimConfig, optim)
         mixup = None if mixup is None else as_config(MixupConfig, mixup)
-        self.model = MixViT(num_classes, to_hw(img_size), patch_size, in_chans, position, pool, backbone)
-        self.num_classes, self.position = num_classes, position
+        self.model = MixViT(num_classes, to_hw(img_size), patch_size, in_chans, position, pool, backbone, ape)
+        self.num_classes, self.position = num_classes, self.model.position
         self.optim_cfg = optim or OptimConfig(lr=5e-4, weight_decay=0.05, betas=(0.9, 0.999), warmup_steps=100)
         self.label_smoothing = label_smoothing
         self.mixup_fn = None
@@ -289,9 +334,7 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
             self.mixup_fn = Mixup(mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
                                   switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
                                   num_classes=num_classes)
-        mixer = self.model.backbone_cfg.mixer
-        base = pattern_name(mixer)
-        self.run_name = position if base == _POSITION_MIXER[position] else f"{base}-{position}"
+        self.run_name = run_name(self.model.backbone_cfg.mixer, self.model.ape)
         self.top_k = min(5, num_classes)
         self.metric_sums = nn.ModuleDict(
             {f"{s}_{k}": SumMetric() for s in ("val", "test") for k in ("nll", "count", "top1", "top5")})
@@ -312,13 +355,12 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        n = getattr(dm, "num_classes", None)
+        n = self.data_attr("num_classes")
         if n is not None and n != self.num_classes:
-            raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(dm).__name__} has "
+            raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(self.data).__name__} has "
                              f"num_classes={n}; set model.init_args.num_classes: {n}")
         for name in ("image_size", "eval_size"):  # before the model summary and the first batch
-            size = getattr(dm, name, None)
+            size = self.data_attr(name)
             if size is not None:
                 try:
                     self.model.grid(*((size, size) if isinstance(size, int) else size))
@@ -354,12 +396,6 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         s[f"{stage}_top1"].update(hit[:, 0].sum().double())
         s[f"{stage}_top5"].update(hit.any(-1).sum().double())
 
-    def validation_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def test_step(self, batch, batch_idx: int) -> None:
-        self._eval_step(batch, "test")
-
     def _eval_epoch_end(self, stage: str) -> None:
         s = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "top1", "top5")}
         n = s["count"].compute().clamp_min(1)
@@ -368,13 +404,6 @@ class ImageClassifier(EvalSumsHooks, pl.LightningModule):
         self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=stage == "val")
         for m in s.values():
             m.reset()
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Store the datamodule's class and arguments so the resolution evaluation can rebuild it."""
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is not None:
-            checkpoint["mixlab_datamodule"] = {"class_path": f"{type(dm).__module__}.{type(dm).__qualname__}",
-                                               "init_args": dict(getattr(dm, "hparams", {}))}
 
 
 # ---------------------------------------------------------------------- timm registration
@@ -390,7 +419,8 @@ def _register_timm() -> None:
             for k in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):
                 kwargs.pop(k, None)
             kwargs.setdefault("backbone", vit_backbone(position, n_modes=n_modes, drop_path=drop_path))
-            return MixViT(position=position, patch_size=16, **kwargs)
+            kwargs.setdefault("ape", PRESETS[position][1])
+            return MixViT(patch_size=16, **kwargs)
 
         fn.__name__ = f"vit_small_patch16_{'goat' if position == 'goat2d' else position}"
         fn.__qualname__ = fn.__name__

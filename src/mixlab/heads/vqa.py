@@ -12,17 +12,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from mixlab.heads.common import EvalSumsHooks, as_config, plain_hparams
-from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.lm import pattern_name
-from mixlab.mixers.positions import NoPositions
+from mixlab.heads.common import Head, as_config, plain_hparams
 from mixlab.optim import OptimConfig
 
 __all__ = ["SpatialVQA", "GroupedSums"]
@@ -47,7 +44,8 @@ class GroupedSums(Metric):
 
     def update(self, group: Tensor, nll: Tensor, hit: Tensor) -> None:  # type: ignore[override]
         if group.numel() and (int(group.min()) < 0 or int(group.max()) >= self.n_groups):
-            raise ValueError(f"group ids must be in 0..{self.n_groups - 1}; got {group.min().item()}..{group.max().item()}")
+            raise ValueError(f"group ids must be in 0..{self.n_groups - 1}; "
+                             f"got {group.min().item()}..{group.max().item()}")
         vals = torch.stack([nll.double(), hit.double(), torch.ones_like(nll, dtype=torch.float64)], dim=-1)
         self.sums.index_add_(0, group.long(), vals)
 
@@ -55,7 +53,7 @@ class GroupedSums(Metric):
         return self.sums
 
 
-class SpatialVQA(EvalSumsHooks, pl.LightningModule):
+class SpatialVQA(Head):
     """Patch + word embeddings -> :class:`~mixlab.backbone.Backbone` (bidirectional) -> answer.
 
     Sequence: ``N`` image patches in the batch's scan order, then ``L`` text tokens ending
@@ -118,11 +116,11 @@ class SpatialVQA(EvalSumsHooks, pl.LightningModule):
         nn.init.normal_(self.text_embed.weight, 0.0, backbone.init_std)
         if coordinates == "mixed":
             for blk in self.backbone.blocks:
-                pos = getattr(blk.mixer, "pos", None)
-                if pos is not None and not isinstance(pos, NoPositions) and pos.axes != 3:
+                axes = blk.mixer.position_axes
+                if axes is not None and axes != 3:
                     raise ValueError(
                         f"coordinates='mixed' passes 3 axes (sequence, y, x) but mixer {blk.mixer_name!r} reads "
-                        f"{pos.axes}; set model.init_args.backbone.mixer_args.{blk.mixer_name}.position_args.axes: 3 "
+                        f"{axes}; set model.init_args.backbone.mixer_args.{blk.mixer_name}.position_args.axes: 3 "
                         f"or coordinates: sequence")
         self.run_name = pattern_name(backbone.mixer)
         self.order_names = [f"order{i}" for i in range(max_orders)]
@@ -157,20 +155,20 @@ class SpatialVQA(EvalSumsHooks, pl.LightningModule):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is None:
+        if self.data is None:
             return
-        for field, mine in (("vocab_size", self.vocab_size), ("n_answers", self.n_answers), ("patch_dim", self.patch_dim)):
-            theirs = getattr(dm, field, None)
+        mine_sizes = (("vocab_size", self.vocab_size), ("n_answers", self.n_answers), ("patch_dim", self.patch_dim))
+        for field, mine in mine_sizes:
+            theirs = self.data_attr(field)
             if theirs is not None and theirs != mine:
                 raise ValueError(f"model.init_args.{field}={mine} does not match the datamodule's {field}={theirs} "
-                                 f"({type(dm).__name__}); set model.init_args.{field}: {theirs}")
-        names = list(getattr(dm, "order_names", []))
+                                 f"({type(self.data).__name__}); set model.init_args.{field}: {theirs}")
+        names = list(self.data_attr("order_names", []))
         if len(names) > len(self.order_names):
             raise ValueError(f"{len(names)} scan orders exceed model.init_args.max_orders={len(self.order_names)}")
         self.order_names[: len(names)] = names
-        self.heldout_ids = list(getattr(dm, "heldout_order_ids", []))
-        qtypes = list(getattr(dm, "question_types", []))
+        self.heldout_ids = list(self.data_attr("heldout_order_ids", []))
+        qtypes = list(self.data_attr("question_types", []))
         if len(qtypes) > len(self.qtype_names):
             raise ValueError(f"{len(qtypes)} question types exceed model.init_args.max_qtypes={len(self.qtype_names)}")
         self.qtype_names[: len(qtypes)] = qtypes
@@ -186,12 +184,6 @@ class SpatialVQA(EvalSumsHooks, pl.LightningModule):
         nll, hits = self._step(batch)
         self.metric_orders[stage].update(batch["order"], nll, hits)
         self.metric_qtypes[stage].update(batch["qtype"], nll, hits)
-
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "val")
-
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        self._eval_step(batch, "test")
 
     @staticmethod
     def _ratio(sums: Tensor) -> tuple[Tensor, Tensor]:

@@ -11,48 +11,21 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch import Tensor
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
-from mixlab.mixers.positions import build_position
+from mixlab.mixers.base import AttentionMixer, resolve_head_dim
+from mixlab.ops.attention import causal_mask, sdpa
 from mixlab.registry import register_mixer
 
-__all__ = ["Attention", "causal_mask"]
-
-
-def causal_mask(t_q: int, t_k: int, device: torch.device) -> Tensor:
-    """``[t_q, t_k]`` bool mask, lower-right aligned (query i sees keys ``<= t_k - t_q + i``).
-
-    SDPA's ``is_causal`` aligns top-left when ``t_q != t_k`` (pytorch #115111); cached
-    decoding and chunked evaluation need this one.
-    """
-    return torch.ones(t_q, t_k, dtype=torch.bool, device=device).tril(diagonal=t_k - t_q)
-
-
-_DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def sdpa(q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs: Any) -> Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, **kwargs)``; while ``decoding`` with a cache on
-    CUDA, without the cuDNN backend.
-
-    cuDNN's SDPA builds a new graph for every new key length, i.e. at every decoding step:
-    measured on an H200 (torch 2.11), 4 cached layers decoded ~100 tokens/s with the default
-    backends and ~1,600 tokens/s with flash / efficient / math only (BENCHMARKS.md, issue 4).
-    """
-    if not (decoding and q.is_cuda):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    with sdpa_kernel(_DECODE_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+__all__ = ["Attention"]
 
 
 @register_mixer("goat", position="goat")
 @register_mixer("rope", position="rope")
 @register_mixer("alibi", position="alibi")
 @register_mixer("nope", position="nope")
-class Attention(Mixer):
+class Attention(AttentionMixer):
     """Multi-head softmax attention; one ``scaled_dot_product_attention`` call per layer.
 
     Args:
@@ -92,28 +65,19 @@ class Attention(Mixer):
         n_layers: int = 1,
     ) -> None:
         super().__init__()
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-            head_dim = d_model // n_heads
+        head_dim = resolve_head_dim("attention", d_model, n_heads, head_dim)
         if impl not in ("sdpa", "reference"):
             raise ValueError(f"attention impl must be 'sdpa' or 'reference'; got {impl!r}")
         self.d_model, self.n_heads, self.head_dim, self.causal = d_model, n_heads, head_dim, causal
         self.impl, self.dropout, self.layer_idx = impl, dropout, layer_idx
-        self.position_name = position
-        self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
-        self.d_c = self.pos.content_dim
-        # One packed projection, per token [q | k | v], each [H, d_h], as in a plain layer. For
-        # lane schemes the last n_lanes rows of every q/k head are inert: those outputs are
-        # replaced by the lanes, so these rows get exactly zero gradient (kept at zero by
+        # For lane schemes the last n_lanes rows of every q/k head of qkv are inert: those outputs
+        # are replaced by the lanes, so these rows get exactly zero gradient (kept at zero by
         # reset_parameters; they are included in parameter counts: 2 * H * n_lanes * (D + bias)).
-        self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
-        self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.proj._is_residual = True  # type: ignore[attr-defined]
+        self._init_projections(d_model, n_heads, head_dim, causal, position, position_args, bias)
+        self.d_c = self.pos.content_dim
 
     def reset_parameters(self) -> None:
-        if hasattr(self.pos, "reset_parameters"):
-            self.pos.reset_parameters()
+        self.pos.reset_parameters()
         if self.pos.n_lanes:
             with torch.no_grad():
                 rows = self.qkv.weight.view(3, self.n_heads, self.head_dim, -1)[:2, :, self.d_c:]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor, nn
 
-from mixlab.coords import Coords
+from mixlab.registry import POSITIONS
 
-__all__ = ["Mixer", "check_choice", "check_sizes"]
+__all__ = ["Mixer", "AttentionMixer", "SubLayer", "check_choice", "check_sizes", "resolve_head_dim",
+           "no_weight_decay"]
 
 
 def check_sizes(mixer: str, minimum: int = 1, **sizes: int | None) -> None:
@@ -31,6 +34,43 @@ def check_choice(mixer: str, name: str, value: object, choices: tuple) -> None:
         raise ValueError(f"{mixer} mixer: {name} must be one of {choices}; got {value!r}")
 
 
+def resolve_head_dim(mixer: str, d_model: int, n_heads: int, head_dim: int | None = None,
+                     arg: str = "head_dim") -> int:
+    """Per-head width: ``head_dim`` if given, else ``d_model // n_heads``.
+
+    Raises:
+        ValueError: ``head_dim`` given and not an integer >= 1; ``d_model`` not divisible by
+            ``n_heads`` without ``head_dim`` (``"<mixer> mixer: d_model=.. is not divisible by
+            n_heads=..; pass <arg>"``).
+    """
+    if head_dim is not None:
+        check_sizes(mixer, **{arg: head_dim})
+        return head_dim
+    if d_model % n_heads:
+        raise ValueError(f"{mixer} mixer: d_model={d_model} is not divisible by n_heads={n_heads}; pass {arg}")
+    return d_model // n_heads
+
+
+def no_weight_decay(*params: nn.Parameter | None) -> None:
+    """Exclude parameters from weight decay (priors, gates, decay rates): sets the marker
+    ``_no_weight_decay = True`` that :func:`mixlab.optim.param_groups` reads. ``None`` is skipped."""
+    for p in params:
+        if p is not None:
+            p._no_weight_decay = True  # type: ignore[attr-defined]
+
+
+class SubLayer(nn.Module):
+    """Base of the building blocks mixers are made of that own their initialisation (short
+    convolution, gated norm, position schemes).
+
+    Like a :class:`Mixer`, the backbone calls its :meth:`reset_parameters` after the generic
+    GPT init (which only touches ``nn.Linear`` layers), in module order.
+    """
+
+    def reset_parameters(self) -> None:
+        """Own initialisation; a no-op by default."""
+
+
 class Mixer(nn.Module):
     """Base class for all mixers (attention, delta rules, Mesa, SSMs).
 
@@ -53,13 +93,51 @@ class Mixer(nn.Module):
     ``layer_idx``, ``n_layers``; the rest are the mixer's own (``mixer_args`` in configs).
     Output projections that write into the residual stream set ``_is_residual = True``
     so the backbone scales their init by ``1/sqrt(2 n_layers)`` (GPT-2 style). Parameters
-    that must not be weight-decayed carry ``_no_weight_decay = True``. A mixer with custom
-    initialisation implements ``reset_parameters()``; the backbone calls it after the
-    generic init.
+    that must not be weight-decayed carry ``_no_weight_decay = True`` (set with
+    :func:`no_weight_decay`). A mixer with custom initialisation overrides
+    :meth:`reset_parameters`; the backbone calls it for every :class:`Mixer` (wherever the
+    class is defined) after its generic init, then that of the mixer's :class:`SubLayer` s.
     """
 
     causal: bool = True
+    position_axes: int | None = None
+    """Coordinate axes the mixer's position scheme reads (1: sequences, 2: patch grids,
+    3: text + patches); None when it reads no coordinates (recurrences, NoPE)."""
+
+    def reset_parameters(self) -> None:
+        """Mixer-specific initialisation (gates, priors) after the backbone's generic init; no-op by default."""
+
+    def describe(self) -> dict[str, str | int | float | bool]:
+        """Scalars that characterise the layer for run tables (TensorBoard HParams), e.g.
+        ``{"position": "goat", "n_modes": 2}``; empty by default."""
+        return {}
 
     def extra_metrics(self) -> dict[str, Tensor]:
         """Scalars to log after a step (e.g. Mesa CG iterations); empty by default."""
         return {}
+
+
+class AttentionMixer(Mixer):
+    """Base of the softmax-attention mixers with a registered position scheme (``goat``, ``rope``,
+    ``alibi``, ``nope`` attention and ``swa``): the scheme and the projections are built one way,
+    and the mixer describes itself by its scheme."""
+
+    def _init_projections(self, d_model: int, n_heads: int, head_dim: int, causal: bool, position: str,
+                          position_args: dict[str, Any] | None, bias: bool) -> None:
+        """Build ``self.pos`` (scheme ``position`` with ``position_args``; an unknown key is a one-line
+        ``ValueError`` naming the accepted ones), then the packed projection ``self.qkv``
+        (``D -> 3 * H * d_h``, per token ``[q | k | v]``, each ``[H, d_h]``, as in a plain layer) and
+        the residual output projection ``self.proj`` (``H * d_h -> D``)."""
+        self.position_name = position
+        self.pos = POSITIONS.build(position, n_heads=n_heads, head_dim=head_dim, causal=causal,
+                                   **(position_args or {}))
+        self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
+        self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.proj._is_residual = True  # type: ignore[attr-defined]
+
+    @property
+    def position_axes(self) -> int | None:
+        return self.pos.axes
+
+    def describe(self) -> dict[str, str | int | float | bool]:
+        return {"position": self.position_name, **self.pos.describe()}

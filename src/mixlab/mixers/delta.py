@@ -32,62 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
+from mixlab.mixers.base import Mixer, no_weight_decay, resolve_head_dim
+from mixlab.mixers.layers import ShortConv
 from mixlab.ops.delta_rule import TORCH_CHUNK_SIZES, delta_rule, sqrt_sigmoid
 from mixlab.ops.fg2_gate import fg2_gate_prep
 from mixlab.registry import register_mixer
 
-__all__ = ["GatedDeltaMixer", "ShortConv"]
-
-
-def _no_decay(*params: nn.Parameter) -> None:
-    for p in params:
-        p._no_weight_decay = True  # type: ignore[attr-defined]
-
-
-class ShortConv(nn.Module):
-    """Depthwise causal convolution over tokens with SiLU (fla's ``ShortConvolution``).
-
-    ``y_t = silu(sum_{s=0}^{W-1} w[:, W-1-s] x_{t-s})`` with ``x [B, T, C]``; tokens before
-    the sequence start (or before a packed sequence's start given ``cu_seqlens``) count as
-    zero. With a ``cache`` dict the last ``W-1`` inputs are kept under ``key`` so decoding
-    continues the convolution exactly.
-    """
-
-    def __init__(self, channels: int, kernel_size: int = 4) -> None:
-        super().__init__()
-        if kernel_size < 1:
-            raise ValueError(f"ShortConv kernel_size must be >= 1; got {kernel_size}")
-        self.kernel_size = kernel_size
-        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.kernel_size)
-        nn.init.uniform_(self.weight, -bound, bound)
-
-    def forward(self, x: Tensor, cache: dict | None = None, key: str = "conv",
-                cu_seqlens: Tensor | None = None) -> Tensor:
-        b, t, c = x.shape
-        w = self.kernel_size - 1
-        if cache is not None and key in cache:
-            prev = cache[key]
-        else:
-            prev = x.new_zeros(b, w, c)
-        xp = torch.cat([prev.to(x.dtype), x], 1)  # [B, W-1+T, C]
-        if cache is not None and w > 0:
-            cache[key] = xp[:, -w:]
-        valid = None
-        if cu_seqlens is not None:
-            pos = torch.arange(t, device=x.device)
-            start = cu_seqlens[:-1].to(x.device)
-            seg_start = start[torch.searchsorted(start, pos, right=True) - 1]  # [T]
-            valid = [(pos - s >= seg_start).to(x.dtype)[None, :, None] for s in range(self.kernel_size)]
-        y = 0
-        for s in range(self.kernel_size):
-            term = xp[:, w - s : w - s + t] * self.weight[:, w - s].to(x.dtype)
-            y = y + (term if valid is None else term * valid[s])
-        return F.silu(y)
+__all__ = ["GatedDeltaMixer"]
 
 
 @register_mixer("deltanet", decay="none", write="scalar")
@@ -162,11 +113,9 @@ class GatedDeltaMixer(Mixer):
         if write not in ("scalar", "vector"):
             raise ValueError(f"write must be 'scalar' or 'vector'; got {write!r}")
         if chunk_size not in TORCH_CHUNK_SIZES:
-            raise ValueError(f"chunk_size={chunk_size} is not supported by the chunkwise path; choose from {TORCH_CHUNK_SIZES}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass head_dim")
-            head_dim = d_model // n_heads
+            raise ValueError(f"chunk_size={chunk_size} is not supported by the chunkwise path; "
+                             f"choose from {TORCH_CHUNK_SIZES}")
+        head_dim = resolve_head_dim("delta-rule", d_model, n_heads, head_dim)
         value_dim = head_dim if value_dim is None else value_dim
         if write == "vector" and not separate_kv_write and head_dim != value_dim:
             raise ValueError(f"FG²-GDN (write='vector' with tied key/value rates) needs d_k == d_v; got "
@@ -187,7 +136,7 @@ class GatedDeltaMixer(Mixer):
         self.v_proj = nn.Linear(d_model, h * V, bias=False)
         self.conv_size = conv_size
         if conv_size > 0:
-            self.q_conv, self.k_conv, self.v_conv = ShortConv(h * K, conv_size), ShortConv(h * K, conv_size), ShortConv(h * V, conv_size)
+            self.q_conv, self.k_conv, self.v_conv = (ShortConv(n, conv_size, bias=False) for n in (h * K, h * K, h * V))
         # decay alpha = exp(g), g = -exp(A_log) * softplus(a + dt_bias)
         if decay == "scalar":
             self.a_proj = nn.Linear(d_model, h, bias=False)
@@ -198,7 +147,7 @@ class GatedDeltaMixer(Mixer):
             self.A_log = nn.Parameter(torch.empty(h))
             self.dt_bias = nn.Parameter(torch.empty(h * K))
         if decay != "none":
-            _no_decay(self.A_log, self.dt_bias)
+            no_weight_decay(self.A_log, self.dt_bias)
         # writing rates (logits)
         self.b_proj = self._rate_proj(d_model, h, K, r, write)
         if separate_kv_write:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer, check_choice, check_sizes
+from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay, resolve_head_dim
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv
 from mixlab.ops.gla import gla
 from mixlab.registry import register_mixer
@@ -51,10 +51,7 @@ class GLA(Mixer):
         check_choice("gla", "impl", impl, ("auto", "chunk", "recurrent", "fla"))
         if not expand_v > 0:
             raise ValueError(f"gla mixer: expand_v must be > 0; got {expand_v}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"gla mixer: d_model={d_model} is not divisible by n_heads={n_heads}")
-            head_dim = d_model // n_heads
+        head_dim = resolve_head_dim("gla", d_model, n_heads, head_dim)
         self.n_heads, self.dk, self.dv = n_heads, head_dim, int(head_dim * expand_v)
         self.gate_normalizer, self.impl, self.chunk_size = gate_normalizer, impl, chunk_size
         h = n_heads
@@ -64,7 +61,7 @@ class GLA(Mixer):
         self.g_proj = nn.Linear(d_model, h * self.dv, bias=False)
         self.gk_proj = nn.Sequential(nn.Linear(d_model, gate_low_rank, bias=False),
                                      nn.Linear(gate_low_rank, h * self.dk, bias=True))
-        self.gk_proj[1].bias._no_weight_decay = True  # type: ignore[attr-defined]
+        no_weight_decay(self.gk_proj[1].bias)
         self.convs = nn.ModuleList(ShortConv(n, conv_size) for n in (h * self.dk, h * self.dk, h * self.dv)) \
             if conv_size > 0 else None
         self.norm = GatedRMSNorm(self.dv, activation="swish")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer, check_choice, check_sizes
+from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay
 from mixlab.mixers.layers import ShortConv
 from mixlab.ops.scan import linear_scan
 from mixlab.registry import register_mixer
@@ -84,8 +84,7 @@ class Hawk(Mixer):
         self.gate_w = nn.Parameter(torch.empty(2, n_heads, bw, bw))  # (recurrence, input) block-diagonal
         self.gate_b = nn.Parameter(torch.zeros(2, n_heads, bw))
         self.lam = nn.Parameter(torch.empty(w))
-        self.lam._no_weight_decay = True  # type: ignore[attr-defined]
-        self.gate_b._no_weight_decay = True  # type: ignore[attr-defined]
+        no_weight_decay(self.lam, self.gate_b)
         self.out = nn.Linear(w, d_model, bias=False)
         self.out._is_residual = True  # type: ignore[attr-defined]
         self.reset_parameters()

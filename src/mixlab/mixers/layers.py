@@ -1,5 +1,6 @@
 """Small building blocks shared by recurrent mixers: a depthwise causal short convolution
-with a decoding cache, and a per-head RMSNorm gated by a projection (fla layer recipe).
+with a decoding cache and packed-sequence support, and a per-head RMSNorm gated by a
+projection (fla layer recipe).
 """
 
 from __future__ import annotations
@@ -10,14 +11,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixlab.mixers.base import SubLayer
+
 __all__ = ["ShortConv", "GatedRMSNorm"]
 
 
-class ShortConv(nn.Module):
-    """Depthwise causal 1-D convolution over tokens, optionally followed by SiLU.
+class ShortConv(SubLayer):
+    """Depthwise causal 1-D convolution over tokens, optionally followed by SiLU (fla's
+    ``ShortConvolution``; Mamba's conv1d).
 
     ``y_t = act(sum_{j=0}^{W-1} w_j * x_{t-W+1+j} + b)`` per channel, zero history
-    before the first token (Mamba / fla "short conv", kernel ``W`` = 4 by default).
+    before the first token (kernel ``W`` = 4 by default), and before the start of each
+    packed sequence given ``cu_seqlens``.
 
     Args:
         dim: channels C.
@@ -26,8 +31,13 @@ class ShortConv(nn.Module):
         bias: learnable bias.
 
     Forward: ``x [B, T, C]``, optional ``cache`` dict and ``key`` (name of the entry
-    holding the last ``W - 1`` inputs ``[B, W-1, C]``, updated in place) -> ``[B, T, C]``.
-    Feeding a sequence in pieces with the same cache equals one parallel call.
+    holding the last ``W - 1`` inputs ``[B, W-1, C]``, updated in place), optional
+    ``cu_seqlens`` ``[N + 1]`` int64 start offsets of N sequences packed along T (B = 1)
+    -> ``[B, T, C]``, dtype of x. Feeding a sequence in pieces with the same cache equals
+    one parallel call.
+
+    Parameters: ``weight [C, 1, W]`` (checkpoints with the delta-rule mixers' former
+    ``[C, W]`` weight load as well), ``bias [C]`` or None.
 
     Raises:
         ValueError: ``kernel_size < 1`` or an unknown activation.
@@ -50,7 +60,15 @@ class ShortConv(nn.Module):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor, cache: dict | None = None, key: str = "conv") -> Tensor:
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        """Also load the ``[C, W]`` weight the delta-rule mixers' own convolution had."""
+        w = state_dict.get(prefix + "weight")
+        if w is not None and w.dim() == 2:
+            state_dict[prefix + "weight"] = w.unsqueeze(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: Tensor, cache: dict | None = None, key: str = "conv",
+                cu_seqlens: Tensor | None = None) -> Tensor:
         b, t, c = x.shape
         w = self.kernel_size - 1
         if cache is not None and key in cache:
@@ -62,15 +80,28 @@ class ShortConv(nn.Module):
             cache[key] = full[:, full.shape[1] - w:].detach() if w else full[:, :0]
         # sum of W shifted products (exact; avoids the slow CPU depthwise-conv kernel)
         wt = self.weight.to(x.dtype)[:, 0]  # [C, W]
+        valid = None if cu_seqlens is None else _segment_masks(cu_seqlens, t, self.kernel_size, x)
         y = full[:, 0:t] * wt[:, 0]
+        if valid is not None:
+            y = y * valid[w]
         for j in range(1, self.kernel_size):
-            y = y + full[:, j : j + t] * wt[:, j]
+            term = full[:, j : j + t] * wt[:, j]  # x_{t - (w - j)}
+            y = y + (term if valid is None else term * valid[w - j])
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return F.silu(y) if self.activation == "silu" else y
 
 
-class GatedRMSNorm(nn.Module):
+def _segment_masks(cu_seqlens: Tensor, t: int, kernel_size: int, x: Tensor) -> list[Tensor]:
+    """``[1, T, 1]`` masks in x's dtype, one per lag ``s < kernel_size``: 1 where token
+    ``pos - s`` lies in the same packed sequence as ``pos``."""
+    pos = torch.arange(t, device=x.device)
+    start = cu_seqlens[:-1].to(x.device)
+    seg_start = start[torch.searchsorted(start, pos, right=True) - 1]  # [T]
+    return [(pos - s >= seg_start).to(x.dtype)[None, :, None] for s in range(kernel_size)]
+
+
+class GatedRMSNorm(SubLayer):
     """Per-head RMSNorm of mixer outputs, multiplied by an activated gate.
 
     ``y = x / sqrt(mean(x^2) + eps) * weight * act(gate)`` over the last dim (head dim),

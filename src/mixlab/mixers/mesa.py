@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer, check_choice, check_sizes
+from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay, resolve_head_dim
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv
 from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step
 from mixlab.registry import register_mixer
@@ -96,10 +96,7 @@ class Mesa(Mixer):
         check_sizes("mesa", head_dim=head_dim, chunk_size=chunk_size)
         check_sizes("mesa", minimum=0, conv_size=conv_size)
         check_choice("mesa", "impl", impl, ("auto", "chunk", "fla", "recurrent", "exact"))
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"mesa mixer: d_model={d_model} is not divisible by n_heads={n_heads}")
-            head_dim = d_model // n_heads
+        head_dim = resolve_head_dim("mesa", d_model, n_heads, head_dim)
         self.d_model, self.n_heads, self.head_dim, self.layer_idx = d_model, n_heads, head_dim, layer_idx
         self.lambda_floor, self.lambda_init = lambda_floor, lambda_init
         self.cg_iters, self.cg_eps, self.eval_cg_eps = cg_iters, cg_eps, eval_cg_eps
@@ -115,9 +112,7 @@ class Mesa(Mixer):
         self.q_conv = ShortConv(hk, conv_size) if conv_size > 0 else None
         self.k_conv = ShortConv(hk, conv_size) if conv_size > 0 else None
         self.lambda_param = nn.Parameter(torch.empty(n_heads, head_dim))
-        self.lambda_param._no_weight_decay = True  # type: ignore[attr-defined]
-        for p in (self.a_proj.bias, self.b_proj.bias):
-            p._no_weight_decay = True  # type: ignore[attr-defined]
+        no_weight_decay(self.lambda_param, self.a_proj.bias, self.b_proj.bias)
         self.norm = GatedRMSNorm(head_dim, eps=norm_eps, activation="swish")
         self.o_proj = nn.Linear(hk, d_model, bias=False)
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
@@ -135,7 +130,8 @@ class Mesa(Mixer):
                 m.reset_parameters()
 
     def lamb(self) -> Tensor:
-        """Regulariser diagonal ``[H, K]`` float32 (float64 for float64 params): ``softplus(lambda_param) + lambda_floor``."""
+        """Regulariser diagonal ``[H, K]`` float32 (float64 for float64 params):
+        ``softplus(lambda_param) + lambda_floor``."""
         return F.softplus(_up(self.lambda_param)) + self.lambda_floor
 
     def solver(self) -> tuple[int, float | None]:

@@ -18,13 +18,12 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.mixers.attention import causal_mask, sdpa
-from mixlab.mixers.base import Mixer, check_sizes
+from mixlab.mixers.base import Mixer, check_sizes, resolve_head_dim
 from mixlab.mixers.positions import RotaryPositions
+from mixlab.ops.attention import causal_mask, sdpa
 from mixlab.registry import register_mixer
 
 __all__ = ["MultiHeadLatentAttention"]
@@ -77,10 +76,7 @@ class MultiHeadLatentAttention(Mixer):
             raise ValueError(f"mla impl must be 'sdpa' or 'reference'; got {impl!r}")
         check_sizes("mla", kv_rank=kv_rank, nope_dim=nope_dim, rope_dim=rope_dim, v_dim=v_dim)
         check_sizes("mla", minimum=0, q_rank=q_rank)
-        if nope_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; pass nope_dim")
-            nope_dim = d_model // n_heads
+        nope_dim = resolve_head_dim("mla", d_model, n_heads, nope_dim, arg="nope_dim")
         rope_dim = rope_dim if rope_dim is not None else 2 * max(1, nope_dim // 4)
         if rope_dim < 2 * rope_axes or rope_dim % (2 * rope_axes):
             raise ValueError(f"mla rope_dim={rope_dim} must be a positive multiple of 2*rope_axes={2 * rope_axes}")
@@ -102,6 +98,13 @@ class MultiHeadLatentAttention(Mixer):
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
         self.rope = RotaryPositions(h, rope_dim, causal, axes=rope_axes, base=rope_base)
         self.scale = 1.0 / math.sqrt(nope_dim + rope_dim)
+
+    @property
+    def position_axes(self) -> int:
+        return self.rope.axes
+
+    def describe(self) -> dict[str, str | int]:
+        return {"position": "rope"}
 
     def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
         b, t, _ = x.shape

@@ -9,12 +9,15 @@ logits explicitly (``bias``/``rotate``) for the reference path.
 * RoPE rotates content (``n_lanes = 0``), axis-wise for several axes.
 * NoPE does nothing.
 
-Prior parameters are marked ``_no_weight_decay = True`` (the optimiser reads the marker).
+Every scheme is registered (``@register_position("name")``, :data:`mixlab.registry.POSITIONS`)
+and built as ``cls(n_heads=..., head_dim=..., causal=..., **position_args)``; an unknown key in
+``position_args`` is a one-line error naming the accepted ones. Prior parameters are excluded
+from weight decay (:func:`~mixlab.mixers.base.no_weight_decay`). The math and the kernel
+dispatch live in :mod:`mixlab.ops.goat` and :mod:`mixlab.ops.attention`.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Literal
 
@@ -22,37 +25,23 @@ import torch
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
+from mixlab.mixers.base import SubLayer, no_weight_decay
 from mixlab.ops import goat as G
+from mixlab.ops.attention import split_qkv
 from mixlab.ops.compile import cuda_compiled
+from mixlab.registry import register_position
 
-__all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPositions", "build_position"]
-
-
-def no_decay(*params: nn.Parameter) -> None:
-    """Mark parameters as excluded from weight decay (read by ``mixlab.optim``)."""
-    for p in params:
-        p._no_weight_decay = True  # type: ignore[attr-defined]
+__all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPositions"]
 
 
-def split_qkv(qkv: Tensor, batch: int, n_heads: int, head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` (strided views).
+class PositionScheme(SubLayer):
+    """Base class. Subclasses set ``n_lanes`` and ``axes`` and override the hooks they need.
 
-    On CUDA (eager) through :class:`~mixlab.ops.goat_triton.QKVSplit`, whose backward builds
-    ``d qkv`` in one copy kernel, as GOAT's fast path does, instead of autograd's two copies
-    for ``view -> permute -> unbind``: every position scheme pays the same for this step.
+    ``axes``: coordinate axes the scheme reads (None: it reads none, NoPE).
     """
-    if qkv.is_cuda and qkv.dim() == 2 and qkv.is_contiguous() and not torch.compiler.is_compiling():
-        from mixlab.ops.goat_triton import QKVSplit
-
-        return QKVSplit.apply(qkv, batch, n_heads, head_dim)
-    return qkv.view(batch, qkv.shape[0] // batch, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-
-
-class PositionScheme(nn.Module):
-    """Base class. Subclasses set ``n_lanes`` and override the hooks they need."""
 
     n_lanes: int = 0
-    axes: int = 1
+    axes: int | None = 1
 
     def __init__(self, n_heads: int, head_dim: int, causal: bool) -> None:
         super().__init__()
@@ -100,11 +89,19 @@ class PositionScheme(nn.Module):
         """Explicit additive log-prior ``[B|1, H, Tq, Tk]`` for the reference path, or None."""
         return None
 
+    def describe(self) -> dict[str, int]:
+        """Scalars for run tables (e.g. GOAT ``{"n_modes": R}``); empty by default."""
+        return {}
 
+
+@register_position("nope")
 class NoPositions(PositionScheme):
     """NoPE: content-only attention (causal masking still orders tokens)."""
 
+    axes = None
 
+
+@register_position("goat")
 class GoatPrior(PositionScheme):
     """GOAT learned log-prior (paper Sec. 4, Eqs. 11-27), for any number of coordinate axes.
 
@@ -181,12 +178,15 @@ class GoatPrior(PositionScheme):
             raise ValueError(f"GOAT lane_impl must be 'auto', 'torch' or 'triton'; got {lane_impl!r}")
         self.lane_impl = lane_impl
 
-        freqs = torch.cat([G.geometric_frequencies(m, freq_base) for m in modes_per_axis]) if n_modes else torch.zeros(0, dtype=torch.float64)
-        mode_axis = torch.cat([torch.full((m,), a, dtype=torch.long) for a, m in enumerate(modes_per_axis)]) if n_modes else torch.zeros(0, dtype=torch.long)
+        if n_modes:
+            freqs = torch.cat([G.geometric_frequencies(m, freq_base) for m in modes_per_axis])
+            mode_axis = torch.cat([torch.full((m,), a, dtype=torch.long) for a, m in enumerate(modes_per_axis)])
+        else:
+            freqs, mode_axis = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
         self.register_buffer("mode_axis", mode_axis, persistent=False)
         if learned_freqs:
             self.log_freqs = nn.Parameter(freqs.log().float())
-            no_decay(self.log_freqs)
+            no_weight_decay(self.log_freqs)
         else:
             # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
             self._freqs_fixed = freqs
@@ -206,7 +206,7 @@ class GoatPrior(PositionScheme):
         offset = sum(math.prod(shape) for _, shape in self._segments.values())
         if offset:
             self.prior = nn.Parameter(torch.zeros(offset))
-            no_decay(self.prior)
+            no_weight_decay(self.prior)
         else:  # nothing learned (ALiBi): an empty buffer keeps the code path uniform
             self.register_buffer("prior", torch.zeros(0), persistent=False)
         if self.key_linear and not learn_slope:  # fixed slopes (ALiBi) are a buffer, saved with the model
@@ -312,7 +312,8 @@ class GoatPrior(PositionScheme):
     alpha = property(lambda self: self._segment("alpha"), doc="``[H, R]`` cosine amplitudes (view of ``prior``).")
     beta = property(lambda self: self._segment("beta"), doc="``[H, R]`` sine amplitudes (view of ``prior``).")
     bos = property(lambda self: self._segment("bos"), doc="``[H]`` BOS bias ``b_h`` or None.")
-    default = property(lambda self: self._segment("default"), doc="``[H]`` default ``u`` of tokens without coordinates or None.")
+    default = property(lambda self: self._segment("default"),
+                       doc="``[H]`` default ``u`` of tokens without coordinates or None.")
     mlp_w1 = property(lambda self: self._segment("mlp_w1"), doc="``[H, F, D]`` first layer of ``g_h`` or None.")
     mlp_b1 = property(lambda self: self._segment("mlp_b1"), doc="``[H, D]`` hidden bias of ``g_h`` or None.")
     mlp_w2 = property(lambda self: self._segment("mlp_w2"), doc="``[H, D]`` output weights of ``g_h`` or None.")
@@ -328,9 +329,12 @@ class GoatPrior(PositionScheme):
         return tuple(self._segments)
 
     def _params(self, calc: torch.dtype) -> dict[str, Tensor | None]:
-        cast = lambda t: None if t is None else t.to(calc)
-        return {"alpha": cast(self.alpha), "beta": cast(self.beta), "slope": cast(self.slope), "bos": cast(self.bos),
-                "default": cast(self.default), "w1": cast(self.mlp_w1), "b1": cast(self.mlp_b1), "w2": cast(self.mlp_w2)}
+        terms = {"alpha": self.alpha, "beta": self.beta, "slope": self.slope, "bos": self.bos,
+                 "default": self.default, "w1": self.mlp_w1, "b1": self.mlp_b1, "w2": self.mlp_w2}
+        return {k: None if t is None else t.to(calc) for k, t in terms.items()}
+
+    def describe(self) -> dict[str, int]:
+        return {"n_modes": int(self.n_modes)}
 
     def key_only(self, coords: Coords, dtype: torch.dtype = torch.float64) -> Tensor:
         """``u_h(j) = lambda_h j + g_h(phi_abs(j)) + b_h 1{j=0} (+ default if no axes)``, ``[B|1, H, T]``.
@@ -358,13 +362,9 @@ class GoatPrior(PositionScheme):
         calc = torch.float64 if dtype == torch.float64 else torch.float32
         fq = self._features(coords_q, calc)
         fk = fq if coords_k is coords_q else self._features(coords_k, calc)
-        if self._use_triton(fq["present"], calc):  # one kernel forward, one backward
-            from mixlab.ops.goat_triton import GoatLanesTriton
-
-            feat_q = self._packed_features(fq)
-            feat_k = feat_q if fk is fq else self._packed_features(fk)
-            return GoatLanesTriton.apply(feat_q, feat_k, self._flat_params(), self._kernel_meta(),
-                                         feat_q.shape[0], feat_k.shape[0], dtype)
+        if G.use_triton(self.lane_impl, fq["present"], calc, self.log_freqs is not None):  # one kernel each way
+            return G.triton_lanes(G.packed_features(fq), G.packed_features(fk), self._flat_params(),
+                                  self._kernel_meta(), dtype)
         cos_q, sin_q = self._cos_sin(fq, calc)
         cos_k, sin_k = (cos_q, sin_q) if fk is fq else self._cos_sin(fk, calc)
         p = self._params(calc)
@@ -373,15 +373,6 @@ class GoatPrior(PositionScheme):
                                  p["slope"], p["bos"], p["default"], p["w1"], p["b1"], p["w2"], self.lane_scale, dtype)
 
     # ------------------------------------------------------------------ Triton fast path inputs
-    def _packed_features(self, f: dict[str, Tensor]) -> Tensor:
-        """``[B|1, T, NF]`` float32 features for the Triton kernels, cached in the feature dict."""
-        if "packed" not in f:
-            from mixlab.ops.goat_triton import pack_features
-
-            f["packed"] = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"],
-                                        f["is_bos"], f["is_none"])
-        return f["packed"]
-
     def _flat_params(self) -> Tensor:
         """The prior parameters as one flat float32 vector in the kernels' layout: ``prior``
         itself, or with the fixed slope spliced in (one ``cat``)."""
@@ -395,25 +386,12 @@ class GoatPrior(PositionScheme):
         """Compile-time constants of the Triton kernels for this prior (computed once)."""
         meta = self.__dict__.get("_meta")
         if meta is None:
-            from mixlab.ops.goat_triton import kernel_meta
-
             mlp = self.key_mlp_hidden > 0
-            meta = kernel_meta(self.n_heads, self.n_modes, self._segments["mlp_w1"][1][1] if mlp else 0,
-                               self.key_mlp_hidden if mlp else 0, self.lane_scale, slope=self.key_linear,
-                               bos=self.use_bos, default=self.use_default)
+            meta = G.triton_meta(self.n_heads, self.n_modes, self._segments["mlp_w1"][1][1] if mlp else 0,
+                                 self.key_mlp_hidden if mlp else 0, self.lane_scale, slope=self.key_linear,
+                                 bos=self.use_bos, default=self.use_default)
             self.__dict__["_meta"] = meta
         return meta
-
-    def _use_triton(self, feature: Tensor, calc: torch.dtype) -> bool:
-        """Triton lanes: forced by ``lane_impl="triton"``, or ``auto`` on CUDA for fp32 lane
-        math with fixed frequencies (learned frequencies need gradients into cos/sin), outside
-        ``torch.compile`` (which compiles the torch lanes instead)."""
-        if self.lane_impl == "triton":
-            if self.log_freqs is not None:
-                raise ValueError("GOAT lane_impl='triton' does not support learned_freqs=True; use 'auto' or 'torch'")
-            return True
-        return (self.lane_impl == "auto" and feature.is_cuda and calc == torch.float32 and self.log_freqs is None
-                and not torch.compiler.is_compiling())  # under torch.compile: the torch lanes, for inductor
 
     def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
         """See :meth:`PositionScheme.pack`. On the Triton path the lanes are written into
@@ -422,12 +400,11 @@ class GoatPrior(PositionScheme):
         concatenation and no extra saved activation."""
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
-        if not self._use_triton(f["present"], calc) or f["present"].shape[0] not in (1, batch):
+        if (not G.use_triton(self.lane_impl, f["present"], calc, self.log_freqs is not None)
+                or f["present"].shape[0] not in (1, batch)):
             return super().pack(qkv, coords, batch)
-        from mixlab.ops.goat_triton import GoatQKV
-
-        return GoatQKV.apply(qkv, self._packed_features(f), self._flat_params(), self._kernel_meta(), batch,
-                             self.head_dim)
+        return G.triton_pack_qkv(qkv, G.packed_features(f), self._flat_params(), self._kernel_meta(), batch,
+                                 self.head_dim)
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
         return self.prior_terms(coords_q, coords_k, dtype)["total"]
@@ -446,6 +423,7 @@ class GoatPrior(PositionScheme):
         return {"relative": rel, "key_only": u, "total": rel + u}
 
 
+@register_position("alibi")
 class AlibiPrior(GoatPrior):
     """ALiBi (Press et al. 2022) in GOAT's key-linear lanes: ``-m_h (i - j) == m_h j - m_h i``.
 
@@ -457,14 +435,18 @@ class AlibiPrior(GoatPrior):
         ValueError: for bidirectional attention (ALiBi's ``|i - j|`` is not key-only).
     """
 
-    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, **_: object) -> None:
+    def __init__(self, n_heads: int, head_dim: int, causal: bool = True) -> None:
         if not causal:
             raise ValueError("position='alibi' needs causal attention: the bidirectional |i-j| bias is not key-only; "
                              "use goat, rope or nope for bidirectional mixers")
         super().__init__(n_heads, head_dim, causal=True, n_modes=0, key_linear=True, key_mlp_hidden=0,
                          bos_bias=False, init="alibi", learn_slope=False)
 
+    def describe(self) -> dict[str, int]:
+        return {}
 
+
+@register_position("rope")
 class RotaryPositions(PositionScheme):
     """RoPE (Su et al. 2021), axis-wise for several axes (2D axial RoPE for patches).
 
@@ -476,7 +458,7 @@ class RotaryPositions(PositionScheme):
         ValueError: if ``head_dim`` is not divisible into even parts per axis.
     """
 
-    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0, **_: object) -> None:
+    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0) -> None:
         super().__init__(n_heads, head_dim, causal)
         if head_dim % (2 * axes):
             raise ValueError(f"RoPE needs head_dim divisible by 2*axes; got head_dim={head_dim}, axes={axes}")
@@ -518,26 +500,3 @@ def _rope_rotate(x: Tensor, cos: Tensor, sin: Tensor, axes: int) -> Tensor:
     sin = sin.unflatten(-1, (axes, 1, d_a // 2))
     x1, x2 = xs[..., 0:1, :], xs[..., 1:2, :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-2).flatten(-3)
-
-
-_SCHEMES = {"goat": GoatPrior, "alibi": AlibiPrior, "rope": RotaryPositions, "nope": NoPositions}
-
-
-def build_position(name: str, n_heads: int, head_dim: int, causal: bool, **kwargs) -> PositionScheme:
-    """Position scheme by name: ``goat``, ``alibi``, ``rope``, ``nope``.
-
-    Raises:
-        ValueError: unknown name; a ``position_args`` key the scheme does not take (a typo,
-            e.g. ``n_mode``), naming the accepted ones.
-    """
-    if name not in _SCHEMES:
-        raise ValueError(f"unknown position scheme {name!r}; choose from {sorted(_SCHEMES)}")
-    cls = _SCHEMES[name]
-    params = inspect.signature(cls.__init__).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        unknown = sorted(set(kwargs) - set(params))
-        if unknown:
-            accepted = ", ".join(n for n in params if n not in ("self", "n_heads", "head_dim", "causal"))
-            raise ValueError(f"position_args of {name!r} got unknown key(s) {', '.join(map(repr, unknown))}; "
-                             f"it accepts: {accepted}")
-    return cls(n_heads=n_heads, head_dim=head_dim, causal=causal, **kwargs)

@@ -16,47 +16,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from mixlab.coords import Coords
-from mixlab.mixers.base import Mixer
-from mixlab.mixers.positions import build_position
+from mixlab.mixers.base import AttentionMixer, resolve_head_dim
+from mixlab.ops.attention import band_mask, flex_sliding_window
 from mixlab.registry import register_mixer
 
-__all__ = ["SlidingWindowAttention", "band_mask"]
-
-
-def band_mask(q_idx: Tensor, k_idx: Tensor, window: int, causal: bool = True) -> Tensor:
-    """``[Tq, Tk]`` bool: True where query token ``q_idx[i]`` may see key ``k_idx[j]``
-    (indices are absolute token positions)."""
-    d = q_idx[:, None] - k_idx[None, :]
-    return (d >= 0) & (d < window) if causal else d.abs() < window
-
-
-_FLEX: dict[str, Any] = {}
-
-
-def _flex_swa(q: Tensor, k: Tensor, v: Tensor, window: int, causal: bool) -> Tensor:
-    """FlexAttention with a sliding-window block mask (CUDA; compiled once per process)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-
-    def mask_mod(b, h, qi, ki):
-        d = qi - ki
-        return ((d >= 0) & (d < window)) if causal else ((d < window) & (d > -window))
-
-    t = q.shape[2]
-    key = (t, window, causal, q.device)
-    if _FLEX.get("mask_key") != key:
-        _FLEX["mask"] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
-        _FLEX["mask_key"] = key
-    return _FLEX["fn"](q, k, v, block_mask=_FLEX["mask"])
+__all__ = ["SlidingWindowAttention"]
 
 
 @register_mixer("swa")
-class SlidingWindowAttention(Mixer):
+class SlidingWindowAttention(AttentionMixer):
     """Multi-head sliding-window attention.
 
     Args:
@@ -86,15 +57,9 @@ class SlidingWindowAttention(Mixer):
             raise ValueError(f"swa mixer: position must be 'rope' or 'nope'; got {position!r}")
         if impl not in ("auto", "mask", "flex", "reference"):
             raise ValueError(f"swa mixer: impl must be 'auto', 'mask', 'flex' or 'reference'; got {impl!r}")
-        if head_dim is None:
-            if d_model % n_heads:
-                raise ValueError(f"swa mixer: d_model={d_model} is not divisible by n_heads={n_heads}")
-            head_dim = d_model // n_heads
+        head_dim = resolve_head_dim("swa", d_model, n_heads, head_dim)
         self.n_heads, self.head_dim, self.window, self.causal, self.impl = n_heads, head_dim, window, causal, impl
-        self.pos = build_position(position, n_heads, head_dim, causal, **(position_args or {}))
-        self.qkv = nn.Linear(d_model, 3 * n_heads * head_dim, bias=bias)
-        self.proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
-        self.proj._is_residual = True  # type: ignore[attr-defined]
+        self._init_projections(d_model, n_heads, head_dim, causal, position, position_args, bias)
 
     def qkv_heads(self, x: Tensor, coords: Coords) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated ``q, k`` and ``v`` as ``[B, H, T, d]``."""
@@ -120,7 +85,7 @@ class SlidingWindowAttention(Mixer):
         if impl == "flex" and k.shape[2] != t:
             impl = "mask"  # flex path is for a parallel forward without cached keys
         if impl == "flex":
-            y = _flex_swa(q, k, v, self.window, self.causal)
+            y = flex_sliding_window(q, k, v, self.window, self.causal)
         elif impl == "mask":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(q_idx, k_idx, self.window, self.causal))
         else:

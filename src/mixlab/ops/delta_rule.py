@@ -67,7 +67,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, beta: Tensor | Non
     if cu_seqlens is not None:
         if b != 1:
             raise ValueError(f"delta_rule: cu_seqlens needs packed inputs with B=1; got B={b}")
-        if cu_seqlens.dim() != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != t or bool((cu_seqlens.diff() < 0).any()):
+        bounds_ok = cu_seqlens.dim() == 1 and int(cu_seqlens[0]) == 0 and int(cu_seqlens[-1]) == t
+        if not bounds_ok or bool((cu_seqlens.diff() < 0).any()):
             raise ValueError(f"delta_rule: cu_seqlens must be a non-decreasing 1-D [N+1] tensor from 0 to T={t}; "
                              f"got {cu_seqlens.tolist()}")
         n = cu_seqlens.numel() - 1

@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["activation_dtype", "prepare", "pad_last", "padded_dim", "unserved", "LIMITS", "MIN_HEAD_DIM", "limit_autotune",
-           "import_op"]
+__all__ = ["activation_dtype", "prepare", "pad_last", "padded_dim", "unserved", "LIMITS", "MIN_HEAD_DIM",
+           "limit_autotune", "import_op"]
 
 #: Smallest key/value head dim fla's ``tl.dot`` tiles take; smaller dims are zero-padded to it.
 MIN_HEAD_DIM = 16

@@ -14,6 +14,10 @@ head dim ``d_h`` and ``d_c = d_h - d_p`` content dims::
 
 so that ``q'.k' / sqrt(d_h) = z_ij`` and ONE standard SDPA call is exact.
 
+Implementations: :class:`GoatLanes` (torch, the reference and the CPU path) and the Triton
+kernels of :mod:`mixlab.ops.goat_triton`, chosen by :func:`use_triton` (Triton is imported
+only when a kernel runs).
+
 Two-lane key-linear term (the fix for the bf16 "staircase", ../shared/design/goat.md):
 ``j = c * j_hi + j_lo`` with ``c = 128``. Lane ``d_p - 2`` carries ``j_hi`` (a small
 integer, exact in bf16 up to 256, i.e. j < 32768), its query ``sqrt(d_h) lambda c``; lane
@@ -42,6 +46,11 @@ __all__ = [
     "split_key_linear",
     "abs_features",
     "param_layout",
+    "use_triton",
+    "packed_features",
+    "triton_meta",
+    "triton_lanes",
+    "triton_pack_qkv",
 ]
 
 KEY_LINEAR_BLOCK = 128
@@ -294,3 +303,61 @@ def param_layout(n_heads: int, n_modes: int, n_feat: int, hidden: int, *, slope:
             layout[name] = (offset, shape)
             offset += math.prod(shape)
     return layout
+
+
+# ---------------------------------------------------------------------- dispatch: torch lanes or Triton kernels
+def use_triton(impl: str, present: Tensor, calc: torch.dtype, learned_freqs: bool) -> bool:
+    """Whether the lanes go through the Triton kernels.
+
+    Forced by ``impl="triton"``; with ``impl="auto"``: CUDA tensors (``present`` is any feature
+    tensor of the coordinates), fp32 lane math (``calc``) and fixed frequencies (learned
+    frequencies need gradients into cos/sin), outside ``torch.compile`` (which compiles the
+    torch lanes instead, for inductor). ``"torch"``: never.
+
+    Raises:
+        ValueError: ``impl="triton"`` with learned frequencies.
+    """
+    if impl == "triton":
+        if learned_freqs:
+            raise ValueError("GOAT lane_impl='triton' does not support learned_freqs=True; use 'auto' or 'torch'")
+        return True
+    return (impl == "auto" and present.is_cuda and calc == torch.float32 and not learned_freqs
+            and not torch.compiler.is_compiling())
+
+
+def packed_features(f: dict[str, Tensor]) -> Tensor:
+    """``[B|1, T, NF]`` float32 features of the Triton kernels from a feature dict (``cos``, ``sin``,
+    ``present``, ``phi``, ``j_hi``, ``j_lo``, ``is_bos``, ``is_none``), cached in it under ``"packed"``."""
+    if "packed" not in f:
+        from mixlab.ops.goat_triton import pack_features
+
+        f["packed"] = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"],
+                                    f["is_bos"], f["is_none"])
+    return f["packed"]
+
+
+def triton_meta(n_heads: int, n_modes: int, n_feat: int, hidden: int, scale: float, *, slope: bool, bos: bool,
+                default: bool) -> dict:
+    """Compile-time constants of the Triton kernels (:func:`mixlab.ops.goat_triton.kernel_meta`)."""
+    from mixlab.ops.goat_triton import kernel_meta
+
+    return kernel_meta(n_heads, n_modes, n_feat, hidden, scale, slope=slope, bos=bos, default=default)
+
+
+def triton_lanes(feat_q: Tensor, feat_k: Tensor, params: Tensor, meta: dict,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Lanes ``(q [Bq, H, Tq, L], k [Bk, H, Tk, L])`` in ``dtype`` by the Triton kernels
+    (:class:`~mixlab.ops.goat_triton.GoatLanesTriton`); ``feat_*`` from :func:`packed_features`,
+    ``params`` the flat float32 prior vector (layout :func:`param_layout`)."""
+    from mixlab.ops.goat_triton import GoatLanesTriton
+
+    return GoatLanesTriton.apply(feat_q, feat_k, params, meta, feat_q.shape[0], feat_k.shape[0], dtype)
+
+
+def triton_pack_qkv(qkv: Tensor, feat: Tensor, params: Tensor, meta: dict, batch: int,
+                    head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Write the lanes into the packed projection ``qkv [B * T, 3 * H * d_h]`` in place and return
+    ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`)."""
+    from mixlab.ops.goat_triton import GoatQKV
+
+    return GoatQKV.apply(qkv, feat, params, meta, batch, head_dim)

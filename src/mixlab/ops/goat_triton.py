@@ -1,4 +1,4 @@
-"""Triton fast path for GOAT's lane construction (:class:`mixlab.ops.goat.GoatLanes`).
+"""Triton kernels of the attention family: GOAT's lanes and the packed-qkv split every scheme uses.
 
 Same math as ``GoatLanes`` (see its docstring and the equations in :mod:`mixlab.ops.goat`):
 one kernel forward and one kernel backward, instead of ~25 + ~30 small eager kernels per
@@ -18,7 +18,7 @@ Three entry points share the kernels:
   unbind`` (~260 us of a ~1.2 ms layer step at B8 T2048 d768 on an H200, BENCHMARKS.md).
 * :class:`QKVSplit` - the same split and one-copy backward for schemes without lanes (NoPE,
   RoPE, APE): every attention layer on CUDA builds ``d qkv`` the same way
-  (:func:`mixlab.mixers.positions.split_qkv`).
+  (:func:`mixlab.ops.attention.split_qkv`).
 
 Kernel arguments are few on purpose (a single layer is host-bound on a fast GPU, and every
 launch argument costs host time): the parameter-free position features come as ONE cached
@@ -434,7 +434,8 @@ def pack_params(alpha: torch.Tensor, beta: torch.Tensor, slope: torch.Tensor | N
 def _launch_args(meta: dict, shape_q: tuple, shape_k: tuple, NQ: int, NK: int) -> tuple:
     """``(grid, BB, constexprs, compiled kernels)``, memoised per configuration and shape: programs per (head, token
     block, batch chunk). The last entry is a dict of compiled kernels by call site (see
-    :func:`_launch`) that also holds :class:`GoatQKV`'s backward workspace per device. ``shape_q``/``shape_k``: the feature tensors' ``(batch, T, ...)``. Shared
+    :func:`_launch`) that also holds :class:`GoatQKV`'s backward workspace per device.
+    ``shape_q``/``shape_k``: the feature tensors' ``(batch, T, ...)``. Shared
     features (batch 1) are split into only as many batch chunks as give the GPU ~``_PROGRAMS``
     programs; per-sample features need one program per batch entry."""
     if "_key" not in meta:  # hashable identity of the prior configuration (plain values only)
@@ -476,7 +477,8 @@ def _launch(fn, grid: tuple, kernels: dict, key: tuple, args: tuple, kwargs: dic
     the JIT (no compiled kernel is returned). ``grid`` must have 3 entries (the compiled
     kernel's launcher does not pad it).
     """
-    spec = (fn, key, args[0].device) + tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
+    spec = (fn, key, args[0].device) + tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args
+                                             if isinstance(a, torch.Tensor))
     hit = kernels.get(spec)
     if hit is not None:
         compiled, tail = hit
@@ -576,8 +578,8 @@ class GoatQKV(torch.autograd.Function):
         grid, BB, const, kernels = _launch_args(meta, feat.shape, feat.shape, batch, batch)
         d_c = head_dim - L
         layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
-        _launch(_lanes_fwd, grid, kernels, tuple(layout.values()), (feat, feat, params, qkv, qkv, batch, batch, T, T, BB),
-                dict(**layout, **const))
+        _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
+                (feat, feat, params, qkv, qkv, batch, batch, T, T, BB), dict(**layout, **const))
         ctx.save_for_backward(feat, params)
         ctx.args = (grid, BB, const, kernels, batch, head_dim)
         return qkv.view(batch, T, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)

@@ -437,7 +437,8 @@ class _MesaChunkFunction(torch.autograd.Function):
             lam = _lamb_per_chunk(lamb.to(dt), ch)
             do_c = ch.chunk_view(do.to(dt))
             with torch.no_grad():  # adjoint right-hand side G_t do_t, then the adjoint solve
-                rhs = ch.dq.unsqueeze(-1) * (do_c @ ch.G.transpose(-1, -2)) + ((do_c @ ch.v.transpose(-1, -2)) * ch.D) @ ch.k
+                rhs = (ch.dq.unsqueeze(-1) * (do_c @ ch.G.transpose(-1, -2))
+                       + ((do_c @ ch.v.transpose(-1, -2)) * ch.D) @ ch.k)
                 u, _ = _chunk_cg(ch, lam, rhs, cg_iters, cg_eps)
             surrogate = (do_c * _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)).sum() \
                 - (u * _matvec_kk(x, ch.H, ch.k, ch.D, ch.dq)).sum()

@@ -9,7 +9,7 @@ and writes into ``--out`` (default ``<logdir>/compare``):
   files under ``<task>/<mixer>/``, so evaluation outputs written inside a run directory,
   e.g. ``length-extrapolation --out runs/text/goat/version_0/eval``, are picked up too).
   The best value of each column (with two or more values) is bold in the Markdown table. Which metric each task
-  reports is :data:`TASK_METRICS`; a task matching no entry reports ``test/loss``.
+  reports is :data:`mixlab.eval.metrics.TASK_METRICS`; a task matching no entry reports ``test/loss``.
   MAD tasks (``mad_*``) also give the derived ``MAD score`` column (mean ``test/acc``
   over the MAD tasks a mixer has);
 * ``curves_<task>.png``: ``train/loss``, ``val/loss`` and the task's metrics against the
@@ -29,57 +29,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mixlab.eval.common import pyplot
+from mixlab.eval.metrics import TASK_METRICS, Metric, task_metrics
+
 __all__ = ["Metric", "TASK_METRICS", "task_metrics", "load_scalars", "collect", "compare", "main"]
 
 
-@dataclass(frozen=True)
-class Metric:
-    """One table column of a task.
-
-    Attributes:
-        tag: scalar tag; may be an ``fnmatch`` pattern (``resolution/*/top1``): the first
-            matching tag in sorted order is used.
-        label: column label; ``{step}`` is replaced by the step for ``by_step`` metrics.
-        higher_is_better: direction (bold = best).
-        by_step: one column per logged step (the step is a length or a resolution, e.g.
-            ``length/ppl`` at step = context length), instead of the final value.
-    """
-
-    tag: str
-    label: str
-    higher_is_better: bool
-    by_step: bool = False
-
-
-TASK_METRICS: dict[str, list[Metric]] = {
-    "genome": [Metric("test/bits_per_base", "bits/base", False)],
-    "text": [Metric("test/ppl", "PPL", False), Metric("length/ppl", "PPL@{step}", False, by_step=True)],
-    "imagenet": [Metric("test/top1", "top-1", True), Metric("resolution/*/top1", "top-1@{step}px", True, by_step=True)],
-    "digits": [Metric("test/top1", "top-1", True), Metric("resolution/*/top1", "top-1@{step}px", True, by_step=True)],
-    "vqa_*": [Metric("test/acc_heldout", "held-out acc", True), Metric("test/acc_seen", "seen acc", True)],
-    "mad_*": [Metric("test/acc", "acc", True)],
-    "regbench": [Metric("test/regbench_acc", "acc", True)],
-    "parity": [Metric("test/acc", "acc", True)],
-    "copy_mixture": [Metric("test/excess_nll", "excess NLL", False)],
-    "passkey": [Metric("test/span_acc", "span acc", True)],
-    "niah": [Metric("test/span_acc", "span acc", True)],
-}
-"""Task name (``fnmatch`` pattern) -> its table metrics. Extend by adding an entry."""
-
-DEFAULT_METRICS = [Metric("test/loss", "loss", False)]
 CURVE_TAGS = ("train/loss", "val/loss")
 
 Scalars = dict[str, list[tuple[float, int, float]]]  # tag -> [(wall_time, step, value)]
-
-
-def task_metrics(task: str) -> list[Metric]:
-    """Metrics of ``task``: exact key of :data:`TASK_METRICS`, else the first matching pattern, else ``test/loss``."""
-    if task in TASK_METRICS:
-        return TASK_METRICS[task]
-    for pattern, metrics in TASK_METRICS.items():
-        if fnmatch.fnmatchcase(task, pattern):
-            return metrics
-    return DEFAULT_METRICS
 
 
 def load_scalars(run_dir: str | Path) -> Scalars:
@@ -244,11 +202,7 @@ def write_csv(cmp: Comparison, path: Path) -> None:
 
 def plot_curves(cmp: Comparison, out: Path) -> list[Path]:
     """``curves_<task>.png`` per task: one panel per curve tag, one line per mixer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     paths = []
     for task, runs in cmp.scalars.items():
         tags = [t for t in CURVE_TAGS if any(t in s for s in runs.values())]

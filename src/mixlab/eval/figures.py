@@ -7,9 +7,10 @@ as a TensorBoard image (tag ``figures/<name>``) and its summary numbers as scala
 
 =================  ========================================================================
 ``goat-prior``     :func:`goat_prior_figure`: the learned GOAT log-prior of one layer and
-                   head, split into key-only, relative and total terms (GOAT paper Fig. 1
-                   style), for 1D sequences (``Coords.seq(T)``) and 2D grids
-                   (``Coords.grid(h, w)``: the prior seen from the centre query).
+                   head, split into key-only, relative and total terms, plus for causal
+                   1D priors the causal prior softmax (GOAT paper Fig. 1 style), for 1D
+                   sequences (``Coords.seq(T)``) and 2D grids (``Coords.grid(h, w)``: the
+                   prior seen from the centre query). ``copy-prior`` is an alias.
 ``goat-spectrum``  :func:`goat_spectrum_figure`: spectral statistics of the GOAT heads
                    (GOAT "learned structure" slide): amplitude per head, the share of heads
                    dominated by antisymmetric (``beta``) coefficients, ``|beta|/|alpha|``
@@ -47,34 +48,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
+from mixlab.eval.common import goat_layers, load_run, pyplot
 
 __all__ = [
-    "goat_layers", "goat_prior_figure", "goat_spectrum", "goat_spectrum_figure", "write_rates",
-    "write_rate_figure", "mesa_solver_stats", "mesa_solver_figure", "FIGURES", "main",
+    "goat_layers", "goat_prior_panels", "goat_prior_figure", "goat_spectrum", "goat_spectrum_figure", "write_rates",
+    "write_rate_figure", "mesa_solver_stats", "mesa_solver_figure", "FIGURES", "heldout_batches", "main", "copy_prior",
 ]
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _log_per_layer(writer: Any, figure: str, layers, values: dict, stats: dict) -> None:
-    """Log ``figures/<figure>/<name>`` = ``fn(stats[layer])`` for each layer (step = layer index)."""
-    if writer is None:
-        return
-    for i in layers:
-        for name, fn in values.items():
-            writer.add_scalar(f"figures/{figure}/{name}", float(fn(stats[i])), i)
-    writer.flush()
-
-
-def _save(fig, out: str | Path, name: str, writer: Any = None, step: int = 0) -> Path:
-    """Save ``fig`` as ``<out>/<name>.png`` and log it to ``writer`` as ``figures/<name>``."""
+def _save(fig, out: str | Path, name: str, writer: Any = None, step: int = 0, stats: dict | None = None,
+          scalars: dict[str, Callable[[dict], Any]] | None = None) -> Path:
+    """Lay out and save ``fig`` as ``<out>/<name>.png``, log it to ``writer`` as ``figures/<name>``, and
+    log ``figures/<name>/<key>`` = ``fn(stats[layer])`` for each ``scalars`` entry (step = layer index)."""
+    fig.tight_layout()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.png"
@@ -82,7 +68,12 @@ def _save(fig, out: str | Path, name: str, writer: Any = None, step: int = 0) ->
     if writer is not None:
         writer.add_figure(f"figures/{name}", fig, global_step=step, close=False)
         writer.flush()
-    _plt().close(fig)
+    pyplot().close(fig)
+    if writer is not None and scalars:
+        for i in sorted(stats):
+            for key, fn in scalars.items():
+                writer.add_scalar(f"figures/{name}/{key}", float(fn(stats[i])), i)
+        writer.flush()
     return path
 
 
@@ -91,61 +82,75 @@ def _layer_of(mod: nn.Module, default: int) -> int:
 
 
 # ---------------------------------------------------------------------------- GOAT
-def goat_layers(model: nn.Module) -> dict[int, nn.Module]:
-    """``{layer index: GoatPrior}`` of every GOAT attention layer (ALiBi layers excluded)."""
-    from mixlab.mixers.positions import GoatPrior
-
-    out = {}
-    for i, m in enumerate(m for m in model.modules() if isinstance(getattr(m, "pos", None), GoatPrior)):
-        if type(m.pos) is GoatPrior:
-            out[_layer_of(m, i)] = m.pos
-    return out
-
-
-def _goat(model: nn.Module, layer: int):
+def _goat(model: nn.Module, layer: int | None):
+    """``(layer, GoatPrior)``: the given GOAT layer, or the first one for ``layer=None``."""
     layers = goat_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no GOAT attention layer (mixer 'goat')")
+    layer = min(layers) if layer is None else layer
     if layer not in layers:
         raise ValueError(f"--layer {layer}: GOAT layers of this model are {sorted(layers)}")
-    return layers[layer]
+    return layer, layers[layer]
 
 
 @torch.no_grad()
-def goat_prior_figure(model: nn.Module, layer: int = 0, head: int = 0, length: int = 64,
+def goat_prior_panels(prior: nn.Module, head: int, length: int = 64,
+                      grid: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """The numbers of the goat-prior figure for one head of a :class:`~mixlab.mixers.positions.GoatPrior`.
+
+    Returns:
+        ``{"key_only", "relative", "total"}``, each float64 ``[Tq, Tk]`` (nats, additive
+        log-prior before softmax, from the formula; unmasked), over ``Coords.seq(length)`` or
+        ``Coords.grid(*grid)``; for a causal prior on a sequence also ``"causal_prior"``
+        ``[T, T]``: ``softmax_j`` of ``total`` over ``j <= i`` (0 above the diagonal), what
+        attention does with no content contrast (GOAT Theorem 5.1).
+    """
+    dev = prior.mode_axis.device
+    coords = Coords.grid(*grid, device=dev) if grid is not None else Coords.seq(length, device=dev)
+    terms = prior.prior_terms(coords, coords, torch.float64)
+    res = {k: terms[k][0, head].cpu().numpy() for k in ("key_only", "relative", "total")}
+    if grid is None and prior.causal:
+        total = np.where(np.tril(np.ones((length, length), dtype=bool)), res["total"], -np.inf)
+        p = np.exp(total - total.max(-1, keepdims=True))
+        res["causal_prior"] = p / p.sum(-1, keepdims=True)
+    return res
+
+
+@torch.no_grad()
+def goat_prior_figure(model: nn.Module, layer: int | None = None, head: int = 0, length: int = 64,
                       grid: tuple[int, int] | None = None, out: str | Path = "figures", writer: Any = None,
                       step: int = 0) -> dict[str, np.ndarray]:
     """Learned GOAT log-prior of one layer and head (GOAT paper Sec. 4, Eqs. 11-22; Fig. 1 style).
 
     Args:
         model: a head containing GOAT attention layers.
-        layer, head: which prior to draw.
+        layer, head: which prior to draw (``layer=None``: the first GOAT layer).
         length: ``T`` of the 1D coordinates ``Coords.seq(T)`` (used when ``grid`` is None).
         grid: ``(h, w)`` for a 2D model: coordinates ``Coords.grid(h, w)`` (the prior must
             read 2 axes); the figure shows the prior from the centre query over the grid.
         out: folder of ``goat_prior_l<layer>_h<head>.png``.
 
     Returns:
-        ``{"key_only", "relative", "total"}``, each float64 ``[Tq, Tk]`` (nats, additive
-        log-prior before softmax; unmasked, the causal mask is only drawn), and
-        ``"query"`` (the centre query index for grids, else ``-1``).
+        :func:`goat_prior_panels` (the causal mask is only drawn) and ``"query"`` (the centre
+        query index for grids, else ``-1``).
 
     Raises:
         ValueError: no GOAT layer, bad ``layer``/``head``.
     """
-    pos = _goat(model, layer)
+    layer, pos = _goat(model, layer)
     if not 0 <= head < pos.n_heads:
         raise ValueError(f"--head {head}: the GOAT layer has {pos.n_heads} heads")
-    coords = Coords.grid(*grid) if grid is not None else Coords.seq(length)
-    terms = pos.prior_terms(coords, coords, torch.float64)
-    res = {k: terms[k][0, head].cpu().numpy() for k in ("key_only", "relative", "total")}
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    res = goat_prior_panels(pos, head, length, grid)
+    plt = pyplot()
     names = {"key_only": "key-only u(j)", "relative": "relative K_rel(i, j)", "total": "total log-prior"}
+    if "causal_prior" in res:
+        names["causal_prior"] = "causal prior softmax(total)"
+    fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 4))
     if grid is None:
         causal = np.triu(np.ones((length, length), dtype=bool), 1) if pos.causal else np.zeros((length, length), bool)
         for ax, k in zip(axes, names):
-            img = ax.imshow(np.ma.masked_array(res[k], causal), cmap="RdBu_r", aspect="auto")
+            img = ax.imshow(np.ma.masked_array(res[k], causal), cmap="magma" if k == "causal_prior" else "RdBu_r",
+                            aspect="auto")
             ax.set(title=names[k], xlabel="key j", ylabel="query i")
             fig.colorbar(img, ax=ax, fraction=0.046)
         res["query"] = np.array(-1)
@@ -159,7 +164,6 @@ def goat_prior_figure(model: nn.Module, layer: int = 0, head: int = 0, length: i
             fig.colorbar(img, ax=ax, fraction=0.046)
         res["query"] = np.array(qi)
     fig.suptitle(f"GOAT log-prior, layer {layer}, head {head}")
-    fig.tight_layout()
     _save(fig, out, f"goat_prior_l{layer}_h{head}", writer, step)
     return res
 
@@ -204,7 +208,7 @@ def goat_spectrum_figure(model: nn.Module, out: str | Path = "figures", writer: 
     """Plot :func:`goat_spectrum` (amplitude per head and layer; antisymmetric share and median
     ``|beta|/|alpha|`` per layer) into ``<out>/goat_spectrum.png``; returns its numbers."""
     stats = goat_spectrum(model)
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     ls = sorted(stats)
     amp = np.stack([stats[i]["amplitude"] for i in ls])
@@ -217,11 +221,9 @@ def goat_spectrum_figure(model: nn.Module, out: str | Path = "figures", writer: 
                 xticks=range(len(ls)), xticklabels=ls)
     axes[2].plot(range(len(ls)), [float(stats[i]["median_ratio"]) for i in ls], marker="o")
     axes[2].set(title="median |beta|/|alpha| per layer", xlabel="layer", xticks=range(len(ls)), xticklabels=ls)
-    fig.tight_layout()
-    _save(fig, out, "goat_spectrum", writer, step)
-    _log_per_layer(writer, "goat_spectrum", ls, {
+    _save(fig, out, "goat_spectrum", writer, step, stats, {
         "mean_amplitude": lambda s: s["amplitude"].mean(), "antisym_share": lambda s: s["antisym_share"],
-        "median_ratio": lambda s: s["median_ratio"]}, stats)
+        "median_ratio": lambda s: s["median_ratio"]})
     return stats
 
 
@@ -233,7 +235,8 @@ def _capture_inputs(model: nn.Module, kinds: tuple[type, ...], forward: Callable
     mods = [m for m in model.modules() if isinstance(m, kinds)]
     for i, m in enumerate(mods):
         li = _layer_of(m, i)
-        handles.append(m.register_forward_pre_hook(lambda mod, args, li=li: caught.setdefault(li, []).append(args[0].detach())))
+        handles.append(m.register_forward_pre_hook(
+            lambda mod, args, li=li: caught.setdefault(li, []).append(args[0].detach())))
     try:
         forward()
     finally:
@@ -318,7 +321,8 @@ def write_rates(model: nn.Module, inputs: Any) -> dict[int, dict[str, np.ndarray
                 f"{prefix}channel_std": r.std(0, unbiased=False).numpy(),
                 f"{prefix}token_spread": np.array(float(r.std(1, unbiased=False).mean())),
                 f"{prefix}between_channel_std": np.array(float(cm.std(unbiased=False))),
-                f"{prefix}quantiles": torch.quantile(cm, torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=cm.dtype)).numpy(),
+                f"{prefix}quantiles": torch.quantile(
+                    cm, torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95], dtype=cm.dtype)).numpy(),
             })
         stats["vector"] = np.array(getattr(mix, "write", "vector") == "vector")
         out[li] = stats
@@ -330,23 +334,22 @@ def write_rate_figure(model: nn.Module, inputs: Any, out: str | Path = "figures"
     """Plot :func:`write_rates` into ``<out>/write_rates.png`` (per layer: distribution of
     per-channel mean rates, and the across-channel spread per token); returns its numbers."""
     stats = write_rates(model, inputs)
-    plt = _plt()
+    plt = pyplot()
     ls = sorted(stats)
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     axes[0].boxplot([stats[i]["channel_mean"] for i in ls], whis=(5, 95), showfliers=False)
     axes[0].set(title="per-channel mean writing rate", xlabel="layer", ylabel="beta", xticklabels=ls)
     axes[1].bar(range(len(ls)), [float(stats[i]["token_spread"]) for i in ls], label="within token (across channels)")
-    axes[1].plot(range(len(ls)), [float(stats[i]["between_channel_std"]) for i in ls], "ko-", label="between channel means")
+    axes[1].plot(range(len(ls)), [float(stats[i]["between_channel_std"]) for i in ls], "ko-",
+                 label="between channel means")
     axes[1].set(title="std of beta across channels", xlabel="layer", xticks=range(len(ls)), xticklabels=ls)
     axes[1].legend(fontsize=8)
     first = stats[ls[0]]["rates"]
     axes[2].hist(first.ravel(), bins=50, range=(0, float(max(1.0, first.max()))))
     axes[2].set(title=f"beta over tokens and channels, layer {ls[0]}", xlabel="beta")
-    fig.tight_layout()
-    _save(fig, out, "write_rates", writer, step)
-    _log_per_layer(writer, "write_rates", ls, {
+    _save(fig, out, "write_rates", writer, step, stats, {
         "mean": lambda s: s["channel_mean"].mean(), "token_spread": lambda s: s["token_spread"],
-        "between_channel_std": lambda s: s["between_channel_std"]}, stats)
+        "between_channel_std": lambda s: s["between_channel_std"]})
     return stats
 
 
@@ -427,7 +430,7 @@ def mesa_solver_figure(model: nn.Module, inputs: Any, out: str | Path = "figures
     """Plot :func:`mesa_solver_stats` into ``<out>/mesa_solver.png`` (CG iterations and median /
     max condition number per layer and head); returns its numbers."""
     stats = mesa_solver_stats(model, inputs)
-    plt = _plt()
+    plt = pyplot()
     ls = sorted(stats)
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, key, title in zip(axes, ("cg_iters", "cond_median", "cond_max"),
@@ -437,10 +440,8 @@ def mesa_solver_figure(model: nn.Module, inputs: Any, out: str | Path = "figures
         ax.set(title=title, xlabel="layer", ylabel="head", xticks=range(len(ls)), xticklabels=ls,
                yticks=range(m.shape[1]))
         fig.colorbar(img, ax=ax, fraction=0.046)
-    fig.tight_layout()
-    _save(fig, out, "mesa_solver", writer, step)
-    _log_per_layer(writer, "mesa_solver", ls, {
-        "cg_iters": lambda s: s["cg_iters"].mean(), "cond_median": lambda s: np.median(s["cond"])}, stats)
+    _save(fig, out, "mesa_solver", writer, step, stats, {
+        "cg_iters": lambda s: s["cg_iters"].mean(), "cond_median": lambda s: np.median(s["cond"])})
     return stats
 
 
@@ -458,17 +459,12 @@ FIGURES = {"goat-prior": goat_prior_figure, "goat-spectrum": goat_spectrum_figur
 
 
 def heldout_batches(ckpt: str | Path, n: int) -> list[Any]:
-    """First ``n`` validation batches of the datamodule saved in ``ckpt`` (held-out tokens).
+    """First ``n`` validation batches of the datamodule recorded in ``ckpt`` (held-out tokens).
 
     Raises:
-        ValueError: the checkpoint stores no datamodule (names ``--ckpt``).
+        ValueError: the checkpoint records no datamodule (names ``--ckpt``).
     """
-    from mixlab.eval.common import import_class, load_datamodule_hparams
-
-    cls, hp = load_datamodule_hparams(ckpt)
-    if cls is None:
-        raise ValueError(f"--ckpt {ckpt}: the checkpoint stores no datamodule; held-out tokens need one")
-    dm = import_class(cls)(**hp)
+    dm = load_run(ckpt).datamodule()
     if hasattr(dm, "prepare_data"):
         dm.prepare_data()
     dm.setup("validate")
@@ -494,8 +490,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="figures", help="folder of the PNGs")
     p.add_argument("--tb", default=None, help="TensorBoard log dir for the images "
                    "(default: <version_N>/figures of the checkpoint's run, else <out>/tb)")
-    p.add_argument("--layer", type=int, default=0, help="goat-prior: layer index")
+    p.add_argument("--layer", type=int, default=None, help="goat-prior: layer index (default: the first GOAT layer)")
     p.add_argument("--head", type=int, default=0, help="goat-prior: head index")
+    p.add_argument("--all-heads", action="store_true", help="goat-prior: one figure per head of the layer")
     p.add_argument("--length", type=int, default=64, help="goat-prior: 1D length T")
     p.add_argument("--grid", type=int, nargs=2, default=None, metavar=("H", "W"), help="goat-prior: 2D grid")
     p.add_argument("--batches", type=int, default=1, help="write-rates/mesa-solver: held-out validation batches")
@@ -503,17 +500,17 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     from torch.utils.tensorboard import SummaryWriter
 
-    from mixlab.eval.common import load_model
-
     ckpt = Path(a.ckpt)
-    model = load_model(ckpt, a.device)
+    run = load_run(ckpt, a.device)
+    model, step = run.model, run.step
     tb = Path(a.tb) if a.tb else (_default_tb(ckpt) or Path(a.out) / "tb")
     writer = SummaryWriter(str(tb))
-    step = int(torch.load(ckpt, map_location="cpu", weights_only=False).get("global_step", 0))
     try:
         if a.name == "goat-prior":
-            res = goat_prior_figure(model, a.layer, a.head, a.length, tuple(a.grid) if a.grid else None,
-                                    a.out, writer, step)
+            grid = tuple(a.grid) if a.grid else None
+            heads = range(_goat(model, a.layer)[1].n_heads) if a.all_heads else [a.head]
+            res = {h: goat_prior_figure(model, a.layer, h, a.length, grid, a.out, writer, step) for h in heads}
+            res = res if a.all_heads else res[a.head]
         elif a.name == "goat-spectrum":
             res = goat_spectrum_figure(model, a.out, writer, step)
         else:
@@ -527,3 +524,8 @@ def main(argv: list[str] | None = None) -> dict:
         writer.close()
     print(f"wrote {a.out}/ ({a.name}) and TensorBoard images under {tb}")
     return res
+
+
+def copy_prior(argv: list[str] | None = None) -> dict:
+    """``python -m mixlab copy-prior ...``: an alias of ``python -m mixlab figure goat-prior ...``."""
+    return main(["goat-prior", *(argv or [])])
