@@ -149,6 +149,23 @@ def test_recency_prior_is_monotone_in_bf16_up_to_32k():
     assert (naive.diff() <= 0).sum() > T // 2
 
 
+def test_key_positions_past_the_exact_bf16_range_are_refused_not_silently_wrong():
+    """j_hi = j // 128 is exact in bf16 only below 256: keys at j >= 32768 get a one-line error in
+    bf16 (and in the alibi lanes), fp32 lanes serve them, and 32768 keys (j <= 32767) still pass."""
+    for name in ("goat", "alibi"):
+        p = build_mixer(name, d_model=64, n_heads=1, causal=True,
+                        position_args=dict(n_modes=1, key_mlp_hidden=0) if name == "goat" else None).pos
+        long = Coords.seq(32769)
+        with pytest.raises(ValueError, match=r"key position 32768 or later .* exact in bfloat16 only for positions "
+                                             r"< 32768 .* --trainer.precision 32"):
+            p.lanes(long.slice(0, 1), long, torch.bfloat16)
+        ql, kl = p.lanes(long.slice(32768, 32769), long, torch.float32)
+        assert float(kl[0, 0, -1, -2]) == 256.0  # j_hi of the last key, exact
+        p.lanes(Coords.seq(32768), Coords.seq(32768), torch.bfloat16)  # at the limit: fine
+    rope = build_mixer("rope", d_model=64, n_heads=1, causal=True)  # no key-linear lane: no limit
+    rope(torch.randn(1, 40, 64).bfloat16().float(), Coords.seq(40, offset=40000))
+
+
 @pytest.mark.parametrize("name", ["goat", "rope", "alibi", "nope"])
 def test_cached_decoding_equals_parallel_forward(name):
     torch.manual_seed(0)

@@ -33,6 +33,9 @@ from mixlab.registry import register_position
 
 __all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPositions"]
 
+#: Largest ``j_hi`` (+1) a lane dtype holds exactly: integers are exact up to 2^(mantissa bits + 1).
+_EXACT_J_HI = {torch.bfloat16: 256, torch.float16: 2048}
+
 
 class PositionScheme(SubLayer):
     """Base class. Subclasses set ``n_lanes`` and ``axes`` and override the hooks they need.
@@ -357,11 +360,35 @@ class GoatPrior(PositionScheme):
             u = u + p["default"][None, :, None] * (~mask.any(-1)).to(dtype).unsqueeze(1)
         return u
 
+    def _check_key_range(self, f: dict[str, Tensor], dtype: torch.dtype) -> None:
+        """The key-linear lane holds ``j_hi = j // 128`` in the lane dtype: exact in bfloat16 below
+        256 (keys j < 32768) and in float16 below 2048 (j < 262144), in float32 to 2^24. Past that
+        the recency prior would be silently wrong, so raise instead. One host sync per new set of
+        coordinates (the result is kept with the cached features).
+
+        Raises:
+            ValueError: a key position the lane dtype cannot hold exactly, naming the limit and
+                the ways out (float32 precision, shorter sequences, ``key_linear: false``).
+        """
+        limit = _EXACT_J_HI.get(dtype)
+        if not self.key_linear or limit is None:
+            return
+        if "j_hi_max" not in f:
+            f["j_hi_max"] = int(f["j_hi"].max()) if f["j_hi"].numel() else 0
+        if f["j_hi_max"] >= limit:
+            j_max = limit * G.KEY_LINEAR_BLOCK
+            raise ValueError(
+                f"goat: key position {f['j_hi_max'] * G.KEY_LINEAR_BLOCK} or later reaches the key-linear lane, which "
+                f"is exact in {str(dtype).replace('torch.', '')} only for positions < {j_max} (j // "
+                f"{G.KEY_LINEAR_BLOCK} < {limit}); use --trainer.precision 32, sequences shorter than {j_max}, or "
+                "position_args: {key_linear: false}")
+
     # ------------------------------------------------------------------ scheme API
     def lanes(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         calc = torch.float64 if dtype == torch.float64 else torch.float32
         fq = self._features(coords_q, calc)
         fk = fq if coords_k is coords_q else self._features(coords_k, calc)
+        self._check_key_range(fk, dtype)
         if G.use_triton(self.lane_impl, fq["present"], calc, self.log_freqs is not None):  # one kernel each way
             return G.triton_lanes(G.packed_features(fq), G.packed_features(fk), self._flat_params(),
                                   self._kernel_meta(), dtype)
@@ -400,6 +427,7 @@ class GoatPrior(PositionScheme):
         concatenation and no extra saved activation."""
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
+        self._check_key_range(f, qkv.dtype)
         if (not G.use_triton(self.lane_impl, f["present"], calc, self.log_freqs is not None)
                 or f["present"].shape[0] not in (1, batch)):
             return super().pack(qkv, coords, batch)
