@@ -63,8 +63,10 @@ def head_args(head: str, mixer: str, head_dim: int | None) -> tuple[str, list[st
     if head == "vit":
         return "configs/vit/goat_digits.yaml", ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch",
                                                 "null"], 32
-    if head == "vqa":
-        return "configs/vqa/goat_digits.yaml", ["--data.init_args.n_train", "4096"], 32
+    if head == "vqa":  # shipped configs for the schemes that read (sequence, y, x); 1D positions for the rest
+        if mixer in ("goat", "rope", "nope"):
+            return f"configs/vqa/{mixer}_digits.yaml", ["--data.init_args.n_train", "4096"], 32
+        return "configs/vqa/goat_digits.yaml", ["--data.init_args.n_train", "4096", f"{M}coordinates", "sequence"], 32
     raise ValueError(f"unknown head {head!r}")
 
 
