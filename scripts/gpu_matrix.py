@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=12, help="cases run side by side (one GPU serves many small runs)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per command")
     ap.add_argument("--fla-autotune", default="2", help="MIXLAB_FLA_AUTOTUNE for the runs")
+    ap.add_argument("--done", default=None, help="gpu_matrix.jsonl of an earlier (interrupted) run: its finished "
+                    "cases are kept, not rerun")
     ap.add_argument("--quick", action="store_true", help="CPU check of the script: goat + kda, lm + vit, 32, 6 steps")
     args = ap.parse_args(argv)
     import torch
@@ -168,23 +170,28 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.workers = max(args.steps if args.steps != 30 else 12, 10), min(args.workers, 2)
     mixers = args.mixers or [*list_mixers(), HYBRID]
     todo = cases(mixers, args.heads, args.precisions, args.head_dims)
+    done = [json.loads(line) for line in Path(args.done).read_text().splitlines()] if args.done else []
+    key = lambda r: (r["mixer"], r["head"], r["precision"], r["head_dim"] if r["head"] == "lm" else None)  # noqa: E731
+    finished = {key(r) for r in done}
+    todo = [c for c in todo if key(c) not in finished]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_matrix.jsonl").write_text("")
+    (out / "gpu_matrix.jsonl").write_text("".join(json.dumps(r) + "\n" for r in done))
     run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="gpu_matrix_"))
     env = {**os.environ, "MIXLAB_FLA_AUTOTUNE": args.fla_autotune, "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"[gpu_matrix] {len(todo)} cases on {device}, {args.workers} at a time, runs in {run_root}", flush=True)
     t0 = time.perf_counter()
-    rows: list[dict] = []
+    rows: list[dict] = list(done)
 
     def one(case: dict) -> dict:
         row = run_case(case, args.steps, run_root, launch)
         rows.append(row)
         with open(out / "gpu_matrix.jsonl", "a") as f:  # written as cases finish: survives a killed run
             f.write(json.dumps({k: v for k, v in row.items() if k != "log"}) + "\n")
-        print(f"[gpu_matrix {time.perf_counter() - t0:6.0f}s {len(rows)}/{len(todo)}] {row['name']}: {row['status']} "
+        print(f"[gpu_matrix {time.perf_counter() - t0:6.0f}s {len(rows)}/{len(todo) + len(done)}] {row['name']}: "
+              f"{row['status']} "
               f"{row.get('why', '')}", flush=True)
         return row
 
