@@ -146,10 +146,10 @@ def test_backbone_owns_the_pattern_grammar_and_answers_position_questions():
     two = cfg.with_position_axes(2, defaults={"default_bias": True})
     assert two.mixer_args["goat"]["position_args"] == {"n_modes": 2, "default_bias": False, "axes": 2}  # set keys kept
     assert two.mixer_args["rope"]["position_args"] == {"axes": 2}  # GOAT's default_bias is not a RoPE key
-    assert "nope" not in two.mixer_args and "mla" not in two.mixer_args
+    assert "nope" not in two.mixer_args and two.mixer_args["mla"] == {"rope_axes": 2}  # MLA's decoupled RoPE
     assert cfg.mixer_args == {"goat": {"position_args": {"n_modes": 2, "default_bias": False}}}  # a copy
     assert {b.mixer_name: b.mixer.position_axes for b in Backbone(two).blocks} == \
-        {"goat": 2, "rope": 2, "nope": None, "mla": 1, "swa": 2}
+        {"goat": 2, "rope": 2, "nope": None, "mla": 2, "swa": 2}
     forced = cfg.with_position_axes(3, force={"default_bias": True})
     assert forced.mixer_args["goat"]["position_args"] == {"n_modes": 2, "default_bias": True, "axes": 3}
 

@@ -140,7 +140,8 @@ class BackboneConfig:
         ``position`` and ``position_args``) whose scheme reads coordinates (has an ``axes``
         option): ``axes`` and ``defaults`` fill its ``position_args`` where unset, ``force``
         overrides them; keys a scheme does not accept are skipped (e.g. GOAT's ``default_bias``
-        for RoPE). Mixers without a position scheme are left as they are.
+        for RoPE). MLA's ``rope_axes`` is set to ``axes`` where unset. Mixers without a position
+        scheme are left as they are.
 
         Raises:
             ValueError: an unknown mixer or position scheme name.
@@ -149,9 +150,12 @@ class BackboneConfig:
         args = {k: dict(v) for k, v in (cfg.mixer_args or {}).items()}
         for name in dict.fromkeys(mixer_names(cfg.mixer)):
             params = inspect.signature(get_mixer_cls(name).__init__).parameters
+            given = args.get(name, {})
+            if "rope_axes" in params:  # MLA: its decoupled RoPE part reads the coordinates
+                args[name] = {**given, "rope_axes": given.get("rope_axes", axes)}
+                continue
             if "position" not in params or "position_args" not in params:
                 continue
-            given = args.get(name, {})
             scheme = {**MIXERS.defaults(name), **given}.get("position", params["position"].default)
             accepted = POSITIONS.options(scheme) or []
             if "axes" not in accepted:
