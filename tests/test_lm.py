@@ -119,6 +119,26 @@ def test_param_groups_exclude_norms_biases_embeddings_and_priors():
     assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
 
 
+def test_lr_scales_give_marked_parameters_their_own_learning_rate():
+    """optim.lr_scales {"position_prior": 30}: GOAT's prior trains at 30x the lr under the same
+    schedule (one Adam step moves it ~30x as far); everything else is grouped as before."""
+    model = _tiny_model()
+    groups = param_groups(model, 0.1, lr=1e-3, lr_scales={"position_prior": 30.0})
+    names = {id(p): n for n, p in model.named_parameters()}
+    scaled = [g for g in groups if "lr" in g]
+    assert len(scaled) == 1 and scaled[0]["lr"] == pytest.approx(3e-2) and scaled[0]["weight_decay"] == 0.0
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in scaled[0]["params"]} == {"prior"}
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+    prior = scaled[0]["params"][0]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    before = prior.detach().clone()
+    prior.grad = torch.ones_like(prior)
+    opt.step()
+    assert torch.allclose(before - prior.detach(), torch.full_like(prior, 3e-2), rtol=1e-3)  # Adam's first step = lr
+    with pytest.raises(ValueError, match=r"lr_scales\['position_prior'\] must be > 0"):
+        param_groups(model, 0.1, lr=1e-3, lr_scales={"position_prior": 0.0})
+
+
 def test_pattern_parsing_and_residual_init():
     assert parse_pattern("alibi*3, goat", 8) == ["alibi", "alibi", "alibi", "goat"] * 2
     assert parse_pattern(["rope", "goat"], 4) == ["rope", "goat", "rope", "goat"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -23,6 +23,12 @@ class OptimConfig:
         warmup_steps: linear warmup length (optimizer steps).
         min_lr_ratio: final lr as a fraction of ``lr``.
         total_steps: cosine horizon; ``None`` uses the trainer's estimated total steps.
+        lr_scales: learning-rate multipliers per parameter group name: parameters marked
+            ``_lr_group = name`` (e.g. ``"position_prior"``: GOAT's flat prior, its learned
+            frequencies) train at ``lr * lr_scales[name]`` under the same schedule. A bias term
+            that must reach logits of order 10 (a previous-token head) moves only ~lr per Adam
+            step, so at ``lr=5e-4`` it needs tens of thousands of steps; a multiplier lets the
+            prior keep pace with the content weights, whose logits grow multiplicatively.
     """
 
     lr: float = 3e-4
@@ -32,26 +38,42 @@ class OptimConfig:
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
     total_steps: int | None = None
+    lr_scales: dict[str, float] = field(default_factory=dict)
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split trainable parameters into decay / no-decay groups.
+def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
+                 lr_scales: dict[str, float] | None = None) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups (and scaled-lr groups).
 
     No decay for: parameters marked ``_no_weight_decay`` (priors, gates such as
     ``A_log``/``dt_bias``), every parameter with fewer than 2 dims (norm scales, biases),
-    and embedding tables (``nn.Embedding`` weights). Everything else decays.
+    and embedding tables (``nn.Embedding`` weights). Everything else decays. A parameter
+    marked ``_lr_group = name`` with ``name`` in ``lr_scales`` goes into a group of its own
+    with ``lr = lr * lr_scales[name]`` (same decay rule).
+
+    Raises:
+        ValueError: a non-positive multiplier, or ``lr_scales`` without ``lr``.
     """
+    lr_scales = lr_scales or {}
+    for name, scale in lr_scales.items():
+        if not scale > 0:
+            raise ValueError(f"optim.lr_scales[{name!r}] must be > 0; got {scale}")
+    if lr_scales and lr is None:
+        raise ValueError("param_groups: lr_scales needs the base lr")
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    groups: dict[tuple[bool, str | None], list] = {}
     for p in model.parameters():
         if not p.requires_grad:
             continue
         ndim = getattr(p, "_mixlab_ndim", p.ndim)  # FSDP shards are 1-D (mixlab.distributed.FSDPStrategy)
-        if getattr(p, "_no_weight_decay", False) or ndim < 2 or id(p) in embed_ids:
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decays = not (getattr(p, "_no_weight_decay", False) or ndim < 2 or id(p) in embed_ids)
+        name = getattr(p, "_lr_group", None)
+        groups.setdefault((decays, name if name in lr_scales else None), []).append(p)
+    out = [{"params": groups.pop((True, None), []), "weight_decay": weight_decay},
+           {"params": groups.pop((False, None), []), "weight_decay": 0.0}]
+    for (decays, name), params in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        out.append({"params": params, "weight_decay": weight_decay if decays else 0.0, "lr": lr * lr_scales[name]})
+    return out
 
 
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -64,7 +86,8 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dict:
     """Lightning ``configure_optimizers`` dict: AdamW + per-step LambdaLR."""
-    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.lr_scales)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     total = cfg.total_steps or total_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.warmup_steps, total, cfg.min_lr_ratio))

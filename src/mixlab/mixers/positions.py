@@ -190,6 +190,7 @@ class GoatPrior(PositionScheme):
         if learned_freqs:
             self.log_freqs = nn.Parameter(freqs.log().float())
             no_weight_decay(self.log_freqs)
+            self.log_freqs._lr_group = "position_prior"  # type: ignore[attr-defined]  (optim.lr_scales)
         else:
             # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
             self._freqs_fixed = freqs
@@ -210,6 +211,7 @@ class GoatPrior(PositionScheme):
         if offset:
             self.prior = nn.Parameter(torch.zeros(offset))
             no_weight_decay(self.prior)
+            self.prior._lr_group = "position_prior"  # type: ignore[attr-defined]  (optim.lr_scales)
         else:  # nothing learned (ALiBi): an empty buffer keeps the code path uniform
             self.register_buffer("prior", torch.zeros(0), persistent=False)
         if self.key_linear and not learn_slope:  # fixed slopes (ALiBi) are a buffer, saved with the model
