@@ -21,7 +21,8 @@ recurrences must be refused with one line). A case is
 * ``refused``: ``fit`` exits 2 with one ``error: ...`` line (the CLI's bad-input contract);
 * ``fail``: anything else (a traceback, a non-finite or flat loss, a crash).
 
-Written to ``OUT``: ``gpu_matrix.md`` (mixer x head x precision x head dim: status, steps/s
+Written to ``OUT``: ``gpu_matrix.md`` (a compact mixer x (head, precision, head dim) table, then one
+row per case: status, steps/s
 between the 5th and last logged step, peak memory, first and last loss), ``gpu_matrix.jsonl``
 and ``gpu_matrix_failures.log`` (the last lines of every failed command). Runs go to
 ``--run-dir`` (default a temporary folder). fla's autotuning is bounded by
@@ -144,6 +145,30 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pivot(rows: list[dict]) -> str:
+    """Compact table: one row per mixer, one column per (head, precision[, head dim]); a cell is
+    ``pass <steps/s> / <peak GB>``, ``refused`` or ``FAIL``."""
+    def col(r: dict) -> str:
+        return f"{r['head']} {r['precision']}" + (f" hd{r['head_dim']}" if r["head"] == "lm" else "")
+
+    order = {h: i for i, h in enumerate(["lm", "synthetic", "vit", "vqa"])}
+    def rank(c: str) -> tuple:
+        head, precision, *hd = c.split()
+        return order.get(head, 9), precision, int(hd[0][2:]) if hd else 0
+
+    cols = sorted({col(r) for r in rows}, key=rank)
+    cells: dict[str, dict[str, str]] = {}
+    for r in rows:
+        st = r["status"]
+        cell = (f"pass {r.get('steps_per_s') or '?'} / {r.get('peak_mem_gb') or '?'}" if st == "pass"
+                else "refused" if st == "refused" else "**FAIL**")
+        cells.setdefault(r["mixer"], {})[col(r)] = cell
+    lines = ["| mixer | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for mixer in sorted(cells):
+        lines.append(f"| {mixer} | " + " | ".join(cells[mixer].get(c, "") for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu_matrix.md / .jsonl / _failures.log")
@@ -201,7 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "gpu_matrix_failures.log").write_text("".join(f"=== {r['name']}: {r.get('why', '')}\n{r.get('log', '')}\n"
                                                          for r in rows if r["status"] == "fail"))
     md = (f"Device: {device}; torch {torch.__version__}; {args.steps} steps per fit; "
-          f"wall {time.perf_counter() - t0:.0f} s with {args.workers} runs side by side.\n\n" + table(rows))
+          f"wall {time.perf_counter() - t0:.0f} s with {args.workers} runs side by side.\n\n"
+          "Cells: status, steps/s (between the 5th and last logged step) / peak memory in GB.\n\n"
+          + pivot(rows) + "\n" + table(rows))
     (out / "gpu_matrix.md").write_text(md)
     print(md, flush=True)
     return 1 if any(r["status"] == "fail" for r in rows) else 0
