@@ -364,7 +364,7 @@ def _mesa_suite() -> list[Experiment]:
                       quick=[D + "n_train", "512", D + "n_test", "64", D + "n_val", "64"])
               for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")]  # Mesa's negative gates: torch CG path
     cg = [RunSpec("mesa", "configs/genome/mesa.yaml", steps=1000, quick=[D + "context_length", "64"])]
-    recall = [_mad_run(m, m, "in_context_recall", 4000) for m in ("rope", "goat", "swa", "mesa", "gdn")]
+    recall = [_mad_run(m, m, "in_context_recall", 4000) for m in ("rope", "goat", "nope", "swa", "mesa", "gdn")]
     recall += [RunSpec(f"goat_prior_lr{k}", "configs/reproduce/mad.yaml",
                        [D + "task", "in_context_recall", M + "backbone.mixer", "goat", M + "optim.lr_scales",
                         json.dumps({"position_prior": k})], steps=4000, quick=recall[0].quick) for k in (10, 100)]
