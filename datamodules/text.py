@@ -1,6 +1,7 @@
 """Text data for decoder language models: documents -> GPT-2 BPE or byte tokens -> packed blocks.
 
-Sources (``path``: a file, a directory (read recursively, sorted), a glob, or a list of them):
+Sources (``path``: a file, a directory (read recursively, sorted), a glob, a brace pattern, or a list of
+them; :mod:`mixlab.datamodules.files`):
 
 * ``.txt`` / ``.txt.gz`` / ``.md``: the whole file is one document;
 * ``.jsonl`` / ``.jsonl.gz``: one JSON object per line, text in ``text_field``;
@@ -24,7 +25,6 @@ so splits never share a document. The test split is the validation split.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mixlab.datamodules.files import expand_pattern
 from mixlab.distributed import ResumableDataModule
 
 __all__ = [
@@ -130,25 +131,14 @@ _ALL_SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _TAR_SUFFIXES + (".parquet",)
 
 
 def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """Files named by ``path`` (files, directories read recursively, globs), sorted per entry.
+    """Files named by ``path``: files, directories (read recursively), globs, brace patterns
+    (``text-{000..002}.tar``), several joined by ``::`` or in a list; each entry's files sorted
+    (:func:`mixlab.datamodules.files.expand_pattern`, the rule of every mixlab input).
 
     Raises:
-        FileNotFoundError: an entry matches no file.
+        FileNotFoundError: an entry matches no file (names ``data.init_args.path`` and the entry).
     """
-    entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    out: list[Path] = []
-    for e in entries:
-        p = Path(e)
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and str(f).endswith(_ALL_SUFFIXES))
-        elif p.is_file():
-            files = [p]
-        else:
-            files = sorted(Path(f) for f in glob.glob(str(e), recursive=True) if Path(f).is_file())
-        if not files:
-            raise FileNotFoundError(f"text data path {str(e)!r} matches no file (data.init_args.path)")
-        out += files
-    return out
+    return [Path(f) for f in expand_pattern(path, "data.init_args.path", suffixes=_ALL_SUFFIXES)]
 
 
 def _open_text(path: Path):

@@ -128,3 +128,32 @@ def test_pretokenize_shards_match_in_memory(tmp_path):
     assert (all_tokens == 50256).sum() == 20
     assert tok.decode([t for t in sp["val"][0] if t != 50256]).startswith("Doc 0:")
     assert next(iter(dm.train_dataloader())).shape == (16, 9) or len(dm.windows("train", 9)) < 16
+
+
+def test_one_shard_pattern_rule_for_text_and_image_inputs(tmp_path):
+    """Text WebDataset shards named by a brace pattern used to "match no file" while the image datamodule
+    took braces and refused globs: both read braces, globs, folders and ``::`` lists through one function."""
+    import webdataset as wds
+
+    from mixlab.datamodules.files import expand_pattern
+    from mixlab.datamodules.imagenet import expand_shards
+    from mixlab.datamodules.text import expand_paths
+
+    for i in range(3):
+        with wds.TarWriter(str(tmp_path / f"text-{i:03d}.tar")) as w:
+            w.write({"__key__": f"s{i}", "txt": f"shard {i}"})
+    names = [str(tmp_path / f"text-{i:03d}.tar") for i in range(3)]
+    for pattern in ("text-{000..002}.tar", "text-*.tar", "text-00[0-2].tar", "text-{000..001}.tar::text-002.tar"):
+        full = "::".join(str(tmp_path / p) for p in pattern.split("::"))
+        assert [str(p) for p in expand_paths(full)] == names, pattern
+        assert expand_shards(full, "train_path") == names, pattern
+    assert list(iter_documents(str(tmp_path / "text-{000..002}.tar"))) == ["shard 0", "shard 1", "shard 2"]
+    assert expand_shards(str(tmp_path), "train_path") == names  # a folder of shards
+    assert expand_shards("pipe:curl -s http://x/a-{0..1}.tar", "train_path") == ["pipe:curl -s http://x/a-0.tar",
+                                                                               "pipe:curl -s http://x/a-1.tar"]
+    with pytest.raises(FileNotFoundError, match=r"^data.init_args.path: 2 of 5 files from pattern .*text-\{000\.\.004\}"
+                                                r"\.tar' do not exist, e.g. \[.*text-003.tar', .*text-004.tar'\]$"):
+        expand_paths(str(tmp_path / "text-{000..004}.tar"))
+    with pytest.raises(FileNotFoundError, match=r"^train_path: '.*nope-\*.tar' matches no shard$"):
+        expand_shards(str(tmp_path / "nope-*.tar"), "train_path")
+    assert expand_pattern([str(tmp_path / "text-002.tar"), str(tmp_path / "text-000.tar")]) == [names[2], names[0]]
