@@ -100,6 +100,21 @@ def _check_file(path: Path) -> None:
         raise ValueError(f"FASTA file {path} is empty")
 
 
+_BOM = "\xef\xbb\xbf"  # UTF-8 byte-order mark as read in latin-1
+
+
+def _not_a_header(line: str) -> str:
+    """What a first line that is not a header starts with, shown as its bytes (``repr``) so a leading
+    space or byte-order mark is visible, with the reason when ``>`` comes after them."""
+    line = line.rstrip("\r\n")
+    shown = f"its first bytes are {line[:40].encode('latin-1')!r}"
+    if line.startswith(_BOM):
+        return f"{shown}: a UTF-8 byte-order mark comes before it; save the file without the mark"
+    if line.lstrip().startswith(">"):
+        return f"{shown}: {len(line) - len(line.lstrip())} whitespace character(s) come before '>'"
+    return shown
+
+
 def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n"
                ) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
     """Parse one FASTA or FASTA.gz file into ``([(record id, uint8 ids [n_bases])], skipped)``.
@@ -129,8 +144,8 @@ def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n
             else:
                 raise ValueError(f"FASTA file {path} is empty (no '>' header)")
             if not first.startswith(">"):
-                raise ValueError(f"{path} is not FASTA: the first non-empty line does not "
-                                 f"start with '>' (got {first.strip()[:40]!r})")
+                raise ValueError(f"{path} is not FASTA: the first non-empty line does not start with '>' "
+                                 f"({_not_a_header(first)})")
             for title, seq in SimpleFastaParser(chain([first], fh)):
                 words = title.split()
                 name = words[0] if words else ""

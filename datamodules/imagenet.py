@@ -3,7 +3,8 @@
 Nothing is downloaded: point the module at shards or folders you already have.
 
 WebDataset convention (timm's reader): shards such as ``/data/imagenet1k-train-{0000..1023}.tar``
-(brace patterns; a comma-free list of patterns is also accepted), each sample with ``__key__``,
+(brace patterns, globs, folders of ``.tar``, several joined by ``::`` or as a list: the rule of every
+mixlab input, :mod:`mixlab.datamodules.files`), each sample with ``__key__``,
 ``jpg`` (encoded image bytes) and ``cls`` (ASCII integer label). Every shard goes to one DDP rank x
 DataLoader worker, so no sample is read twice; training permutes the shards every epoch and shuffles
 samples (``shuffle_buffer``), all seeded (:class:`ShardStream`). :func:`write_imagefolder_shards`
@@ -54,7 +55,6 @@ import contextlib
 import functools
 import io
 import math
-import os
 import random
 import re
 import warnings
@@ -65,6 +65,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mixlab.datamodules.files import expand_pattern
 from mixlab.distributed import (
     EpochSyncLoader,
     ResumableDataModule,
@@ -83,30 +84,19 @@ SKIPPED = {"corrupt": 0}
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-_REMOTE = re.compile(r"^(pipe:|https?://|gs://|s3://|ais://)")
+_SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
 
 def expand_shards(pattern: str | list[str], what: str = "shards") -> list[str]:
-    """Expand brace patterns (``a-{0000..0009}.tar``; several patterns separated by ``::`` or given as a
-    list) to shard URLs and check that local ones exist.
+    """Shard URLs of a pattern: braces (``a-{0000..0009}.tar``), globs (``a-*.tar``), directories of
+    ``.tar`` files, several joined by ``::`` or given as a list; URLs pass as they are
+    (:func:`mixlab.datamodules.files.expand_pattern`, the rule of every mixlab input).
 
     Raises:
-        FileNotFoundError: a local shard does not exist (names ``what``, the pattern and the first missing files).
-        ValueError: the pattern expands to nothing.
+        FileNotFoundError: local shards that do not exist, a glob matching none (names ``what`` and the pattern).
+        ValueError: an empty pattern.
     """
-    import braceexpand
-
-    pats = pattern if isinstance(pattern, (list, tuple)) else str(pattern).split("::")
-    urls = [u for p in pats for u in braceexpand.braceexpand(str(p).strip()) if u]
-    if not urls:
-        raise ValueError(f"{what}: pattern {pattern!r} expands to no shard")
-    local = [u[7:] if u.startswith("file://") else u for u in urls if not _REMOTE.match(u)]
-    missing = [u for u in local if not os.path.isfile(u)]
-    if missing:
-        more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise FileNotFoundError(f"{what}: {len(missing)} of {len(urls)} shards from pattern {pattern!r} do not exist, "
-                                f"e.g. {missing[:3]}{more}")
-    return urls
+    return expand_pattern(pattern, what, suffixes=_SHARD_SUFFIXES, remote=True, kind="shards")
 
 
 def decode_sample(sample: dict, num_classes: int, transform=None):
@@ -334,7 +324,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     """ImageNet (or any ImageNet-format classification set) as WebDataset shards or ImageFolder trees.
 
     Args:
-        format: ``"wds"`` (shards, ``*_path`` are brace patterns) or ``"folder"`` (``*_path`` are
+        format: ``"wds"`` (shards, ``*_path`` are shard patterns: braces or globs) or ``"folder"`` (``*_path`` are
             ImageFolder roots ``<root>/<class>/<image>``).
         train_path / val_path / test_path: data locations (test defaults to val).
         num_classes: labels must lie in ``[0, num_classes)``.

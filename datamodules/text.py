@@ -1,17 +1,21 @@
 """Text data for decoder language models: documents -> GPT-2 BPE or byte tokens -> packed blocks.
 
-Sources (``path``: a file, a directory (read recursively, sorted), a glob, or a list of them):
+Sources (``path``: a file, a directory (read recursively, sorted), a glob, a brace pattern, or a list of
+them; :mod:`mixlab.datamodules.files`):
 
 * ``.txt`` / ``.txt.gz`` / ``.md``: the whole file is one document;
 * ``.jsonl`` / ``.jsonl.gz``: one JSON object per line, text in ``text_field``;
 * ``.parquet``: column ``text_field`` (needs ``pyarrow``; a clear error otherwise);
 * ``.tar`` / ``.tar.gz`` / ``.tgz``: WebDataset shards; each sample's ``.txt``/``.text``
   member, or ``.json`` member's ``text_field``;
-* ``tokens_dir``: uint16 memmap shards written by ``scripts/pretokenize.py``.
+* ``tokens_dir``: memmap shards written by ``scripts/pretokenize.py`` (uint16 for GPT-2; the dtype
+  is in their ``meta.json``).
 
 Tokenizers: ``"gpt2"`` (GPT-2 BPE through tiktoken, loading the shipped
 ``mixlab/data/gpt2.tiktoken`` ranks file - never a download; ``<|endoftext|>`` = 50256 is
-the EOS) and ``"byte"`` (UTF-8 bytes 0..255, EOS = 256, ``vocab_size`` 257,
+the EOS; another tiktoken ranks file as ``tokenizer_file``, of any size: EOS after its last
+rank, ``vocab_size`` from it, ids stored in the smallest dtype that holds them) and
+``"byte"`` (UTF-8 bytes 0..255, EOS = 256, ``vocab_size`` 257,
 ``token_unit = "byte"`` so the LM head also logs bits per byte).
 
 Packing: every document is followed by EOS and the token streams are concatenated. A
@@ -24,7 +28,6 @@ so splits never share a document. The test split is the validation split.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import os
@@ -38,11 +41,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mixlab.datamodules.files import expand_pattern
 from mixlab.distributed import ResumableDataModule
 
 __all__ = [
     "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
-    "pack_documents", "TokenWindows", "TextDataModule", "read_token_shards",
+    "pack_documents", "split_stream", "token_dtype", "TokenWindows", "TextDataModule", "read_token_shards",
 ]
 
 GPT2_PAT = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -55,7 +59,12 @@ def shipped_file(name: str) -> Path:
 
 
 class GPT2Tokenizer:
-    """GPT-2 BPE (``vocab_size`` 50257, EOS ``<|endoftext|>`` = 50256), offline.
+    """Byte-level BPE through tiktoken with GPT-2's pre-tokenisation, offline: the shipped GPT-2 ranks
+    (``vocab_size`` 50257, EOS ``<|endoftext|>`` = 50256) or any tiktoken ranks file.
+
+    The EOS id is the one after the file's largest rank and ``vocab_size`` is EOS + 1, so a larger
+    vocabulary (e.g. a ranks file of 100,256 tokens: EOS 100256, ``vocab_size`` 100257) is read as it
+    is; its ids are stored in the smallest dtype that holds them (:func:`token_dtype`).
 
     Args:
         ranks_file: tiktoken ranks file; default the shipped ``mixlab/data/gpt2.tiktoken``.
@@ -75,9 +84,9 @@ class GPT2Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"GPT-2 ranks file not found: {path} (tokenizer_file)")
         ranks = load_tiktoken_bpe(str(path))
+        self.eos_id = max(ranks.values(), default=-1) + 1  # GPT-2's ranks: 50256
         self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
-                                     special_tokens={"<|endoftext|>": GPT2_EOS})
-        self.eos_id = GPT2_EOS
+                                     special_tokens={"<|endoftext|>": self.eos_id})
         self.vocab_size = self.enc.n_vocab
 
     def encode(self, text: str) -> list[int]:
@@ -130,25 +139,14 @@ _ALL_SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _TAR_SUFFIXES + (".parquet",)
 
 
 def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
-    """Files named by ``path`` (files, directories read recursively, globs), sorted per entry.
+    """Files named by ``path``: files, directories (read recursively), globs, brace patterns
+    (``text-{000..002}.tar``), several joined by ``::`` or in a list; each entry's files sorted
+    (:func:`mixlab.datamodules.files.expand_pattern`, the rule of every mixlab input).
 
     Raises:
-        FileNotFoundError: an entry matches no file.
+        FileNotFoundError: an entry matches no file (names ``data.init_args.path`` and the entry).
     """
-    entries = [path] if isinstance(path, (str, os.PathLike)) else list(path)
-    out: list[Path] = []
-    for e in entries:
-        p = Path(e)
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and str(f).endswith(_ALL_SUFFIXES))
-        elif p.is_file():
-            files = [p]
-        else:
-            files = sorted(Path(f) for f in glob.glob(str(e), recursive=True) if Path(f).is_file())
-        if not files:
-            raise FileNotFoundError(f"text data path {str(e)!r} matches no file (data.init_args.path)")
-        out += files
-    return out
+    return [Path(f) for f in expand_pattern(path, "data.init_args.path", suffixes=_ALL_SUFFIXES)]
 
 
 def _open_text(path: Path):
@@ -216,8 +214,35 @@ def _iter_wds(path: Path, text_field: str) -> Iterator[str]:
                 yield _json_text(json.loads(sample["json"]), text_field, f"{path}:{key}")
 
 
-def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, dtype=np.uint16) -> np.ndarray:
-    """Concatenate token lists, each followed by ``eos_id`` -> 1-D array (``dtype``)."""
+_TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype holding ids ``0 .. vocab_size - 1`` (uint8, uint16 or uint32), as
+    token arrays and ``scripts/pretokenize.py`` shards store them (``meta.json`` records it).
+
+    Raises:
+        ValueError: a vocabulary larger than uint32 holds, or not positive.
+    """
+    for dtype in _TOKEN_DTYPES:
+        if 0 < vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"a tokenizer vocabulary of {vocab_size:,} ids cannot be stored as token ids: the largest "
+                     f"token dtype, uint32, holds {np.iinfo(np.uint32).max + 1:,}")
+
+
+def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, dtype=None) -> np.ndarray:
+    """Concatenate token lists, each followed by ``eos_id`` -> 1-D array of ``dtype`` (default: the
+    smallest of :func:`token_dtype` holding every id).
+
+    Raises:
+        ValueError: an id that ``dtype`` cannot hold (instead of numpy's OverflowError).
+    """
+    top = max([eos_id] + [max(d) for d in docs if len(d)])
+    dtype = token_dtype(int(top) + 1) if dtype is None else np.dtype(dtype)
+    if top > np.iinfo(dtype).max:
+        raise ValueError(f"token id {top} does not fit {dtype.name} token arrays (at most {np.iinfo(dtype).max}); "
+                         f"store them as {token_dtype(int(top) + 1).name}")
     total = sum(len(d) + 1 for d in docs)
     out = np.empty(total, dtype=dtype)
     i = 0
@@ -228,8 +253,16 @@ def pack_documents(docs: Sequence[Sequence[int]], eos_id: int, dtype=np.uint16) 
     return out
 
 
+def split_stream(stream: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(train, val)`` of a one-document corpus: the last ``val_fraction`` of its token stream is
+    validation (the in-memory loader and ``scripts/pretokenize.py`` split it the same way)."""
+    cut = int(round(len(stream) * (1 - val_fraction)))
+    return stream[:cut], stream[cut:]
+
+
 def read_token_shards(tokens_dir: str | os.PathLike, split: str) -> tuple[dict, list[np.ndarray]]:
-    """``(meta, [memmap uint16 ...])`` of ``<split>_*.bin`` shards from ``scripts/pretokenize.py``.
+    """``(meta, [memmap ...])`` of ``<split>_*.bin`` shards from ``scripts/pretokenize.py``, little-endian of
+    ``meta["dtype"]`` (uint16 when absent: shards written before it was recorded).
 
     Raises:
         FileNotFoundError: no ``meta.json`` or no shard of ``split``.
@@ -242,7 +275,8 @@ def read_token_shards(tokens_dir: str | os.PathLike, split: str) -> tuple[dict, 
     files = sorted(d.glob(f"{split}_*.bin"))
     if not files:
         raise FileNotFoundError(f"no {split}_*.bin shard in {d} (data.init_args.tokens_dir)")
-    return meta, [np.memmap(f, dtype=np.dtype(meta.get("dtype", "uint16")), mode="r") for f in files]
+    dtype = np.dtype(meta.get("dtype", "uint16")).newbyteorder("<")
+    return meta, [np.memmap(f, dtype=dtype, mode="r") for f in files]
 
 
 class TokenWindows(Dataset):
@@ -277,7 +311,7 @@ class TextDataModule(ResumableDataModule):
         path: documents (file / directory / glob / list); ``None`` = the shipped
             tinyshakespeare (``mixlab/data/tinyshakespeare.txt``).
         tokenizer: ``"gpt2"`` (BPE, offline) or ``"byte"``.
-        tokenizer_file: GPT-2 ranks file (default: the shipped one).
+        tokenizer_file: tiktoken ranks file (default: the shipped GPT-2 one); sets ``vocab_size``.
         text_field: JSON / parquet field holding the text.
         tokens_dir: read pre-tokenised ``train_*.bin`` / ``val_*.bin`` shards instead of
             ``path`` (see ``scripts/pretokenize.py``; the tokenizer must match).
@@ -335,7 +369,13 @@ class TextDataModule(ResumableDataModule):
 
     @property
     def vocab_size(self) -> int:
-        return 257 if self.tokenizer_name == "byte" else 50257
+        """Token ids ``0 .. vocab_size - 1``: from ``tokens_dir``'s ``meta.json``, else the tokenizer's
+        (byte: 257; the shipped GPT-2 ranks: 50257; another ``tokenizer_file``: its ranks + EOS)."""
+        if self.tokens_dir:
+            meta = Path(self.tokens_dir) / "meta.json"
+            if meta.is_file() and "vocab_size" in (m := json.loads(meta.read_text())):
+                return int(m["vocab_size"])
+        return int(self.tokenizer.vocab_size)
 
     @property
     def token_unit(self) -> str:
@@ -358,18 +398,18 @@ class TextDataModule(ResumableDataModule):
                                    self.text_field))
         tok = self.tokenizer
         ids = tok.encode_batch(docs)
+        dtype = token_dtype(tok.vocab_size)
         if len(ids) == 1:
-            stream = pack_documents(ids, tok.eos_id)
-            cut = int(round(len(stream) * (1 - self.val_fraction)))
-            self._splits = {"train": [stream[:cut]], "val": [stream[cut:]]}
+            train, val = split_stream(pack_documents(ids, tok.eos_id, dtype), self.val_fraction)
+            self._splits = {"train": [train], "val": [val]}
         else:
             rng = random.Random(self.seed)
             is_val = [rng.random() < self.val_fraction for _ in ids]
             if not any(is_val):
                 is_val[-1] = True
             self._splits = {
-                "train": [pack_documents([d for d, v in zip(ids, is_val) if not v], tok.eos_id)],
-                "val": [pack_documents([d for d, v in zip(ids, is_val) if v], tok.eos_id)],
+                "train": [pack_documents([d for d, v in zip(ids, is_val) if not v], tok.eos_id, dtype)],
+                "val": [pack_documents([d for d, v in zip(ids, is_val) if v], tok.eos_id, dtype)],
             }
         return self._splits
 

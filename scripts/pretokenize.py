@@ -1,15 +1,20 @@
-"""Pre-tokenise a large text corpus into uint16 memmap shards for ``TextDataModule(tokens_dir=...)``.
+"""Pre-tokenise a large text corpus into memmap shards for ``TextDataModule(tokens_dir=...)``.
 
     python scripts/pretokenize.py --input /data/fineweb/*.parquet --out data/fineweb_gpt2 \
-        [--tokenizer gpt2] [--text-field text] [--shard-tokens 100000000] [--val-fraction 0.0005]
+        [--tokenizer gpt2] [--tokenizer-file ranks.tiktoken] [--text-field text] [--shard-tokens 100000000] \
+        [--val-fraction 0.0005]
 
 Reads .txt / .jsonl(.gz) / .parquet (pyarrow) / WebDataset .tar documents (FineWeb, C4,
-SlimPajama dumps), tokenises them with the offline GPT-2 BPE (or bytes), appends EOS to
-each document and writes ``train_00000.bin, ...`` and ``val_00000.bin, ...`` (raw
-little-endian uint16, ``shard_tokens`` tokens each at most) plus ``meta.json``
-(tokenizer, vocab_size, eos_id, dtype, token counts per shard). Each document goes to val
-with probability ``val_fraction`` (seeded), so splits share no document. A tqdm bar
-counts documents and tokens.
+SlimPajama dumps; ``--input`` entries are files, folders, globs or brace patterns), tokenises them
+with the offline GPT-2 BPE, another tiktoken ranks file, or bytes, appends EOS to each document
+and writes ``train_00000.bin, ...`` and ``val_00000.bin, ...`` (raw little-endian ids in the
+smallest dtype that holds the tokenizer's vocabulary: uint16 for GPT-2, uint32 above 65,536 ids;
+``shard_tokens`` tokens each at most) plus ``meta.json`` (tokenizer, vocab_size, eos_id, dtype,
+token counts per shard). Each document goes to val with probability ``val_fraction`` (seeded;
+the first one always), so splits share no document; a corpus of ONE document (tinyshakespeare)
+is split like the in-memory loader: the last ``val_fraction`` of its token stream is val. A split
+left empty is an error (exit status 2, no ``meta.json``), never a success. A tqdm bar counts
+documents and tokens.
 """
 
 from __future__ import annotations
@@ -23,14 +28,15 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from mixlab.datamodules.text import get_tokenizer, iter_documents
+from mixlab.datamodules.text import get_tokenizer, iter_documents, split_stream, token_dtype
 
 
 class ShardWriter:
-    """Appends token arrays to ``<split>_NNNNN.bin`` files of at most ``shard_tokens`` tokens."""
+    """Appends token arrays to ``<split>_NNNNN.bin`` files of at most ``shard_tokens`` tokens, stored as
+    little-endian ``dtype``."""
 
-    def __init__(self, out: Path, split: str, shard_tokens: int) -> None:
-        self.out, self.split, self.cap = out, split, shard_tokens
+    def __init__(self, out: Path, split: str, shard_tokens: int, dtype: np.dtype = np.dtype(np.uint16)) -> None:
+        self.out, self.split, self.cap, self.dtype = out, split, shard_tokens, np.dtype(dtype).newbyteorder("<")
         self.shards: list[dict] = []
         self.buf: list[np.ndarray] = []
         self.n = 0
@@ -48,17 +54,24 @@ class ShardWriter:
         if not self.n:
             return
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        np.concatenate(self.buf).astype("<u2").tofile(self.out / name)
+        np.concatenate(self.buf).astype(self.dtype).tofile(self.out / name)
         self.shards.append({"file": name, "tokens": int(self.n)})
         self.buf, self.n = [], 0
 
 
+def fail(message: str) -> None:
+    """One line ``pretokenize.py: error: <message>`` on stderr, exit status 2."""
+    print(f"pretokenize.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", nargs="+", required=True, help="files, directories or globs")
+    p.add_argument("--input", nargs="+", required=True, help="files, directories, globs or brace patterns")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--tokenizer", choices=["gpt2", "byte"], default="gpt2")
-    p.add_argument("--tokenizer-file", default=None, help="GPT-2 ranks file (default: the shipped one)")
+    p.add_argument("--tokenizer-file", default=None,
+                   help="tiktoken ranks file for --tokenizer gpt2 (default: the shipped GPT-2 one)")
     p.add_argument("--text-field", default="text")
     p.add_argument("--shard-tokens", type=int, default=100_000_000)
     p.add_argument("--val-fraction", type=float, default=0.0005)
@@ -66,44 +79,70 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    tok = get_tokenizer(args.tokenizer, args.tokenizer_file)
+    if not 0 < args.val_fraction < 1:
+        fail(f"--val-fraction must be in (0, 1), got {args.val_fraction}: the text datamodule reads a train "
+             f"and a val split")
+    try:
+        tok = get_tokenizer(args.tokenizer, args.tokenizer_file)
+        dtype = token_dtype(tok.vocab_size)
+    except (OSError, ValueError) as err:
+        fail(f"--tokenizer-file {args.tokenizer_file}: {err}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    writers = {s: ShardWriter(out, s, args.shard_tokens) for s in ("train", "val")}
+    writers = {s: ShardWriter(out, s, args.shard_tokens, dtype) for s in ("train", "val")}
     rng = random.Random(args.seed)
     n_docs, n_tok, first = 0, 0, True
     bar = tqdm(desc="documents", unit="doc")
 
-    def flush_batch(batch: list[str]) -> None:
+    def flush_batch(batch: list[str], last: bool = False) -> None:
         nonlocal n_tok, first
-        for ids in tok.encode_batch(batch):
-            split = "val" if rng.random() < args.val_fraction or (first and args.val_fraction > 0) else "train"
-            first = False
-            arr = np.empty(len(ids) + 1, dtype=np.uint16)
+        encoded = tok.encode_batch(batch)
+        for ids in encoded:
+            arr = np.empty(len(ids) + 1, dtype=dtype)
             arr[:-1], arr[-1] = ids, tok.eos_id
-            writers[split].add(arr)
             n_tok += len(arr)
+            if first and last and len(encoded) == 1:  # the whole corpus is one document: split its stream
+                train, val = split_stream(arr, args.val_fraction)
+                writers["train"].add(train)
+                writers["val"].add(val)
+                break
+            split = "val" if rng.random() < args.val_fraction or first else "train"
+            first = False
+            writers[split].add(arr)
         bar.update(len(batch))
         bar.set_postfix(tokens=f"{n_tok:,}")
 
     batch: list[str] = []
-    for doc in iter_documents(args.input, args.text_field):
-        batch.append(doc)
-        n_docs += 1
-        if len(batch) == args.batch_docs:
-            flush_batch(batch)
-            batch = []
-        if args.max_docs and n_docs >= args.max_docs:
-            break
+    try:
+        for doc in iter_documents(args.input, args.text_field):
+            batch.append(doc)
+            n_docs += 1
+            if len(batch) == args.batch_docs:
+                flush_batch(batch)
+                batch = []
+            if args.max_docs and n_docs >= args.max_docs:
+                break
+    except (OSError, ValueError) as err:  # a missing input, a record without the text field: named by the reader
+        fail(str(err))
     if batch:
-        flush_batch(batch)
+        flush_batch(batch, last=True)
     bar.close()
     for w in writers.values():
         w.flush()
-    meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": "uint16",
+    empty = [s for s, w in writers.items() if not w.shards]
+    if empty:
+        for w in writers.values():
+            for shard in w.shards:
+                (out / shard["file"]).unlink()
+        fail(f"--input {' '.join(args.input)}: {n_docs:,} document(s), {n_tok:,} tokens leave the "
+             f"{' and '.join(empty)} split empty at --val-fraction {args.val_fraction}; add documents or "
+             f"change --val-fraction (nothing written)")
+    meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype.name,
             "documents": n_docs, "tokens": n_tok, "shards": {s: w.shards for s, w in writers.items()}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"wrote {n_docs:,} documents, {n_tok:,} tokens to {out}")
+    print(f"wrote {n_docs:,} documents, {n_tok:,} tokens to {out} (train "
+          f"{sum(s['tokens'] for s in meta['shards']['train']):,}, val "
+          f"{sum(s['tokens'] for s in meta['shards']['val']):,} tokens, {dtype.name})")
     return meta
 
 

@@ -134,25 +134,6 @@ def test_run_names_are_shell_safe():
     assert pattern_name(["goat", "mla"]) == "goat-mla"
 
 
-def test_integer_batch_limits_stay_integers(tmp_path, monkeypatch):
-    """``--trainer.limit_val_batches 1`` is one batch (Lightning's CLI would pass 1.0 = all)."""
-    import lightning.pytorch as pl
-
-    assert cli.integer_trainer_counts(["--trainer.limit_val_batches", "1", "--trainer.limit_train_batches=0.5",
-                                       "--trainer.val_check_interval=20", "--trainer.max_steps", "3"]) == \
-        {"limit_val_batches": 1, "val_check_interval": 20}
-    seen = {}
-
-    def fake_fit(self, *args, **kwargs):
-        seen["limit_val_batches"] = self.limit_val_batches
-
-    monkeypatch.setattr(pl.Trainer, "fit", fake_fit)
-    monkeypatch.setattr(sys, "argv", ["mixlab"])
-    cli.main(["fit", "--config", GOAT, "--trainer.max_steps=1", "--run_root", str(tmp_path),
-              "--trainer.limit_val_batches", "1"])
-    assert seen["limit_val_batches"] == 1 and isinstance(seen["limit_val_batches"], int)
-
-
 def test_resolution_command_bad_input_is_one_line(capsys, tmp_path, monkeypatch):
     """``python -m mixlab resolution``: argparse errors for bad sizes, one line for a checkpoint of
     another task (found by a user test: a 61-line torch traceback, and Lightning's class error)."""

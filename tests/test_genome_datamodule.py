@@ -244,6 +244,11 @@ def test_cache_dir_reuses_encoding(tmp_path, monkeypatch, multi_record_file, cap
     ("noheader.fa", b"ACGTACGT\nACGT\n", r"noheader\.fa is not FASTA"),
     ("garbage.bin", bytes(range(256)) * 4, r"garbage\.bin is not FASTA"),
     ("preamble.fa", b"made by a tool\n>r\nACGT\n", r"preamble\.fa is not FASTA"),
+    # the offending character is shown (the message used to quote the stripped line: ">r", which looks fine)
+    ("space.fa", b" >r\nACGT\n", r"space\.fa is not FASTA: the first non-empty line does not start with '>' "
+                                  r"\(its first bytes are b' >r': 1 whitespace character\(s\) come before '>'\)$"),
+    ("bom.fa", b"\xef\xbb\xbf>r\nACGT\n", r"bom\.fa is not FASTA: .*\(its first bytes are b'\\xef\\xbb\\xbf>r': a "
+                                          r"UTF-8 byte-order mark comes before it; save the file without the mark\)$"),
     ("fake.fa.gz", b">r\nACGT\n", r"cannot read FASTA file .*fake\.fa\.gz"),
     ("allempty.fa", b">a\n>b\n\n", r"allempty\.fa: no record has any bases"),
     ("digits.fa", b">ok\nACGT\n>bad\nACG7T\n", r"digits\.fa: record 'bad'.*'7' at position 4"),

@@ -340,3 +340,36 @@ def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, r
         assert len(rest) == 12 - step
         for j, ((e, x, y), (e_ref, x_ref, y_ref)) in enumerate(zip(rest, full[step:])):
             assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref), (step, j)
+
+
+@pytest.mark.parametrize("workers,stop", [(0, 3), (0, 4), (2, 6)])
+def test_wds_run_stopped_at_max_steps_and_extended_continues_its_epoch(shards, tmp_path, workers, stop):
+    """A mixlab head (``Head``) run over WebDataset shards, 4 steps per epoch, stopped at ``max_steps``
+    (3, 6: inside an epoch; 4: at its end) and extended to 10 from the ``last.ckpt`` written at the end
+    of training: the batches and their epochs equal the uninterrupted run's (the stopped epoch used to
+    count as done, so the rest of it was skipped)."""
+    from mixlab.callbacks import LastCheckpoint
+    from mixlab.heads.common import Head
+
+    class Rec(_BatchRecorder, Head):  # the recorder's steps, Head's checkpoints
+        pass
+
+    def fit(ckdir, max_steps, ckpt=None):
+        pl.seed_everything(5)
+        dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
+                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=workers,
+                                train_samples=8, shuffle_buffer=4)
+        model = Rec()
+        pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=[LastCheckpoint(dirpath=ckdir)],
+                   limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False).fit(model, dm,
+                                                                                                  ckpt_path=ckpt)
+        return model.seen
+
+    out, _ = shards
+    full = fit(tmp_path / "full", 10)
+    assert [e for e, _, _ in full] == [0] * 4 + [1] * 4 + [2] * 2
+    fit(tmp_path / "run", stop)
+    rest = fit(tmp_path / "run", 10, str(tmp_path / "run" / "last.ckpt"))
+    assert len(rest) == 10 - stop
+    for j, ((e, x, y), (e_ref, x_ref, y_ref)) in enumerate(zip(rest, full[stop:])):
+        assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref), (stop, j)

@@ -20,7 +20,8 @@ FLOORS = {
     "mixlab.registry": 0, "mixlab.coords": 0, "mixlab.optim": 0, "mixlab.eval.metrics": 0, "mixlab.data": 0,
     "mixlab.distributed": 0, "mixlab.datamodules": 1,
     "mixlab.ops": 1, "mixlab.mixers": 2, "mixlab.backbone": 3, "mixlab.heads": 4,
-    "mixlab.callbacks": 5, "mixlab.tb": 5, "mixlab.eval": 6, "mixlab.cli": 6, "mixlab.__main__": 7,
+    "mixlab.callbacks": 5, "mixlab.tb": 5, "mixlab.eval": 6, "mixlab.cli": 6, "mixlab.overrides": 6,
+    "mixlab.__main__": 7,
 }
 LEAVES = {"mixlab.registry", "mixlab.eval.metrics"}  # import nothing of mixlab
 FACADE = 2  # ``import mixlab`` imports the mixers

@@ -1,7 +1,8 @@
 """Registry-driven checks that every registered mixer gets for free (no per-mixer test code):
 
 * forward is finite and every parameter receives a gradient (DDP with find_unused_parameters=False);
-* token-by-token decoding through the cache equals the parallel forward (causal mixers);
+* token-by-token decoding through the cache equals the parallel forward (causal mixers), also after
+  prefixes of every length around the mixer's window, chunk and convolution sizes;
 * a state_dict round trip reproduces the output.
 """
 
@@ -44,6 +45,31 @@ def test_cached_decoding_equals_parallel_forward(name):
         cache: dict = {}
         steps = [m(x[:, :3], cache=cache)] + [m(x[:, t : t + 1], cache=cache) for t in range(3, 9)]
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-7, atol=1e-7)
+
+
+# the smallest windows and chunks each mixer accepts (a mixer's option of one of these names is set)
+SMALL_SIZES = {"window": 6, "chunk_size": 8, "conv_size": 3}
+
+
+@pytest.mark.parametrize("name", list_mixers())
+def test_cache_after_any_prefix_equals_the_parallel_forward(name):
+    """Prefixes of every length 1..T-1, shorter and longer than the mixer's window, chunk and short
+    convolution, then two tokens decoded one at a time: the outputs equal the parallel forward (swa's
+    cache used to keep only 2n - window + 1 of the last n < window keys)."""
+    from mixlab.registry import MIXERS
+
+    sizes = {k: v for k, v in SMALL_SIZES.items() if k in (MIXERS.options(name) or [])}
+    torch.manual_seed(0)
+    m = build_mixer(name, d_model=32, n_heads=H, causal=True, layer_idx=0, n_layers=2, **sizes).double().eval()
+    t = 12
+    x = torch.randn(1, t, 32, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x)
+        for p in range(1, t - 1):
+            cache: dict = {}
+            steps = [m(x[:, :p], cache=cache)] + [m(x[:, i:i + 1], cache=cache) for i in (p, p + 1)]
+            torch.testing.assert_close(torch.cat(steps, 1), full[:, :p + 2], rtol=1e-7, atol=1e-7,
+                                       msg=lambda s: f"{name} {sizes}, prefix {p}: {s}")
 
 
 @pytest.mark.parametrize("name", list_mixers())

@@ -128,3 +128,126 @@ def test_pretokenize_shards_match_in_memory(tmp_path):
     assert (all_tokens == 50256).sum() == 20
     assert tok.decode([t for t in sp["val"][0] if t != 50256]).startswith("Doc 0:")
     assert next(iter(dm.train_dataloader())).shape == (16, 9) or len(dm.windows("train", 9)) < 16
+
+
+def test_one_shard_pattern_rule_for_text_and_image_inputs(tmp_path):
+    """Text WebDataset shards named by a brace pattern used to "match no file" while the image datamodule
+    took braces and refused globs: both read braces, globs, folders and ``::`` lists through one function."""
+    import webdataset as wds
+
+    from mixlab.datamodules.files import expand_pattern
+    from mixlab.datamodules.imagenet import expand_shards
+    from mixlab.datamodules.text import expand_paths
+
+    for i in range(3):
+        with wds.TarWriter(str(tmp_path / f"text-{i:03d}.tar")) as w:
+            w.write({"__key__": f"s{i}", "txt": f"shard {i}"})
+    names = [str(tmp_path / f"text-{i:03d}.tar") for i in range(3)]
+    for pattern in ("text-{000..002}.tar", "text-*.tar", "text-00[0-2].tar", "text-{000..001}.tar::text-002.tar"):
+        full = "::".join(str(tmp_path / p) for p in pattern.split("::"))
+        assert [str(p) for p in expand_paths(full)] == names, pattern
+        assert expand_shards(full, "train_path") == names, pattern
+    assert list(iter_documents(str(tmp_path / "text-{000..002}.tar"))) == ["shard 0", "shard 1", "shard 2"]
+    assert expand_shards(str(tmp_path), "train_path") == names  # a folder of shards
+    assert expand_shards("pipe:curl -s http://x/a-{0..1}.tar", "train_path") == ["pipe:curl -s http://x/a-0.tar",
+                                                                               "pipe:curl -s http://x/a-1.tar"]
+    with pytest.raises(FileNotFoundError, match=r"^data.init_args.path: 2 of 5 files from pattern .*text-\{000\.\.004\}"
+                                                r"\.tar' do not exist, e.g. \[.*text-003.tar', .*text-004.tar'\]$"):
+        expand_paths(str(tmp_path / "text-{000..004}.tar"))
+    with pytest.raises(FileNotFoundError, match=r"^train_path: '.*nope-\*.tar' matches no shard$"):
+        expand_shards(str(tmp_path / "nope-*.tar"), "train_path")
+    assert expand_pattern([str(tmp_path / "text-002.tar"), str(tmp_path / "text-000.tar")]) == [names[2], names[0]]
+
+
+def _pretokenize():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import pretokenize
+    finally:
+        sys.path.pop(0)
+    return pretokenize
+
+
+def test_pretokenize_splits_a_one_document_corpus_like_the_in_memory_loader(tmp_path, capsys):
+    """The shipped tinyshakespeare is one document: all of it used to go to val_00000.bin, no train shard,
+    and the script reported success; now its last val_fraction is val, as TextDataModule splits it."""
+    meta = _pretokenize().main(["--input", str(shipped_file("tinyshakespeare.txt")), "--out", str(tmp_path / "tok"),
+                                "--tokenizer", "byte", "--val-fraction", "0.1"])
+    n = len(shipped_file("tinyshakespeare.txt").read_bytes()) + 1
+    assert meta["documents"] == 1 and meta["tokens"] == n and meta["dtype"] == "uint16"
+    assert [s["tokens"] for s in meta["shards"]["train"]] == [round(n * 0.9)]
+    assert [s["tokens"] for s in meta["shards"]["val"]] == [n - round(n * 0.9)]
+    from_shards = TextDataModule(tokens_dir=str(tmp_path / "tok"), tokenizer="byte").token_splits()
+    in_memory = TextDataModule(tokenizer="byte", val_fraction=0.1).token_splits()
+    for split in ("train", "val"):
+        assert np.array_equal(np.concatenate(from_shards[split]), in_memory[split][0]), split
+
+
+def test_pretokenize_never_reports_success_with_an_empty_split(tmp_path, capsys):
+    for i in range(2):
+        (tmp_path / f"d{i}.txt").write_text(f"document {i}")
+    with pytest.raises(SystemExit) as info:  # the first document goes to val, the second (p = 0.99) too
+        _pretokenize().main(["--input", str(tmp_path / "d*.txt"), "--out", str(tmp_path / "tok"), "--tokenizer",
+                             "byte", "--val-fraction", "0.99"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()  # after the progress bar's lines
+    assert err[-1] == (f"pretokenize.py: error: --input {tmp_path / 'd*.txt'}: 2 document(s), 22 tokens leave the "
+                       f"train split empty at --val-fraction 0.99; add documents or change --val-fraction "
+                       f"(nothing written)")
+    assert not list((tmp_path / "tok").iterdir())
+    with pytest.raises(SystemExit):
+        _pretokenize().main(["--input", str(tmp_path / "d0.txt"), "--out", str(tmp_path / "tok"),
+                             "--val-fraction", "0"])
+    assert capsys.readouterr().err.strip().startswith("pretokenize.py: error: --val-fraction must be in (0, 1), "
+                                                      "got 0.0")
+
+
+@pytest.fixture(scope="module")
+def big_ranks(tmp_path_factory):
+    """A tiktoken ranks file of 65,796 tokens: every byte, every byte pair, and " the", "the", "and", "ing"
+    ranked above 65,535 (so their ids do not fit uint16)."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + [bytes([a, b]) for a in range(256) for b in range(256)]
+    tokens += [b"the", b" the", b"and", b"ing"]
+    path = tmp_path_factory.mktemp("ranks") / "big.tiktoken"
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for r, t in enumerate(tokens)))
+    return path
+
+
+def test_a_tokenizer_above_65536_ids_sets_the_vocab_and_stores_uint32(big_ranks, tmp_path):
+    """A tiktoken ranks file of more than 65,536 ids: numpy's OverflowError in the text datamodule and in
+    pretokenize.py, and a vocab_size fixed at 50257. Now the vocabulary comes from the tokenizer (EOS after
+    the last rank) and ids are stored as uint32 (meta.json says so)."""
+    tok = GPT2Tokenizer(big_ranks)
+    assert tok.eos_id == 65796 and tok.vocab_size == 65797
+    text = "the king and the singing"
+    ids = tok.encode(text)
+    assert max(ids) > 65535 and tok.decode(ids) == text
+    (tmp_path / "doc.txt").write_text(text * 40)
+    dm = TextDataModule(path=str(tmp_path / "doc.txt"), tokenizer_file=str(big_ranks), context_length=8)
+    assert dm.vocab_size == 65797
+    sp = dm.token_splits()
+    stream = np.concatenate([sp["train"][0], sp["val"][0]])
+    assert stream.dtype == np.uint32 and stream.tolist() == tok.encode(text * 40) + [65796]
+    meta = _pretokenize().main(["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "tok"),
+                                "--tokenizer-file", str(big_ranks), "--val-fraction", "0.1"])
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == 65797 and meta["eos_id"] == 65796
+    shards = TextDataModule(tokens_dir=str(tmp_path / "tok"), tokenizer_file=str(big_ranks))
+    assert shards.vocab_size == 65797
+    got = shards.token_splits()
+    assert np.array_equal(np.concatenate(got["train"] + got["val"]), stream)
+
+
+def test_token_dtype_is_the_smallest_that_holds_the_vocabulary_and_refuses_the_rest():
+    from mixlab.datamodules.text import token_dtype
+
+    assert [token_dtype(v).name for v in (256, 257, 50257, 65536, 65537, 2**32)] == \
+        ["uint8", "uint16", "uint16", "uint16", "uint32", "uint32"]
+    with pytest.raises(ValueError, match="vocabulary of 4,294,967,297 ids cannot be stored as token ids: the "
+                                         "largest token dtype, uint32, holds 4,294,967,296"):
+        token_dtype(2**32 + 1)
+    with pytest.raises(ValueError, match=r"^token id 70000 does not fit uint16 token arrays \(at most 65535\); "
+                                         r"store them as uint32$"):
+        pack_documents([[1, 70000]], eos_id=2, dtype=np.uint16)
+    assert pack_documents([[1, 70000]], eos_id=2).dtype == np.uint32

@@ -14,7 +14,10 @@ Defaults added to every run:
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
   run resumed, validated or tested from its own checkpoint logs into the same
-  TensorBoard run directory.
+  TensorBoard run directory;
+* the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
+  nested mixer options (``mixer_args``) deep-merge, ``limit_*_batches: 1`` is one batch; a
+  checkpoint file's hyperparameters replace the config's model options, named in one warning line.
 
 Bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
 FileNotFoundError raised in mixlab's source, at construction or in ``setup``) ends the run
@@ -42,6 +45,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from mixlab import overrides
 from mixlab.callbacks import LastCheckpoint, MixerMetrics, ThroughputMemory
 from mixlab.tb import HParams
 
@@ -56,35 +60,11 @@ def register_command(name: str, target: str) -> None:
     COMMANDS[name] = target
 
 
-_BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches",
-                 "val_check_interval")
-
-
-def integer_trainer_counts(words: list[str]) -> dict[str, int]:
-    """Trainer options among :data:`_BATCH_COUNTS` given on the command line as integers.
-
-    Lightning reads ``limit_val_batches=1`` as ONE batch and ``1.0`` as all of them, but its
-    CLI parses the command-line ``1`` of these ``int | float`` options as ``1.0``
-    (Lightning issue #21259); :class:`MixlabCLI` passes these back to the Trainer as ints.
-    ``words``: the command-line tokens (``--trainer.limit_val_batches 1`` or ``...=1``).
-    """
-    found: dict[str, int] = {}
-    for i, word in enumerate(words):
-        if not word.startswith("--trainer."):
-            continue
-        key, eq, value = word[len("--trainer."):].partition("=")
-        if not eq:
-            value = words[i + 1] if i + 1 < len(words) else ""
-        if key in _BATCH_COUNTS and value.strip().lstrip("+-").isdigit():
-            found[key] = int(value)
-    return found
-
-
 class MixlabCLI(LightningCLI):
     """LightningCLI with mixlab's defaults (logger layout, callbacks, precision)."""
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
-        self._words = list(sys.argv[1:] if args is None else args)
+        overrides.install()  # nested mixer options deep-merge across sources (mixlab.overrides)
         defaults = {
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
@@ -110,6 +90,24 @@ class MixlabCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def setup_parser(self, *args: Any, **kwargs: Any) -> None:
+        super().setup_parser(*args, **kwargs)
+        for parser in [self.parser, *getattr(self, "_subcommand_parsers", {}).values()]:
+            overrides.int_before_float(parser)  # limit_val_batches: 1 is one batch, 1.0 all (any source)
+
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI's: a checkpoint file's hyperparameters replace the config's model options (its
+        ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
+        sub = self.config.get("subcommand")
+        before = self.config[sub].get("model") if sub else None
+        with overrides.replacing_dicts():
+            super()._parse_ckpt_path()
+        changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
+        if changed:
+            logging.getLogger("mixlab.cli").warning(
+                "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
+                "the config: %s", self.config[sub].get("ckpt_path"), "; ".join(changed))
 
     def before_fit(self) -> None:
         """Silence two Lightning warnings that are wrong for mixlab's own classes: "dataloader
@@ -145,8 +143,6 @@ class MixlabCLI(LightningCLI):
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
-        for key, value in integer_trainer_counts(self._words).items():  # "1" means one batch, not 100%
-            cfg["trainer"][key] = value
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo

@@ -52,7 +52,8 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, ge
 
 __all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
-           "fit_progress", "EpochSyncLoader"]
+           "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
+           "check_validation_on_optimizer_steps"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -209,6 +210,87 @@ def restore_sampler(sampler: ResumableSampler, state: dict[str, Any] | None) -> 
     """Apply a state saved by :func:`sampler_state` (no-op for ``None``)."""
     if state:
         sampler.load_state_dict(state)
+
+
+def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Write the fit loop's progress in ``checkpoint`` (in place) as Lightning records it at the end of
+    the last trained batch (``on_train_batch_end``), the state it resumes exactly.
+
+    Checkpoints written later in a step (``on_train_epoch_end``: an epoch without validation;
+    ``on_train_end``: the final state of ``fit``) hold the loops after their end-of-batch and
+    end-of-epoch bookkeeping, and Lightning resumes those wrongly: when ``fit`` stopped inside an
+    epoch (``max_steps`` reached, ``trainer.should_stop``) the epoch is already counted as processed,
+    so a run extended with a larger ``max_steps`` started the next epoch's data order (with the
+    remaining batch count of the stopped one) and never trained on the rest of the stopped epoch;
+    at an epoch end without validation it trained one extra batch. Here the last batch's
+    ``completed`` count and ``_batches_that_stepped`` are taken back by one and the epoch counted as
+    started, not processed (``checkpoint["epoch"]`` too); Lightning then finishes that batch's
+    bookkeeping on resume and continues inside the epoch, or with the next one after its last batch,
+    as the uninterrupted run does, and the data states (:func:`sampler_state`, streams) agree.
+    Checkpoints written at a batch end or at a validation are left as they are. Called by
+    :meth:`mixlab.heads.common.Head.on_save_checkpoint`.
+    """
+    if trainer is None or getattr(trainer.state, "fn", None) != "fit" or "loops" not in checkpoint:
+        return
+    loops = checkpoint["loops"]["fit_loop"]
+    batches = loops["epoch_loop.batch_progress"]
+    if not (0 < batches["current"]["processed"] == batches["current"]["completed"]):
+        return  # written at a batch end or a validation (completed lags), or before any batch
+    for counts in (batches["total"], batches["current"]):
+        counts["completed"] -= 1
+    if not trainer.fit_loop.epoch_loop._should_accumulate():  # the last batch stepped: Lightning counts it again
+        loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    epochs = loops["epoch_progress"]
+    for counts in (epochs["total"], epochs["current"]):
+        counts["processed"] = counts["completed"] = counts["started"] - 1
+    checkpoint["epoch"] = epochs["current"]["started"] - 1
+
+
+def check_validation_on_optimizer_steps(trainer: Any) -> None:
+    """Refuse a validation schedule that falls inside a gradient-accumulation cycle.
+
+    ``val_check_interval`` counts training batches (forward passes), not optimizer steps, and
+    validation is where the checkpoints are written. With ``accumulate_grad_batches = k > 1`` a
+    validation after a batch that does not end a cycle (Lightning steps the optimizer after every
+    ``k``-th batch of an epoch and after its last batch) would write a checkpoint holding a
+    half-summed gradient that no checkpoint stores: the resumed run would lose it and differ from
+    the uninterrupted one. Called at the start of training (:meth:`mixlab.heads.common.Head.on_train_start`),
+    after Lightning has set ``trainer.val_check_batch``; no-op without accumulation or validation.
+
+    Raises:
+        ValueError: one line naming ``val_check_interval``, the first batch it would fall inside a
+            cycle and the values that work.
+    """
+    import math
+
+    k, v = int(trainer.accumulate_grad_batches), trainer.val_check_batch
+    n = trainer.num_training_batches
+    if k <= 1 or v is None or v == float("inf") or not sum(trainer.num_val_batches or [0]):
+        return
+    v = int(v)
+    per_epoch = trainer.check_val_every_n_epoch is not None
+    if n == float("inf"):  # no epoch length: cycles run over the whole stream
+        bad = [v] if v % k else []
+    elif per_epoch:  # validation after batches v, 2v, ... of every epoch
+        bad = [p for p in range(v, int(n) + 1, v) if p % k and p != n][:1]
+    else:  # after training batches v, 2v, ... of the run; the cycle count restarts every epoch
+        n = int(n)
+        for j in range(1, n // math.gcd(v, n) + 1):
+            p = j * v % n
+            if p and p % k:
+                bad = [j * v]
+                break
+        else:
+            bad = []
+    if not bad:
+        return
+    fix = f"use a multiple of {k}" if n == float("inf") or per_epoch or int(n) % k == 0 else (
+        f"the {int(n)} training batches of an epoch are not a multiple of {k} either, so use a multiple of {int(n)} "
+        f"or set limit_train_batches to a multiple of {k}")
+    raise ValueError(f"trainer.val_check_interval={trainer.val_check_interval} counts training batches, not optimizer "
+                     f"steps: with accumulate_grad_batches={k} validation and its checkpoints would fall inside a "
+                     f"gradient-accumulation cycle (first after training batch {bad[0]}), whose half-summed gradient "
+                     f"a checkpoint cannot hold; {fix}")
 
 
 class SplitLoaders:

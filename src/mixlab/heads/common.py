@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 
+from mixlab.distributed import as_batch_end_checkpoint, check_validation_on_optimizer_steps
 from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
@@ -82,8 +83,12 @@ class Head(pl.LightningModule):
     (the attributes heads read are listed in :mod:`mixlab.datamodules`).
 
     Provided here: the validation/test steps and epoch ends, AdamW with warmup + cosine,
-    gradient clipping that also works under FSDP, the datamodule accessor, and the run record
-    ``checkpoint["mixlab"]`` (:func:`run_record`) that the evaluation commands read.
+    gradient clipping that also works under FSDP, the datamodule accessor, the run record
+    ``checkpoint["mixlab"]`` (:func:`run_record`) that the evaluation commands read, and exact
+    resume: checkpoints resume where training stopped (also a run stopped at ``max_steps`` and
+    extended), validations inside a gradient-accumulation cycle are refused, and ``validate``/``test``
+    from a checkpoint log at its global step. A subclass overriding ``on_save_checkpoint``,
+    ``on_load_checkpoint`` or ``on_train_start`` calls ``super()``.
     """
 
     optim_cfg: OptimConfig
@@ -120,6 +125,11 @@ class Head(pl.LightningModule):
         self._eval_epoch_end("test")
 
     # ------------------------------------------------------------------ optimisation
+    def on_train_start(self) -> None:
+        """Refuse validations (where checkpoints are written) inside a gradient-accumulation cycle
+        (:func:`mixlab.distributed.check_validation_on_optimizer_steps`)."""
+        check_validation_on_optimizer_steps(self.trainer)
+
     def configure_optimizers(self):
         return build_optimizer(self, self.optim_cfg, int(self.trainer.estimated_stepping_batches))
 
@@ -135,6 +145,17 @@ class Head(pl.LightningModule):
                             gradient_clip_algorithm=gradient_clip_algorithm)
 
     # ------------------------------------------------------------------ checkpoints
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """``validate``/``test`` from a checkpoint log at the checkpoint's ``global_step``: Lightning logs
+        epoch-level metrics at the fit loop's ``_batches_that_stepped``, which only ``fit`` restores, so
+        they landed at step 0 of the training run's TensorBoard curve (the final value drawn first)."""
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn in ("validate", "test"):
+            trainer.fit_loop.epoch_loop._batches_that_stepped = int(checkpoint.get("global_step", 0))
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``."""
+        """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``; the
+        loops' progress as at the last batch's end, so resuming continues where training stopped
+        (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
         checkpoint[CHECKPOINT_KEY] = run_record(self, self.data)
+        as_batch_end_checkpoint(self._trainer, checkpoint)

@@ -40,7 +40,7 @@ class SlidingWindowAttention(AttentionMixer):
         bias: bias in the projections.
 
     Forward: ``x [B, T, D]``, ``coords`` (default ``Coords.seq``; the window is on token
-    index), ``cache`` with ``k, v [B, H, <= window-1, d]`` and the absolute position ``n``.
+    index), ``cache`` with ``k, v [B, H, min(window - 1, n), d]`` and the absolute position ``n``.
 
     Raises:
         ValueError: ``window < 1``; a position scheme with lanes or a bias (GOAT/ALiBi);
@@ -93,9 +93,8 @@ class SlidingWindowAttention(AttentionMixer):
             z = (q.to(ct) @ k.to(ct).transpose(-1, -2)) / math.sqrt(self.head_dim)
             z = z.masked_fill(~band_mask(q_idx, k_idx, self.window, self.causal), float("-inf"))
             y = (torch.softmax(z, dim=-1) @ v.to(ct)).to(v.dtype)
-        if cache is not None:
-            keep = self.window - 1
-            cache["k"], cache["v"] = k[:, :, k.shape[2] - keep:] if keep else k[:, :, :0], \
-                v[:, :, v.shape[2] - keep:] if keep else v[:, :, :0]
+        if cache is not None:  # the last min(window - 1, keys so far) keys: all a later query can see
+            start = max(0, k.shape[2] - (self.window - 1))
+            cache["k"], cache["v"] = k[:, :, start:], v[:, :, start:]
             cache["n"] = past + t
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))

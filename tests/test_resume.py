@@ -1,0 +1,196 @@
+"""Resuming equals the uninterrupted run, whatever the checkpoint (``mixlab.heads.common.Head`` checkpoints):
+
+* a run stopped at ``max_steps`` inside an epoch or at its end, extended with a larger ``max_steps``
+  from its ``last.ckpt`` (written at ``on_train_epoch_end`` / ``on_train_end``), trains on the
+  uninterrupted run's remaining batches, in the same epochs, with the same losses;
+* with gradient accumulation, validations (where checkpoints are written) fall on optimizer steps
+  or the run is refused in one line;
+* ``validate`` / ``test`` from a checkpoint log at the checkpoint's training step, not at step 0.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from mixlab.backbone import BackboneConfig
+from mixlab.callbacks import LastCheckpoint
+from mixlab.datamodules.genome import GenomeDataModule
+from mixlab.distributed import ResumableDataModule
+from mixlab.heads.common import Head
+from mixlab.heads.lm import CausalLM
+from mixlab.optim import OptimConfig
+
+
+class _Index(ResumableDataModule):
+    """12 training samples whose value is their index, batches of 2 (6 per epoch); 4 val samples."""
+
+    def __init__(self, workers: int = 0):
+        super().__init__()
+        self.workers = workers
+
+    def train_dataloader(self):
+        return self.resumable_loader(torch.arange(12), 2, train=True, seed=1, num_workers=self.workers)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(torch.arange(4), batch_size=2)
+
+
+class _Rec(Head):
+    """Records ``(epoch, sample indices)`` of every training batch and the step of every validation."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.seen, self.vals = torch.nn.Parameter(torch.zeros(())), [], []
+
+    def training_step(self, batch, i):
+        self.seen.append((self.current_epoch, batch.tolist()))
+        return (self.w * batch.float()).sum()
+
+    def _eval_step(self, batch, stage):
+        pass
+
+    def _eval_epoch_end(self, stage):
+        self.vals.append(self.global_step)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(tmp: Path, mode: str, max_steps: int, ckpt: str | None = None, workers: int = 0, acc: int = 1) -> _Rec:
+    """``fit`` with mixlab's LastCheckpoint in ``tmp``. ``mode``: ``"iter"`` (the CLI configs: validation
+    every 4 x acc training batches across epochs) or ``"noval"`` (no validation: last.ckpt written at
+    every epoch end and at the end of training)."""
+    kw = dict(val_check_interval=4 * acc, check_val_every_n_epoch=None, limit_val_batches=1) if mode == "iter" \
+        else dict(limit_val_batches=0, max_epochs=-1)
+    model = _Rec()
+    pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=[LastCheckpoint(dirpath=tmp)],
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+               accumulate_grad_batches=acc, **kw).fit(model, _Index(workers), ckpt_path=ckpt)
+    return model
+
+
+@pytest.mark.parametrize("mode,stop,workers,acc", [("iter", 5, 0, 1), ("iter", 6, 0, 1), ("iter", 9, 2, 1),
+                                                   ("noval", 4, 0, 1), ("noval", 6, 0, 1), ("iter", 4, 0, 2)])
+def test_extending_a_run_stopped_at_max_steps_continues_its_epoch(tmp_path, mode, stop, workers, acc):
+    """Stop at ``max_steps=stop`` (6 batches per epoch: 5 and 9 inside an epoch, 6 at its end), resume
+    ``last.ckpt`` with ``max_steps=14``: the batches, their epochs and the validations equal the
+    uninterrupted 14-step run's. Lightning used to count the stopped epoch as done, so the resumed run
+    took the next epoch's order for the rest of it (and at an epoch end without validation trained one
+    batch too many)."""
+    full = _fit(tmp_path / "full", mode, 14, workers=workers, acc=acc)
+    assert len(full.seen) == 14 * acc and {e for e, _ in full.seen} == {0, 1, 2} | ({3, 4} if acc > 1 else set())
+    first = _fit(tmp_path / "run", mode, stop, workers=workers, acc=acc)
+    rest = _fit(tmp_path / "run", mode, 14, ckpt=str(tmp_path / "run" / "last.ckpt"), workers=workers, acc=acc)
+    assert first.seen + rest.seen == full.seen
+    assert first.vals + rest.vals == full.vals
+
+
+def _lm_data(tmp_path: Path) -> GenomeDataModule:
+    g = torch.Generator().manual_seed(0)
+    seq = "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (1200,), generator=g))
+    fasta = tmp_path / "t.fa"
+    if not fasta.exists():
+        fasta.write_text(">t\n" + seq + "\n")
+    # 5 training batches per epoch
+    return GenomeDataModule(fasta=str(fasta), context_length=16, batch_size=4, region_size=400, val_fraction=0.2,
+                            test_fraction=0.2, train_stride=20)
+
+
+class _Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def _lm_fit(tmp_path: Path, ckdir: Path, max_steps: int, ckpt: str | None = None, **kw) -> list[float]:
+    pl.seed_everything(0)
+    model = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="rope"),
+                     optim=OptimConfig(lr=3e-3, warmup_steps=2, total_steps=12))  # one schedule for every max_steps
+    rec = _Losses()
+    args = dict(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                callbacks=[LastCheckpoint(dirpath=ckdir), rec])
+    args.update(kw)
+    trainer = pl.Trainer(**args)
+    trainer.fit(model, _lm_data(tmp_path), ckpt_path=ckpt)
+    return rec.losses
+
+
+def test_extended_lm_run_has_the_uninterrupted_losses(tmp_path):
+    """The issue's case on a real head and datamodule: stop at step 7 of 5-batch epochs, extend to 12 from
+    ``last.ckpt``: the training losses from step 7 on equal the uninterrupted run's, bit for bit."""
+    dm = _lm_data(tmp_path)
+    dm.setup("fit")
+    assert len(dm.train_dataloader()) == 5
+    full = _lm_fit(tmp_path, tmp_path / "full", 12)
+    first = _lm_fit(tmp_path, tmp_path / "run", 7)
+    rest = _lm_fit(tmp_path, tmp_path / "run", 12, ckpt=str(tmp_path / "run" / "last.ckpt"))
+    assert len(full) == 12 and first + rest == full
+
+
+def test_resume_with_gradient_accumulation_from_a_validation_checkpoint(tmp_path):
+    """``accumulate_grad_batches=2``, validation every 4 training batches (2 optimizer steps): the
+    checkpoint written at the validation after batch 4 lands on an optimizer step, and the run resumed
+    from it has the uninterrupted losses."""
+    kw = dict(accumulate_grad_batches=2, val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=1,
+              limit_train_batches=4)
+    full = _lm_fit(tmp_path, tmp_path / "full", 6, **kw)
+    _lm_fit(tmp_path, tmp_path / "run", 2, **kw)  # stops at step 2 = batch 4, just validated
+    shutil.copy(tmp_path / "run" / "last.ckpt", tmp_path / "at4.ckpt")
+    assert torch.load(tmp_path / "at4.ckpt", weights_only=False)["global_step"] == 2
+    rest = _lm_fit(tmp_path, tmp_path / "run2", 6, ckpt=str(tmp_path / "at4.ckpt"), **kw)
+    assert len(full) == 12 and rest == full[4:]
+
+
+@pytest.mark.parametrize("kw,first", [
+    (dict(val_check_interval=3, check_val_every_n_epoch=None, limit_train_batches=4), 3),
+    (dict(val_check_interval=3, check_val_every_n_epoch=1), 3),
+    (dict(val_check_interval=4, check_val_every_n_epoch=None), 8),  # 4 is even, but 5-batch epochs restart cycles
+])
+def test_validation_inside_an_accumulation_cycle_is_refused_in_one_line(tmp_path, kw, first):
+    """Checkpoints written inside a cycle lost its half-summed gradient and the resumed run diverged."""
+    with pytest.raises(ValueError) as info:
+        _lm_fit(tmp_path, tmp_path / "run", 4, accumulate_grad_batches=2, limit_val_batches=1, **kw)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"trainer.val_check_interval={kw['val_check_interval']} counts training batches, not "
+                          f"optimizer steps: with accumulate_grad_batches=2 validation and its checkpoints would "
+                          f"fall inside a gradient-accumulation cycle (first after training batch {first})")
+    assert msg.endswith("use a multiple of 2" if first != 8 else
+                        "use a multiple of 5 or set limit_train_batches to a multiple of 2")
+
+
+class _Steps(pl.loggers.Logger):
+    """A logger that records ``(step, tags)`` of every ``log_metrics`` call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    name, version = "steps", 0
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, sorted(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def test_validate_and_test_from_a_checkpoint_log_at_its_training_step(tmp_path):
+    """``validate``/``test --ckpt_path``: the metrics land at the checkpoint's step (7), not at step 0 of
+    the training run's curve."""
+    _lm_fit(tmp_path, tmp_path / "run", 7)
+    model = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="rope"))
+    for fn, tag in (("validate", "val/loss"), ("test", "test/loss")):
+        logger = _Steps()
+        trainer = pl.Trainer(accelerator="cpu", logger=logger, enable_progress_bar=False, limit_val_batches=1,
+                             limit_test_batches=1, enable_model_summary=False)
+        getattr(trainer, fn)(model, _lm_data(tmp_path), ckpt_path=str(tmp_path / "run" / "last.ckpt"), verbose=False)
+        assert [step for step, tags in logger.calls if tag in tags] == [7], (fn, logger.calls)
