@@ -80,6 +80,7 @@ def test_old_vit_checkpoints_through_the_resolution_command(tmp_path):
                             "--batch-size", "50", "--limit-batches", "2", "--accelerator", "cpu"])
     assert [(r["run"], r["position"], r["res"]) for r in rows] == \
         [(r["run"], r["position"], r["res"]) for r in EXPECTED["resolution"]]
+    assert [r["patch_coords"] for r in rows] == ["index"] * 4  # written before patch_coords: integer indices
     for got, want in zip(rows, EXPECTED["resolution"]):
         _close([got["top1"], got["top5"], got["loss"]], [want["top1"], want["top5"], want["loss"]], str(want))
     assert (tmp_path / "prior_goat2d_layer0.png").stat().st_size > 0

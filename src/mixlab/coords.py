@@ -20,6 +20,14 @@ one coordinate object serves 1D sequences, 2D grids and mixtures of both.
 
 Axis 0 is, by convention, the causal *sequence* axis: it is the coordinate
 that key-linear (ALiBi-like) terms and the first-token bump use.
+
+Coordinates stay integers; an optional per-axis ``scale`` says how long one
+coordinate step is in the units the position schemes were trained in. A ViT
+evaluated on a patch grid twice as large as its training grid with
+``patch_coords: scaled`` passes ``scale = (0.5, 0.5)``: GOAT and RoPE then read
+patch ``(y, x)`` at ``(y / 2, x / 2)`` training-grid units, which is the same as
+multiplying every frequency of that axis by the scale. ``None`` (the default, and
+every 1D sequence) means 1 on every axis and leaves the numerics untouched.
 """
 
 from __future__ import annotations
@@ -58,6 +66,10 @@ class Coords:
     key: tuple | None = None
     """Hashable description for coordinates made by a builder (``("seq", T, offset)``);
     position schemes cache their parameter-free features under it. ``None``: no caching."""
+    scale: tuple[float, ...] | None = None
+    """Per-axis length of one coordinate step in the position schemes' units (``A`` positive
+    floats), or ``None`` for 1 on every axis. Set it with :meth:`with_scale` (which also
+    extends ``key``): schemes read ``pos * scale`` (:meth:`values`)."""
 
     def __post_init__(self) -> None:
         if self.pos.dim() != 3:
@@ -73,6 +85,12 @@ class Coords:
                 raise ValueError(f"Coords.mask must be bool; got {self.mask.dtype}")
             if bool(self.mask.all()):
                 self.mask = None
+        if self.scale is not None:
+            self.scale = tuple(float(v) for v in self.scale)
+            if len(self.scale) != self.pos.shape[-1] or not all(v > 0 for v in self.scale):
+                raise ValueError(f"Coords.scale must hold {self.pos.shape[-1]} positive floats; got {self.scale}")
+            if all(v == 1.0 for v in self.scale):
+                self.scale = None
 
     # ------------------------------------------------------------------ builders
     @staticmethod
@@ -114,13 +132,17 @@ class Coords:
         axes = {p.axes for p in parts}
         if len(axes) != 1:
             raise ValueError(f"Coords.cat: parts have different axis counts {sorted(axes)}")
+        scales = {p.scale for p in parts}
+        if len(scales) != 1:
+            raise ValueError(f"Coords.cat: parts have different scales {sorted(map(str, scales))}; "
+                             "concatenate first, then call with_scale")
         batch = max(p.pos.shape[0] for p in parts)
         pos = torch.cat([p.pos.expand(batch, -1, -1) for p in parts], dim=1)
         key = ("cat",) + tuple(p.key for p in parts) if all(p.key is not None for p in parts) else None
-        if all(p.mask is None for p in parts):
-            return Coords(pos, key=key)
-        mask = torch.cat([p.full_mask().expand(batch, -1, -1) for p in parts], dim=1)
-        return Coords(pos, mask, key=key)
+        mask = None
+        if any(p.mask is not None for p in parts):
+            mask = torch.cat([p.full_mask().expand(batch, -1, -1) for p in parts], dim=1)
+        return Coords(pos, mask, key=key, scale=parts[0].scale)
 
     # ------------------------------------------------------------------ accessors
     @property
@@ -137,13 +159,34 @@ class Coords:
             return torch.ones_like(self.pos, dtype=torch.bool)
         return self.mask
 
+    def values(self, dtype: torch.dtype = torch.float64) -> Tensor:
+        """``[B or 1, T, A]`` coordinates in the schemes' units, ``pos * scale``, as ``dtype``
+        (``pos`` itself, converted, when ``scale`` is None)."""
+        out = self.pos.to(dtype)
+        if self.scale is not None:
+            out = out * torch.tensor(self.scale, dtype=dtype, device=out.device)
+        return out
+
+    def with_scale(self, scale: tuple[float, ...] | list[float] | None) -> "Coords":
+        """The same coordinates with per-axis ``scale`` (see :attr:`scale`); ``key`` gains the scale.
+
+        Raises:
+            ValueError: not ``A`` positive numbers.
+        """
+        out = Coords(self.pos, self.mask, None, scale)
+        if out.scale == self.scale:
+            return self
+        out.key = None if self.key is None else ("scale", self.key, out.scale)
+        return out
+
     def to(self, device: torch.device | str) -> "Coords":
-        return Coords(self.pos.to(device), None if self.mask is None else self.mask.to(device), self.key)
+        return Coords(self.pos.to(device), None if self.mask is None else self.mask.to(device), self.key, self.scale)
 
     def slice(self, start: int, stop: int) -> "Coords":
         """Tokens ``start:stop`` (used for chunked evaluation and decoding)."""
         key = None if self.key is None else ("slice", self.key, start, stop)
-        return Coords(self.pos[:, start:stop], None if self.mask is None else self.mask[:, start:stop], key)
+        return Coords(self.pos[:, start:stop], None if self.mask is None else self.mask[:, start:stop], key,
+                      self.scale)
 
     def with_axes(self, axes: int) -> "Coords":
         """Pad with missing axes up to ``axes`` (a 1D sequence used by a 2-axis prior)."""
@@ -155,4 +198,5 @@ class Coords:
         pad = torch.zeros(b, t, axes - a, dtype=self.pos.dtype, device=self.pos.device)
         mask = torch.cat([self.full_mask(), pad.bool()], dim=-1)
         key = None if self.key is None else ("axes", self.key, axes)
-        return Coords(torch.cat([self.pos, pad], dim=-1), mask, key)
+        scale = None if self.scale is None else self.scale + (1.0,) * (axes - a)
+        return Coords(torch.cat([self.pos, pad], dim=-1), mask, key, scale)

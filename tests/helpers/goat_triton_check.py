@@ -72,7 +72,7 @@ def _graph_names(fn, seen=None):
 
 
 def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, bias=False, programs=512,
-               mlp=(8, 2)):
+               mlp=(8, 2), scale=None):
     from mixlab.ops import goat_triton
 
     goat_triton._PROGRAMS = programs  # few programs: batch chunks of several images, the last one partial
@@ -94,7 +94,7 @@ def layer_case(B, T, H, d_h, n_modes, axes, causal, per_sample, default, seed, b
     else:
         pos = torch.randint(0, 9, (B if per_sample else 1, T, axes))
         mask = torch.rand(B if per_sample else 1, T, axes) > 0.2
-        c = Coords(pos.to(DEV), mask.to(DEV), key=None)
+        c = Coords(pos.to(DEV), mask.to(DEV), key=None, scale=scale)  # scale: ViT patch_coords="scaled"
     gy = torch.randn(B, T, H * d_h).to(DEV)
     outs = []
     for m in (ref, fast, fast):  # fast twice: the second call launches the cached compiled kernels (GPU)
@@ -147,6 +147,7 @@ res = {
     "layer_bias": layer_case(2, 40, 2, 16, 2, 1, False, False, False, 13, bias=True),
     "layer_2d_per_sample_default": layer_case(2, 37, 3, 16, 2, 2, False, True, True, 12),
     "layer_2d_shared_batch_chunks": layer_case(5, 37, 2, 16, 2, 2, False, False, True, 14, programs=8),
+    "layer_2d_scaled": layer_case(2, 37, 2, 16, 2, 2, False, False, True, 22, scale=(0.5, 0.75)),
     "layer_head_dim_24": layer_case(3, 45, 2, 24, 2, 1, True, False, True, 18, programs=4),  # padded head tile
 
     "self_mlp": case(1, 1, 70, 70, 3, 2, 6, 5, True, True, False, True, 0),

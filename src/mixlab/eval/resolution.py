@@ -7,9 +7,16 @@ every resolution: the datamodule stored in the checkpoint is rebuilt with ``eval
 resolution (ImageNet: resize to ``res * 256/224`` then center crop; digits: upsample). A resolution
 is ``S`` (square) or ``HxW`` (non-square, e.g. ``224x320``).
 
+Patch coordinates (GOAT, RoPE) follow the checkpoint's ``patch_coords`` (``scaled``: training-grid
+units; ``index``: integer patch indices; checkpoints from before the option: ``index``).
+``--patch-coords index scaled`` overrides it for a study: each GOAT/RoPE run is then evaluated once
+per listed convention, as runs ``<run>-index`` and ``<run>-scaled`` (runs whose scheme reads no
+coordinates, e.g. APE, once).
+
 Outputs in ``--out``:
 
-* ``resolution.csv`` - one row per (run, resolution): run, position, train_res, res, top1, top5, loss, n;
+* ``resolution.csv`` - one row per (run, resolution): run, position, patch_coords, train_res, res, top1, top5,
+  loss, ckpt;
 * ``resolution.md`` - Markdown table of top-1 (%) with one row per run and one column per resolution;
 * ``resolution_top1.png`` - top-1 against resolution, one line per run;
 * ``prior_<run>_layer<L>.png`` - the learned 2D log-prior of layer ``L`` of each GOAT run (one panel
@@ -100,7 +107,8 @@ def render_log_prior(model, layer: int, path: Path, grid: tuple[int, int] | None
 def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], out: str | Path,
                          split: str = "val", batch_size: int | None = None, limit_batches: int | float | None = None,
                          prior_layer: int | None = 0, data_args: dict[str, Any] | None = None,
-                         accelerator: str = "auto", precision: str | None = None) -> list[dict]:
+                         accelerator: str = "auto", precision: str | None = None,
+                         patch_coords: list[str] | None = None) -> list[dict]:
     """Evaluate each checkpoint at each resolution; write CSV, Markdown, PNG and TensorBoard logs.
 
     Args:
@@ -113,6 +121,8 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
         prior_layer: render this layer's log-prior for GOAT runs (None: skip).
         data_args: extra datamodule arguments (e.g. ``{"val_path": ...}`` when data moved).
         accelerator / precision: Lightning Trainer settings (precision default: bf16-mixed on CUDA).
+        patch_coords: conventions to evaluate GOAT/RoPE runs with (``scaled``, ``index``); None: each
+            checkpoint's own. With several, run names get ``-<convention>``.
 
     Returns:
         the CSV rows (dicts).
@@ -120,10 +130,12 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
     import lightning.pytorch as pl
     from torch.utils.tensorboard import SummaryWriter
 
-    from mixlab.heads.vit import ImageClassifier
+    from mixlab.heads.vit import ImageClassifier, check_patch_coords
 
     if split not in ("val", "test"):
         raise ValueError(f"--split must be 'val' or 'test'; got {split!r}")
+    for pc in patch_coords or []:
+        check_patch_coords(pc)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if precision is None:
@@ -138,12 +150,17 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
         run = load_run(path, "cpu", head=ImageClassifier,
                        hint="the resolution evaluation needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
         model = run.model
-        name = model.run_name
-        names_seen[name] = names_seen.get(name, 0) + 1
-        if names_seen[name] > 1:
-            name = f"{name}-{names_seen[name]}"
+        base = model.run_name
+        names_seen[base] = names_seen.get(base, 0) + 1
+        if names_seen[base] > 1:
+            base = f"{base}-{names_seen[base]}"
         train_res = _res_label(model.model.img_size)
-        for hw in resolutions:
+        conventions = list(dict.fromkeys(patch_coords or [model.model.patch_coords]))
+        if not model.model.reads_patch_coords:
+            conventions = [model.model.patch_coords]
+        for pc, hw in ((pc, hw) for pc in conventions for hw in resolutions):
+            model.model.patch_coords = pc
+            name = f"{base}-{pc}" if len(conventions) > 1 else base
             model.model.grid(*hw)  # clear error before building data
             over = {"eval_size": list(hw), **(data_args or {})}
             if batch_size:
@@ -156,7 +173,8 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
             fn = trainer.validate if split == "val" else trainer.test
             metrics = fn(model, datamodule=dm, verbose=False)[0]
             lightning_info.setLevel(max(lightning_info.level, logging.WARNING))
-            row = {"run": name, "position": model.position, "train_res": train_res, "res": _res_label(hw),
+            row = {"run": name, "position": model.position, "patch_coords": pc, "train_res": train_res,
+                   "res": _res_label(hw),
                    "height": hw[0], "width": hw[1], "top1": float(metrics[f"{split}/top1"]),
                    "top5": float(metrics[f"{split}/top5"]), "loss": float(metrics[f"{split}/loss"]),
                    "ckpt": str(path)}
@@ -167,11 +185,11 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
                   f"loss {row['loss']:.4f}")
         if prior_layer is not None and model.position == "goat2d":
             try:
-                fig = render_log_prior(model.model, prior_layer, out / f"prior_{name}_layer{prior_layer}.png",
-                                       title=f"{name}: layer {prior_layer} learned 2D log-prior (query: red x)")
-                writer.add_figure(f"prior/{name}/layer{prior_layer}", fig)
+                fig = render_log_prior(model.model, prior_layer, out / f"prior_{base}_layer{prior_layer}.png",
+                                       title=f"{base}: layer {prior_layer} learned 2D log-prior (query: red x)")
+                writer.add_figure(f"prior/{base}/layer{prior_layer}", fig)
             except ValueError as exc:  # a non-GOAT layer in a hybrid pattern
-                print(f"{name}: no prior image ({exc})")
+                print(f"{base}: no prior image ({exc})")
     lightning_info.setLevel(info_level)
     _write_tables(rows, out, writer)
     writer.close()
@@ -180,7 +198,8 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
 
 def _write_tables(rows: list[dict], out: Path, writer) -> None:
     plt = pyplot()
-    fields = ["run", "position", "train_res", "res", "height", "width", "top1", "top5", "loss", "ckpt"]
+    fields = ["run", "position", "patch_coords", "train_res", "res", "height", "width", "top1", "top5", "loss",
+              "ckpt"]
     with open(out / "resolution.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
@@ -232,6 +251,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--prior-layer", type=int, default=0, help="layer whose log-prior is rendered (-1: none)")
     p.add_argument("--data-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="override a stored datamodule argument (e.g. val_path=/data/val-{000..063}.tar)")
+    p.add_argument("--patch-coords", nargs="+", default=None, choices=["scaled", "index"],
+                   help="patch coordinates of GOAT/RoPE runs (default: each checkpoint's own); several: one run each")
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--precision", default=None)
     a = p.parse_args(argv)
@@ -240,7 +261,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lim = int(lim)
     return evaluate_resolutions(a.ckpt, a.resolutions, a.out, a.split, a.batch_size,
                                 lim, None if a.prior_layer < 0 else a.prior_layer, _parse_kv(a.data_arg),
-                                a.accelerator, a.precision)
+                                a.accelerator, a.precision, a.patch_coords)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,20 @@ parameters); the four presets (:data:`PRESETS`, the run names and timm entrypoin
   ``[CLS]`` unrotated).
 * ``nope`` (``mixer: nope``): no positional information.
 
+Patch coordinates at other resolutions (``patch_coords``, GOAT and RoPE; APE resamples instead):
+
+* ``scaled`` (default): coordinates are measured in units of the TRAINING grid. On a
+  ``gh x gw`` grid, patch ``(y, x)`` sits at ``(y * g0h / gh, x * g0w / gw)`` where ``g0`` is
+  the grid of ``img_size``: the image always spans the extent the prior was trained on, and a
+  2x larger image has patches half a unit apart (implemented as ``Coords.scale``, i.e. every
+  Fourier and key-feature frequency of an axis times ``g0 / g``; no fractional integers). This is
+  what APE's bicubic resampling does to APE. At the training grid it is the same as ``index``.
+* ``index``: coordinates are the integer patch indices ``0 .. g-1`` at every resolution: a
+  larger image has more patches one unit apart, so the prior meets relative distances and
+  absolute positions it never saw in training (the convention before the option existed).
+
+See docs/vit_resolution.md for the measurement behind the default.
+
 The mixer pattern can name any registered mixer; position schemes that read coordinates get
 ``axes: 2`` (and GOAT ``default_bias: true`` with a ``[CLS]`` token) unless set
 (:meth:`~mixlab.backbone.BackboneConfig.with_position_axes`). The former head option
@@ -49,14 +63,24 @@ from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, plain_hparams
 from mixlab.optim import OptimConfig
 
-__all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "PRESETS", "POSITIONS", "legacy_position",
-           "position_label", "to_hw"]
+__all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "PRESETS", "POSITIONS", "PATCH_COORDS",
+           "check_patch_coords", "legacy_position", "position_label", "to_hw"]
 
 PRESETS = {"goat2d": ("goat", False), "ape": ("nope", True), "rope2d": ("rope", False), "nope": ("nope", False)}
 """Preset name -> (attention mixer, ``ape``): run names, :func:`vit_backbone` and the timm entrypoints."""
 
 POSITIONS = tuple(PRESETS)
 """The preset names (the former ``position`` option's values)."""
+
+PATCH_COORDS = ("scaled", "index")
+"""Values of the ``patch_coords`` option (module docstring); the first is the default."""
+
+
+def check_patch_coords(value: str) -> str:
+    """``value`` if it is one of :data:`PATCH_COORDS`; else ValueError naming them."""
+    if value not in PATCH_COORDS:
+        raise ValueError(f"patch_coords must be one of {PATCH_COORDS}; got {value!r}")
+    return value
 
 
 def to_hw(size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
@@ -145,20 +169,25 @@ class MixViT(nn.Module):
         backbone: :class:`BackboneConfig` (its mixer is the position scheme); default ViT-S/16
             with GOAT (:func:`vit_backbone`). Made bidirectional, with 2-axis position schemes.
         ape: learned absolute position embeddings added to the tokens.
+        patch_coords: ``scaled`` (patch coordinates in training-grid units at every resolution) or
+            ``index`` (integer patch indices); see the module docstring. An attribute: the
+            resolution evaluation may switch it on a trained model.
         **_: ignored keywords timm passes to model constructors (``pretrained_cfg`` ...).
 
     Shapes: ``T = n_prefix + (H/P)(W/P)`` tokens with ``n_prefix = 1`` for ``cls`` pooling.
 
     Raises:
-        ValueError: bad ``pool``; a bad legacy ``position`` (:func:`legacy_position`).
+        ValueError: bad ``pool`` or ``patch_coords``; a bad legacy ``position`` (:func:`legacy_position`).
     """
 
     def __init__(self, num_classes: int = 1000, img_size: int | tuple[int, int] = 224, patch_size: int = 16,
                  in_chans: int = 3, position: str | None = None, pool: Literal["cls", "avg"] = "cls",
-                 backbone: BackboneConfig | None = None, ape: bool = False, **_: Any) -> None:
+                 backbone: BackboneConfig | None = None, ape: bool = False,
+                 patch_coords: Literal["scaled", "index"] = "scaled", **_: Any) -> None:
         super().__init__()
         if pool not in ("cls", "avg"):
             raise ValueError(f"pool must be 'cls' or 'avg'; got {pool!r}")
+        self.patch_coords = check_patch_coords(patch_coords)
         ape, cfg = legacy_position(position, ape, backbone)
         # GOAT's default_bias (the [CLS] key's default) exists only with a [CLS] token, so no
         # parameter goes unused under DDP with global average pooling
@@ -199,14 +228,24 @@ class MixViT(nn.Module):
                              f"resize/crop to multiples of {p} (e.g. {height // p * p}x{width // p * p})")
         return height // p, width // p
 
+    def coord_scale(self, gh: int, gw: int) -> tuple[float, float] | None:
+        """``Coords.scale`` of a ``gh x gw`` grid: ``(g0h / gh, g0w / gw)`` (training grid ``g0``) with
+        ``patch_coords="scaled"``; None (integer patch indices) with ``"index"`` or at the training grid."""
+        g0h, g0w = self.grid_size
+        if self.patch_coords == "index" or (gh, gw) == (g0h, g0w):
+            return None
+        return g0h / gh, g0w / gw
+
     def coords(self, gh: int, gw: int, device: torch.device) -> Coords:
-        """``[1, T, 2]`` coordinates: ``[CLS]`` without axes (when pooling by CLS), then row-major ``(y, x)``."""
-        key = (gh, gw, str(device))
+        """``[1, T, 2]`` coordinates: ``[CLS]`` without axes (when pooling by CLS), then row-major ``(y, x)``,
+        with :meth:`coord_scale` (``patch_coords``)."""
+        key = (gh, gw, str(device), self.patch_coords)
         if key not in self._coords_cache:
             parts = [Coords.grid(gh, gw, device=device)]
             if self.num_prefix_tokens:
                 parts.insert(0, Coords.empty(self.num_prefix_tokens, 2, device=device))
-            self._coords_cache[key] = Coords.cat(parts) if len(parts) > 1 else parts[0]
+            c = Coords.cat(parts) if len(parts) > 1 else parts[0]
+            self._coords_cache[key] = c.with_scale(self.coord_scale(gh, gw))
         return self._coords_cache[key]
 
     def resampled_pos_embed(self, gh: int, gw: int) -> Tensor:
@@ -238,12 +277,19 @@ class MixViT(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [blk.mixer for blk in self.backbone.blocks]
 
+    @property
+    def reads_patch_coords(self) -> bool:
+        """Whether any layer's position scheme reads the patch coordinates (GOAT, RoPE): only then
+        does ``patch_coords`` change the model's output."""
+        return any(getattr(getattr(m, "pos", None), "axes", None) for m in self.attention_layers())
+
     def log_prior_image(self, layer: int = 0, grid: tuple[int, int] | None = None,
                         query: tuple[int, int] | None = None) -> Tensor:
         """A GOAT layer's learned 2D log-prior as images ``[H, gh, gw]`` float64.
 
         Entry ``[h, y, x]`` is the prior logit (relative + key-only terms) that head ``h`` adds when
-        the patch at ``query`` (default: the grid centre) attends to the patch at ``(y, x)``.
+        the patch at ``query`` (default: the grid centre) attends to the patch at ``(y, x)``; a
+        ``grid`` other than the training grid is read with ``patch_coords``.
 
         Raises:
             ValueError: the layer's mixer has no GOAT prior.
@@ -254,8 +300,9 @@ class MixViT(nn.Module):
             raise ValueError(f"layer {layer} ({type(mixer).__name__}) has no GOAT log-prior to render")
         gh, gw = grid or self.grid_size
         qy, qx = query or (gh // 2, gw // 2)
-        g = Coords.grid(gh, gw, device=pos.alpha.device)
-        q = Coords(torch.tensor([[[qy, qx]]], device=g.pos.device))
+        scale = self.coord_scale(gh, gw)
+        g = Coords.grid(gh, gw, device=pos.alpha.device).with_scale(scale)
+        q = Coords(torch.tensor([[[qy, qx]]], device=g.pos.device), scale=scale)
         with torch.no_grad():
             total = pos.prior_terms(q, g, torch.float64)["total"]  # [1, H, 1, gh*gw]
         return total[0, :, 0].reshape(-1, gh, gw).cpu()
@@ -290,8 +337,11 @@ class ImageClassifier(Head):
 
     Args:
         num_classes: classes (checked against the datamodule's ``num_classes``).
-        img_size, patch_size, in_chans, pool, backbone, ape: see :class:`MixViT` (the backbone's
-            mixer is the position scheme; ``causal`` is forced False).
+        img_size, patch_size, in_chans, pool, backbone, ape, patch_coords: see :class:`MixViT` (the
+            backbone's mixer is the position scheme; ``causal`` is forced False). ``patch_coords`` is
+            saved with the hyperparameters, so an evaluation from the checkpoint reads patches the
+            same way; checkpoints written before the option existed load as ``index``, their
+            convention then.
         position: former option (``goat2d``, ``ape``, ``rope2d``, ``nope``), kept for configs and
             checkpoints written before ``ape``; mapped once by :func:`legacy_position`.
         optim: :class:`OptimConfig` (AdamW, no decay on 1-D and prior parameters).
@@ -316,6 +366,7 @@ class ImageClassifier(Head):
         label_smoothing: float = 0.1,
         mixup: MixupConfig | None = None,
         ape: bool = False,
+        patch_coords: Literal["scaled", "index"] = "scaled",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -323,7 +374,8 @@ class ImageClassifier(Head):
         backbone = None if backbone is None else as_config(BackboneConfig, backbone)
         optim = None if optim is None else as_config(OptimConfig, optim)
         mixup = None if mixup is None else as_config(MixupConfig, mixup)
-        self.model = MixViT(num_classes, to_hw(img_size), patch_size, in_chans, position, pool, backbone, ape)
+        self.model = MixViT(num_classes, to_hw(img_size), patch_size, in_chans, position, pool, backbone, ape,
+                            patch_coords)
         self.num_classes, self.position = num_classes, self.model.position
         self.optim_cfg = optim or OptimConfig(lr=5e-4, weight_decay=0.05, betas=(0.9, 0.999), warmup_steps=100)
         self.label_smoothing = label_smoothing
@@ -354,6 +406,13 @@ class ImageClassifier(Head):
                              "check model.init_args.num_classes against the dataset")
 
     # ------------------------------------------------------------------ Lightning hooks
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """A checkpoint written before ``patch_coords`` existed was evaluated with integer patch indices:
+        keep ``index`` for it (a checkpoint that records the option is built with its value)."""
+        super().on_load_checkpoint(checkpoint)
+        if "patch_coords" not in (checkpoint.get("hyper_parameters") or {}):
+            self.model.patch_coords = "index"
+
     def setup(self, stage: str) -> None:
         n = self.data_attr("num_classes")
         if n is not None and n != self.num_classes:

@@ -128,6 +128,10 @@ class GoatPrior(PositionScheme):
         init: ``"zero"`` (all prior terms 0), ``"random"`` (amplitudes N(0, 1/R), random
             ``g``) or ``"alibi"`` (``lambda`` = ALiBi slopes: a recency warm start).
 
+    Coordinates with a per-axis :attr:`~mixlab.coords.Coords.scale` ``s`` are read as ``s * c``
+    by the Fourier modes and ``phi_abs`` (each frequency of the axis times ``s``): the ViT's
+    ``patch_coords: scaled``. The key-linear term needs an unscaled sequence axis.
+
     Raises:
         ValueError: head_dim too small for ``2R + 2`` lanes plus one content dim; ``R``
             not divisible over the axes; bad ``init`` name.
@@ -267,12 +271,29 @@ class GoatPrior(PositionScheme):
         return self._freqs_fixed.to(self.prior.device)
 
     def _coords(self, coords: Coords) -> Coords:
-        return coords.with_axes(self.axes)
+        c = coords.with_axes(self.axes)
+        if c.scale is not None and c.scale[0] != 1.0 and self.key_linear:
+            raise ValueError(f"GOAT key_linear reads the integer sequence axis; Coords.scale={c.scale} rescales it. "
+                             "Scale only axes without the key-linear term (e.g. a bidirectional ViT's patch grid)")
+        return c
+
+    def _mode_scale(self, c: Coords) -> Tensor:
+        """``[R]`` float64 length of one coordinate step for each mode (``Coords.scale`` of its axis; 1 if unset)."""
+        one = torch.ones(self.n_modes, dtype=torch.float64, device=c.pos.device)
+        if c.scale is None:
+            return one
+        return one * torch.tensor(c.scale, dtype=torch.float64, device=c.pos.device)[self.mode_axis.to(c.pos.device)]
+
+    @staticmethod
+    def _abs_pos(c: Coords) -> Tensor:
+        """Coordinates fed to ``phi_abs``: the integers, or ``pos * scale`` (float64) when scaled."""
+        return c.pos if c.scale is None else c.values(torch.float64)
 
     def _features(self, coords: Coords, calc: torch.dtype) -> dict[str, Tensor]:
         """Parameter-free position features of ``coords`` (cached under ``coords.key``).
 
-        ``pos_r``/``present`` ``[B, T, R]`` (coordinate read by each mode), ``cos``/``sin``
+        ``pos_r``/``present`` ``[B, T, R]`` (coordinate read by each mode, times its axis'
+        ``Coords.scale``: a scale multiplies that axis' Fourier frequencies), ``cos``/``sin``
         (fixed frequencies only), ``phi`` ``[B, T, F]``, ``j_hi``/``j_lo``/``is_bos``/
         ``is_none`` ``[B, T]``, all in ``calc`` dtype except ``pos_r`` (float64).
         """
@@ -282,14 +303,13 @@ class GoatPrior(PositionScheme):
             return cache[key]
         c = self._coords(coords)
         mask = c.full_mask()
-        unit = torch.ones(self.n_modes, dtype=torch.float64, device=c.pos.device)
-        pos_r, present = G.fourier_angles(c.pos, c.mask, unit, self.mode_axis)
+        pos_r, present = G.fourier_angles(c.pos, c.mask, self._mode_scale(c), self.mode_axis)
         f = {"pos_r": pos_r, "present": present.to(calc)}
         if self.log_freqs is None:
             ang = pos_r * self.freqs().to(pos_r.device)
             f["cos"], f["sin"] = torch.cos(ang).to(calc), torch.sin(ang).to(calc)
         if self.key_mlp_hidden > 0:
-            f["phi"] = G.abs_features(c.pos, c.mask, self.key_mlp_freqs, self.abs_scale, calc)
+            f["phi"] = G.abs_features(self._abs_pos(c), c.mask, self.key_mlp_freqs, self.abs_scale, calc)
         seq, has_seq = c.pos[..., 0], mask[..., 0]
         j_hi, j_lo = G.split_key_linear(torch.where(has_seq, seq, torch.zeros_like(seq)))
         f.update(j_hi=j_hi.to(calc), j_lo=j_lo.to(calc), is_bos=((seq == 0) & has_seq).to(calc),
@@ -352,7 +372,7 @@ class GoatPrior(PositionScheme):
         seq, mask = c.pos[..., 0], c.full_mask()
         u = torch.zeros(1, self.n_heads, c.length, dtype=dtype, device=c.pos.device)
         if p["w1"] is not None:
-            phi = G.abs_features(c.pos, c.mask, self.key_mlp_freqs, self.abs_scale, dtype)
+            phi = G.abs_features(self._abs_pos(c), c.mask, self.key_mlp_freqs, self.abs_scale, dtype)
             u = u + G.key_mlp(phi, p["w1"], p["b1"], p["w2"])
         if p["slope"] is not None:
             u = u + p["slope"][None, :, None] * torch.where(mask[..., 0], seq, 0).to(dtype).unsqueeze(1)
@@ -446,7 +466,7 @@ class GoatPrior(PositionScheme):
         of the lane packing: the reference path and the prior figures use it.
         """
         cq, ck = self._coords(coords_q), self._coords(coords_k)
-        rel = G.relative_logits(cq.pos, cq.mask, ck.pos, ck.mask, self.freqs().to(cq.pos.device).to(dtype),
+        rel = G.relative_logits(cq.values(), cq.mask, ck.values(), ck.mask, self.freqs().to(cq.pos.device).to(dtype),
                                 self.mode_axis, self.alpha.to(dtype), self.beta.to(dtype))
         u = self.key_only(ck, dtype).unsqueeze(2)  # [B, H, 1, Tk]
         u = u.expand(-1, -1, cq.length, -1)
@@ -482,7 +502,8 @@ class RotaryPositions(PositionScheme):
 
     The head dim is split into ``axes`` equal even parts; part ``a`` rotates with axis
     ``a``'s coordinate using frequencies ``base^(-2i/d_a)`` (GPT-NeoX half-rotation
-    layout). Missing axes rotate by angle 0 (identity).
+    layout). Missing axes rotate by angle 0 (identity). A
+    :attr:`~mixlab.coords.Coords.scale` multiplies each axis' angles (position interpolation).
 
     Raises:
         ValueError: if ``head_dim`` is not divisible into even parts per axis.
@@ -500,7 +521,7 @@ class RotaryPositions(PositionScheme):
     def angles(self, coords: Coords) -> Tensor:
         """``[B|1, T, head_dim/2]`` float64 rotation angles (per axis block)."""
         c = coords.with_axes(self.axes)
-        pos = c.pos.double() * c.full_mask().double()
+        pos = c.values(torch.float64) * c.full_mask().double()
         return (pos.unsqueeze(-1) * self._inv_freq.to(pos.device)).flatten(-2)
 
     def _cos_sin(self, coords: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

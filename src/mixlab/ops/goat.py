@@ -92,7 +92,8 @@ def fourier_angles(pos: Tensor, mask: Tensor | None, freqs: Tensor, mode_axis: T
         pos: ``[B, T, A]`` int64 coordinates.
         mask: ``[B, T, A]`` bool or ``None``.
         freqs: ``[R]`` float angular frequencies (float64 recommended: ``w * c`` for
-            large ``c`` loses phase in float32).
+            large ``c`` loses phase in float32). ``GoatPrior`` passes each mode's coordinate
+            scale (:attr:`mixlab.coords.Coords.scale`, 1 by default) to get ``pos_r``.
         mode_axis: ``[R]`` int64, the axis each mode reads.
 
     Returns:
@@ -146,6 +147,8 @@ def relative_logits(
 ) -> Tensor:
     """Explicit ``K_rel`` as ``[B, H, Tq, Tk]`` from coordinate differences (test reference).
 
+    ``pos_q``/``pos_k`` are integer coordinates or float ones (``Coords.values()``: scaled).
+
     ``K_rel(i, j) = sum_r m_a(i) m_a(j) [alpha_hr cos(w_r (c_ia - c_ja)) + beta_hr sin(...)]``
     where ``a = mode_axis[r]`` and ``m`` is the axis presence mask.
     """
@@ -169,6 +172,8 @@ def split_key_linear(j: Tensor, block: int = KEY_LINEAR_BLOCK) -> tuple[Tensor, 
 
 def abs_features(pos: Tensor, mask: Tensor | None, n_freqs: int, scale: float, dtype: torch.dtype) -> Tensor:
     """``phi_abs(c)``: per axis ``[sin(c v_m), cos(c v_m)]_m, c/scale, present`` -> ``[B, T, A*(2M+2)]``.
+
+    ``pos`` is integer, or float when the coordinates carry a scale (``Coords.values()``).
 
     ``v_m`` is a geometric grid from 1 to 1/10000 rad per unit; ``scale`` is a fixed
     normalising length (a config constant, never the current sequence length, so
