@@ -146,9 +146,13 @@ def _genome_rows(res: dict) -> list[tuple[str, str, str, str]]:
     tg, tr = (_get(res, n, "perf", "tokens_per_s") for n in ("goat", "rope"))
     mg, mr = (_get(res, n, "perf", "peak_mem_gb") for n in ("goat", "rope"))
     ok = g is not None and r is not None
+    # above 2 bits per base a model predicts worse than uniform over ACGT: it overfit the small
+    # embedded genome, and the comparison says nothing about the paper's claim
+    fit = ok and max(g, r) < 2.0
     rows = [("test bits per base (lower is better)", "RoPE 1.7390, GOAT 1.6294 (-0.11); Fig. 4",
-             f"RoPE {_fmt(r, 4)}, GOAT {_fmt(g, 4)}" + (f" ({g - r:+.4f})" if ok else ""),
-             _verdict(ok and g < r - 0.02, ok and g < r))]
+             f"RoPE {_fmt(r, 4)}, GOAT {_fmt(g, 4)}" + (f" ({g - r:+.4f})" if ok else "")
+             + ("" if fit or not ok else " (above 2 bits/base: overfit, not comparable)"),
+             _verdict(fit and g < r - 0.02, fit and g < r))]
     if tg and tr:
         rows.append(("training tokens/s, GOAT / RoPE", "0.988 (138,171 vs 139,886)", f"{tg / tr:.3f}",
                      _verdict(tg / tr > 0.95, tg / tr > 0.9)))
@@ -313,7 +317,8 @@ def _safe(mixer: str) -> str:
 
 def _goat_suite() -> list[Experiment]:
     text = [RunSpec(m, f"configs/text/{m}.yaml", steps=1000) for m in ("goat", "rope")]
-    genome = [RunSpec(m, f"configs/genome/{m}.yaml", [D + "context_length", "512", D + "batch_size", "32"], steps=1500,
+    # 300 steps of 32 x 512 bases: 1,500 steps overfit the 256k embedded bases (above 2 bits/base, device run)
+    genome = [RunSpec(m, f"configs/genome/{m}.yaml", [D + "context_length", "512", D + "batch_size", "32"], steps=300,
                       quick=[D + "context_length", "64"]) for m in ("goat", "rope")]
     per_step = ["--trainer.max_epochs", "-1", "--trainer.check_val_every_n_epoch", "null",
                 "--trainer.val_check_interval", "{steps}"]
