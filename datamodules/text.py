@@ -385,7 +385,7 @@ class TextDataModule(ResumableDataModule):
         if len(ds) == 0:
             n = sum(len(a) for a in arrays)
             raise ValueError(f"text {split} split has {n} tokens; too short for one window of {length} tokens "
-                             f"(lower data.context_length or add data)")
+                             f"(lower data.init_args.context_length or add data)")
         return ds
 
     def setup(self, stage: str | None = None) -> None:

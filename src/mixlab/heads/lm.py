@@ -118,7 +118,7 @@ class CausalLM(Head):
     def setup(self, stage: str) -> None:
         dm_vocab = self.data_attr("vocab_size")
         if dm_vocab is not None and dm_vocab > self.vocab_size:
-            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the datamodule's "
+            raise ValueError(f"model.init_args.vocab_size={self.vocab_size} is smaller than the datamodule's "
                              f"vocab_size={dm_vocab} ({type(self.data).__name__}); "
                              f"set model.init_args.vocab_size: {dm_vocab}")
         self.token_unit = self.data_attr("token_unit", "token")

@@ -357,15 +357,15 @@ class ImageClassifier(Head):
     def setup(self, stage: str) -> None:
         n = self.data_attr("num_classes")
         if n is not None and n != self.num_classes:
-            raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(self.data).__name__} has "
-                             f"num_classes={n}; set model.init_args.num_classes: {n}")
+            raise ValueError(f"model.init_args.num_classes={self.num_classes} but the datamodule "
+                             f"{type(self.data).__name__} has num_classes={n}; set model.init_args.num_classes: {n}")
         for name in ("image_size", "eval_size"):  # before the model summary and the first batch
             size = self.data_attr(name)
             if size is not None:
                 try:
                     self.model.grid(*((size, size) if isinstance(size, int) else size))
                 except ValueError as err:
-                    raise ValueError(f"data.{name}={size}: {err}") from None
+                    raise ValueError(f"data.init_args.{name}={size}: {err}") from None
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
