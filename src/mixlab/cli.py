@@ -9,26 +9,40 @@ Defaults added to every run:
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
   config sets ``trainer.logger``;
 * checkpoints: ``last.ckpt`` with the newest state (:class:`~mixlab.callbacks.LastCheckpoint`:
-  every validation and the end of training) and the best on ``val/loss``; LearningRateMonitor,
+  every validation, the end of training and Ctrl-C) and the best on ``val/loss``; LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
   run resumed, validated or tested from its own checkpoint logs into the same
-  TensorBoard run directory.
+  TensorBoard run directory (a resumed ``fit`` keeps the run's ``config.yaml`` and writes
+  ``config_resume_<k>.yaml``); a command that fails before its new run folder holds anything
+  (no checkpoint, no training step) removes that folder again.
 
-Bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
-FileNotFoundError raised in mixlab's source, at construction or in ``setup``) ends the run
-with one line ``error: <field>: <message>`` on stderr and exit status 2, like
-jsonargparse's own errors, instead of a traceback wrapped in jsonargparse's Union dump
-(``<field>`` is ``model``, ``data`` or ``trainer.callbacks``). Set ``MIXLAB_TRACEBACK=1``
-to get the full traceback instead.
+Bad input ends the run with one line on stderr and exit status 2 instead of a usage dump or
+a traceback:
+
+* a parse error (a misspelt key in a config file or on the command line, a value of the
+  wrong type, a class path that does not import, a YAML syntax error): ``error: <file>:
+  unknown key <key>; did you mean <closest key>?`` (:func:`parse_error_line`);
+* a ``--ckpt_path`` that is missing, not a checkpoint, or of another head, task or
+  vocabulary than the config (:func:`read_checkpoint`, :func:`check_checkpoint_config`,
+  :func:`check_state_dict`), checked before anything is written;
+* bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
+  FileNotFoundError raised in mixlab's source, at construction or in ``setup``):
+  ``error: <field>: <message>`` (``<field>`` is ``model``, ``data`` or
+  ``trainer.callbacks``), instead of a traceback wrapped in jsonargparse's Union dump.
+
+Set ``MIXLAB_TRACEBACK=1`` to get jsonargparse's message or the full traceback instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import logging
 import os
+import re
 import sys
 import traceback
 import warnings
@@ -101,7 +115,7 @@ class MixlabCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", defaults)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # no argparse prefix matching: "--trainer.max_step 5" is an error, not max_steps
-        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False})
+        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "prog": "python -m mixlab"})
         super().__init__(
             pl.LightningModule,
             pl.LightningDataModule,
@@ -125,6 +139,29 @@ class MixlabCLI(LightningCLI):
         if isinstance(self.model, Head):
             # eval metrics are exact sums reduced across ranks by torchmetrics, identical on every rank
             warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level.*")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """jsonargparse's parsing; a parse error (an unknown or misspelt key in a config file or on the
+        command line, a value of the wrong type) ends the run with ONE line naming the file and key
+        and the closest valid key (:func:`parse_error_line`), exit status 2, instead of the usage
+        dump. ``MIXLAB_TRACEBACK=1`` keeps jsonargparse's own message."""
+        from jsonargparse import ArgumentError
+
+        if os.environ.get("MIXLAB_TRACEBACK"):
+            return super().parse_arguments(parser, args)
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        for p in parsers:
+            p.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            command = next((w for w in self._words if w in self.subcommands()), "fit")
+            sub = getattr(err.__cause__, "subcommand_parser", None) or self._subcommand_parsers.get(command, parser)
+            print(f"error: {parse_error_line(str(err), self._words, parser_options(sub), command)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        finally:
+            for p in parsers:
+                p.exit_on_error = True
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
@@ -221,6 +258,209 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
             return None, exc
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
+
+
+# ---------------------------------------------------------------------- bad config and command-line keys
+_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+          "Expected a <class 'NoneType'>")
+
+
+def config_files(words: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` files among command-line ``words``, in order."""
+    found = []
+    for i, word in enumerate(words):
+        if word in ("--config", "-c") and i + 1 < len(words):
+            found.append(words[i + 1])
+        elif word.startswith("--config="):
+            found.append(word.split("=", 1)[1])
+    return found
+
+
+def _plain(key: str) -> str:
+    """``data.init_args.context_length`` -> ``data.context_length`` (how keys are compared)."""
+    return ".".join(p for p in key.split(".") if p != "init_args")
+
+
+def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return []
+    keys = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        keys += [key, *_flat_keys(v, key + ".")]
+    return keys
+
+
+def _where(key: str, words: list[str]) -> tuple[str | None, str]:
+    """``(config file or None, key as the user wrote it)`` for the dotted ``key`` of a parse error.
+
+    The command line wins over the files (it is read last); among the files the last one
+    holding the key wins, as jsonargparse merges them. None: not found (shown as ``--key``).
+    """
+    import yaml
+
+    plain = _plain(key)
+    for word in words:
+        if word.startswith("--") and _plain(word[2:].split("=", 1)[0]) == plain:
+            return None, word[2:].split("=", 1)[0]
+    for path in reversed(config_files(words)):
+        try:
+            tree = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        hit = next((k for k in _flat_keys(tree) if _plain(k) == plain), None)
+        if hit is not None:
+            return path, hit
+    return None, key
+
+
+def _accepted(class_path: str) -> list[str]:
+    """Constructor keywords (dataclass fields) of ``class_path``; [] when it does not import."""
+    import dataclasses
+    import inspect
+
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _is_dataclass_path(class_path: str) -> bool:
+    import dataclasses
+
+    try:
+        module, _, name = class_path.rpartition(".")
+        return dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
+def _parse_leaf(message: str) -> tuple[list[str], str, str | None]:
+    """Walk jsonargparse's nested error text: ``(key path, innermost error, class path holding the key)``.
+
+    ``Parser key "x":`` lines add ``x`` to the path, ``Problem with given class_path 'C':`` adds
+    ``init_args`` (nothing for a dataclass); the innermost other line (not a Union alternative
+    ``Expected a <class 'NoneType'>``) is the error.
+    """
+    stack: list[tuple[int, str | None, str | None]] = []  # (indent, key segment, class path)
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line or line.startswith(_NOISE):
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inline = re.fullmatch(r'Parser key "([^"]+)": (.+)', line)
+        if inline:  # 'Parser key "config": File does not exist: ...' on one line
+            stack.append((indent, inline.group(1), None))
+            line = inline.group(2)
+        key = None if inline else re.fullmatch(r'Parser key "(.+)":', line)
+        cls = re.fullmatch(r"Problem with given class_path '(.+)':", line)
+        if key:
+            stack.append((indent, key.group(1), None))
+        elif cls:
+            stack.append((indent, None if _is_dataclass_path(cls.group(1)) else "init_args", cls.group(1)))
+        else:
+            owner = next((c for _, _, c in reversed(stack) if c), None)
+            return [s for _, s, _ in stack if s], line, owner
+    return [], message.strip().splitlines()[0] if message.strip() else message, None
+
+
+def _yaml_error(words: list[str]) -> str | None:
+    """``<file>: not valid YAML (<problem> at line L, column C)`` for the first ``--config`` file
+    that does not parse, else None."""
+    import yaml
+
+    for path in config_files(words):
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            return f"{path}: not valid YAML ({getattr(err, 'problem', None) or err}{at})"
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def parse_error_line(message: str, words: list[str], options: list[str], command: str = "fit") -> str:
+    """One line for a jsonargparse parse error ``message`` (what follows ``error:``).
+
+    Names the config file (or the command-line option) and the key, and for an unknown key the
+    closest valid one (:func:`difflib.get_close_matches`): ``<file>: unknown key <key>; did you
+    mean <key>?``. ``words``: the command line; ``options``: the parser's dotted option names;
+    ``command``: the subcommand (for the ``--help`` hint).
+    """
+    hint = f"python -m mixlab {command} --help lists the options"
+    if message.startswith("Problems parsing config"):
+        return _yaml_error(words) or " ".join(line.strip() for line in message.splitlines())
+    choice = re.fullmatch(r"argument subcommand: invalid choice: '(.+)' \(choose from (.+)\)", message.strip())
+    if choice:
+        near = _closest(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)))
+        return message.strip() + (f"; did you mean {near}?" if near else "")
+    top = re.fullmatch(r"Subcommand '\w+' does not accept option '(.+)'", message.strip())
+    extra = re.fullmatch(r"unrecognized arguments: (.+)", message.strip())
+    path, leaf, owner = _parse_leaf(message)
+    if top or extra:
+        if top:
+            key = top.group(1)
+        else:
+            key = next((w[2:].split("=", 1)[0] for w in extra.group(1).split() if w.startswith("--")),
+                       extra.group(1).split()[0])
+        suggestion, candidates = _closest(key, options), options
+    else:
+        unknown = re.fullmatch(r"Option '(.+)' is not accepted", leaf)
+        if unknown is None:
+            key = ".".join(path)
+            where, shown = _where(key, words) if key else (None, "")
+            missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
+            if missing:  # a class_path typo
+                try:
+                    names = [n for n in dir(importlib.import_module(missing.group(1))) if n[:1].isupper()]
+                except ImportError:
+                    names = []
+                near = _closest(missing.group(2), names)
+                leaf += f"; did you mean {missing.group(1)}.{near}?" if near else ""
+                shown = shown.removesuffix(".init_args") + ".class_path" if shown else shown
+            place = f"{where}: {shown}" if where else (f"--{shown}" if shown else "")
+            return f"{place}: {leaf}" if place else leaf
+        key = ".".join([*path, unknown.group(1)])
+        candidates = _accepted(owner) if owner else []
+        near = _closest(unknown.group(1), candidates)
+        suggestion = ".".join([*path, near]) if near else None
+    where, shown = _where(key, words)
+    if suggestion is not None and not (top or extra):  # in the user's spelling (with or without init_args)
+        parts, new = shown.split("."), suggestion.split(".")[-1]
+        suggestion = ".".join([*parts[:-1], new]) if parts[-1] == key.split(".")[-1] else suggestion
+    if where is None:
+        shown, suggestion = f"--{shown}", suggestion and f"--{suggestion}"
+        head = f"unknown option {shown}"
+    else:
+        head = f"{where}: unknown key {shown}"
+    if suggestion:
+        return f"{head}; did you mean {suggestion}?"
+    short = sorted({c.split(".")[-1] for c in candidates}) if not (top or extra) else []
+    return f"{head}; valid keys there: {', '.join(short)}" if 0 < len(short) <= 20 else f"{head}; {hint}"
+
+
+def parser_options(parser: Any) -> list[str]:
+    """Dotted option names of a jsonargparse parser (``trainer.max_steps``, ``data``, ...)."""
+    skip = ("help", "config", "print_config")
+    return [a.dest for a in parser._actions
+            if a.dest not in skip and not a.dest.endswith(".help") and a.dest != argparse.SUPPRESS]
 
 
 def _resolve(target: str) -> Callable[[list[str]], Any]:

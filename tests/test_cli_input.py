@@ -1,0 +1,92 @@
+"""A new user's mistakes through ``python -m mixlab``: one line, exit status 2, nothing written.
+
+Config and command-line typos, checkpoints that do not belong to the config, missing
+checkpoint files; and what a run leaves behind when it fails or is interrupted (no empty
+``version_N``, ``last.ckpt`` on Ctrl-C, the run's own ``config.yaml`` kept on resume).
+In-process calls of :func:`mixlab.cli.main` except where the real ``python -m mixlab`` matters.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mixlab import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+GENOME = ROOT / "configs" / "genome" / "goat.yaml"
+TEXT = ROOT / "configs" / "text" / "goat.yaml"
+DIGITS = ROOT / "configs" / "vit" / "goat_digits.yaml"
+TINY = ["--model.init_args.backbone.d_model=32", "--model.init_args.backbone.n_layers=1",
+        "--model.init_args.backbone.mixer_args={goat: {position_args: {n_modes: 1}}}",
+        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _main(capsys, monkeypatch, *argv: str, code: int = 2) -> list[str]:
+    """Run ``python -m mixlab *argv`` in-process; return the stderr lines after exit ``code``."""
+    monkeypatch.setattr(sys, "argv", ["mixlab"])  # pytest's own argv is not ours
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(list(argv))
+    assert info.value.code == code
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def _typo(tmp_path: Path, source: Path, old: str, new: str) -> Path:
+    path = tmp_path / f"typo_{new}.yaml"
+    path.write_text(source.read_text().replace(old, new))
+    return path
+
+
+# ---------------------------------------------------------------------- config typos
+@pytest.mark.parametrize(("old", "new", "line"), [
+    ("val_check_interval", "val_check_intervall",
+     "unknown key trainer.val_check_intervall; did you mean trainer.val_check_interval?"),
+    ("context_length", "contxt_length",
+     "unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"),
+    ("n_layers", "n_layer",
+     "unknown key model.init_args.backbone.n_layer; did you mean model.init_args.backbone.n_layers?"),
+    ("trainer:", "trainr:", "unknown key trainr.max_steps; did you mean trainer.max_steps?"),
+])
+def test_yaml_typo_is_one_line_naming_file_key_and_closest_key(capsys, monkeypatch, tmp_path, old, new, line):
+    config = _typo(tmp_path, GENOME, old, new)
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config), "--run_root", str(tmp_path / "runs"))
+    assert err == [f"error: {config}: {line}"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tmp_path):
+    config = _typo(tmp_path, GENOME, "batch_size: 16", "batch_size: sixteen")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config))
+    assert err == [f"error: {config}: data.init_args.batch_size: Expected a <class 'int'>. Got value: sixteen"]
+    config = _typo(tmp_path, GENOME, "mixlab.heads.CausalLM", "mixlab.heads.CausalLMM")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config))
+    assert err == [f"error: {config}: model.class_path: module 'mixlab.heads' has no attribute 'CausalLMM'; "
+                   f"did you mean mixlab.heads.CausalLM?"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(bad))
+    assert err == [f"error: {bad}: not valid YAML (expected the node content, but found '<stream end>' at line 2, "
+                   f"column 1)"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(tmp_path / "missing.yaml"))
+    assert err == [f"error: --config: File does not exist: '{tmp_path / 'missing.yaml'}'"]
+    err = _main(capsys, monkeypatch, "fitt", "--config", str(GENOME))
+    assert err == ["error: argument subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', "
+                   "'predict'); did you mean fit?"]
+
+
+def test_typo_through_python_dash_m_names_the_command(tmp_path):
+    """The real entry point: one line on stderr, no usage dump, no ``__main__.py``."""
+    config = _typo(tmp_path, GENOME, "context_length", "contxt_length")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--config", str(config)], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"error: {config}: unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"]
+    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--help"], capture_output=True, text=True, env=env)
+    assert out.stdout.startswith("usage: python -m mixlab [options] fit")
