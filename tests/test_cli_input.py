@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixlab import cli
 
@@ -40,6 +41,23 @@ def _typo(tmp_path: Path, source: Path, old: str, new: str) -> Path:
     path = tmp_path / f"typo_{new}.yaml"
     path.write_text(source.read_text().replace(old, new))
     return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """``last.ckpt`` of a tiny text LM and a tiny digits ViT (one training step each)."""
+    root = tmp_path_factory.mktemp("runs")
+    saved = sys.argv
+    sys.argv = ["mixlab"]
+    try:
+        cli.main(["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=1",
+                  "--run_root", str(root)])
+        cli.main(["fit", "--config", str(DIGITS), *TINY[1:2], *TINY[3:], "--trainer.max_steps=1",
+                  "--data.init_args.batch_size=8", "--run_root", str(root)])
+    finally:
+        sys.argv = saved
+    return {"text": root / "text/goat/version_0/checkpoints/last.ckpt",
+            "digits": root / "digits/goat2d/version_0/checkpoints/last.ckpt", "root": root}
 
 
 # ---------------------------------------------------------------------- config typos
@@ -90,3 +108,49 @@ def test_typo_through_python_dash_m_names_the_command(tmp_path):
         f"error: {config}: unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"]
     out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--help"], capture_output=True, text=True, env=env)
     assert out.stdout.startswith("usage: python -m mixlab [options] fit")
+
+
+# ---------------------------------------------------------------------- checkpoints of another run
+def test_checkpoint_of_another_task_or_head_is_refused_before_anything_is_written(capsys, monkeypatch, tmp_path,
+                                                                                 trained):
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(trained["text"]),
+                "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['text']}: checkpoint of CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 257) does not match the config's CausalLM on task 'genome' (GenomeDataModule, "
+                       f"vocab_size 5)")
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(trained["digits"]),
+                "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['digits']}: checkpoint of ImageClassifier on task 'digits' "
+                       f"(DigitsDataModule, num_classes 10) does not match the config's CausalLM on task 'genome' "
+                       f"(GenomeDataModule, vocab_size 5)")
+    err = _main(capsys, monkeypatch, "test", "--config", str(TEXT), "--ckpt_path", str(trained["text"]),
+                "--model.init_args.vocab_size=50257", "--data.init_args.tokenizer=gpt2", "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['text']}: checkpoint of CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 257) does not match the config's CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 50257)")
+    assert not runs.exists()
+
+
+def test_checkpoint_without_a_record_is_checked_by_its_weights(capsys, monkeypatch, tmp_path, trained):
+    """An old checkpoint (no run record, no class paths): its tensors must fit the config's model."""
+    old = torch.load(trained["text"], weights_only=False)
+    bare = {"state_dict": old["state_dict"], "global_step": old["global_step"]}
+    torch.save(bare, tmp_path / "bare.ckpt")
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(tmp_path / "bare.ckpt"),
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2] == (f"error: --ckpt_path {tmp_path / 'bare.ckpt'}: the checkpoint does not fit the config's "
+                       f"model (embed.weight has shape [257, 32] in the checkpoint but [5, 128] in the model); use "
+                       f"the config it was trained with")
+    assert not (tmp_path / "runs" / "genome").exists()
+
+
+def test_missing_or_foreign_checkpoint_file_is_one_line(capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(missing),
+                "--run_root", str(tmp_path / "runs"))
+    assert err == [f"error: --ckpt_path {missing}: file not found", "(MIXLAB_TRACEBACK=1 shows the full traceback)"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--ckpt_path", str(GENOME),
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2].startswith(f"error: --ckpt_path {GENOME}: not a PyTorch Lightning checkpoint (")
+    assert not (tmp_path / "runs").exists()

@@ -163,6 +163,17 @@ class MixlabCLI(LightningCLI):
             for p in parsers:
                 p.exit_on_error = True
 
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before LightningCLI reads its hyperparameters into the model config
+        (which would silently swap in the checkpoint's model): a missing file, a file that is not a
+        checkpoint, or a checkpoint of another head, task or vocabulary is a one-line error
+        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if _own_checkpoint_file(path):
+            check_checkpoint_config(str(path), read_checkpoint(str(path)), self.config[sub])
+        super()._parse_ckpt_path()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
                             help="Root directory of TensorBoard runs: <run_root>/<task>/<run_name>/version_N")
@@ -179,6 +190,8 @@ class MixlabCLI(LightningCLI):
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
         if cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _latest_checkpoint(root / name)
+        if _own_checkpoint_file(cfg.get("ckpt_path")):
+            check_state_dict(cfg["ckpt_path"], read_checkpoint(cfg["ckpt_path"]), self.model)
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
@@ -259,6 +272,136 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
 
+
+# ---------------------------------------------------------------------- --ckpt_path checks
+_CKPT_NAMES = ("last", "best", "hpc", "registry")
+"""``--ckpt_path`` values Lightning resolves itself (``last`` is mixlab's, see :func:`_latest_checkpoint`)."""
+
+_SIZE_KEYS = ("vocab_size", "num_classes")
+"""Head hyperparameters that fix the output vocabulary; a checkpoint must agree with the config on them."""
+
+
+def _own_checkpoint_file(path: Any) -> bool:
+    """True for a ``--ckpt_path`` that names one file to check (not ``best``/``hpc``/..., not a sharded
+    checkpoint folder)."""
+    return bool(path) and str(path) not in _CKPT_NAMES and not Path(str(path)).is_dir()
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint dict at ``--ckpt_path path`` (memory-mapped, tensors not copied).
+
+    Raises:
+        FileNotFoundError: no such file (``"--ckpt_path <path>: file not found"``).
+        ValueError: not a PyTorch checkpoint (names the file and torch's reason).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--ckpt_path {path}: file not found")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as err:  # mmap needs the zip format (torch >= 1.6); older files load whole
+            if "mmap" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for other files
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint ({reason})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def _get(node: Any, key: str) -> Any:
+    if node is None:
+        return None
+    return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+
+
+def _import(path: str | None) -> Any:
+    try:
+        module, _, name = str(path).rpartition(".")
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _same_class(a: str | None, b: str | None) -> bool:
+    """Class paths naming the same class (``mixlab.heads.CausalLM`` = ``mixlab.heads.lm.CausalLM``)."""
+    ca, cb = _import(a), _import(b)
+    if ca is not None and cb is not None:
+        return ca is cb
+    return str(a).rpartition(".")[2] == str(b).rpartition(".")[2]
+
+
+def _describe(head: str | None, data: str | None, data_args: dict, sizes: dict) -> str:
+    cls = _import(data)
+    task = data_args.get("task") or getattr(cls, "task_name", None)
+    task = task if isinstance(task, str) else None
+    inner = ", ".join([*([data.rpartition(".")[2]] if data else []), *(f"{k} {v}" for k, v in sizes.items())])
+    return (f"{str(head).rpartition('.')[2]}" + (f" on task '{task}'" if task else "")
+            + (f" ({inner})" if inner else ""))
+
+
+def check_checkpoint_config(path: str, checkpoint: dict, config: Any) -> None:
+    """Refuse a checkpoint whose head, task or vocabulary differs from the config's.
+
+    Compares the checkpoint's run record (:func:`mixlab.eval.common.run_record_of`: head class,
+    datamodule class and arguments; older checkpoints: LightningCLI's ``_class_path`` entries)
+    and its ``vocab_size`` / ``num_classes`` hyperparameters with ``config`` (the subcommand's
+    parsed config: ``model`` and ``data``). Whatever one side does not record is not compared.
+
+    Raises:
+        ValueError: one line naming both sides, e.g. ``--ckpt_path x.ckpt: checkpoint of CausalLM
+            on task 'text' (TextDataModule, vocab_size 257) does not match the config's CausalLM
+            on task 'genome' (GenomeDataModule, vocab_size 5)``.
+    """
+    from mixlab.eval.common import run_record_of
+
+    head, data, data_args = run_record_of(checkpoint)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    model, dm = _get(config, "model"), _get(config, "data")
+    cfg_head, cfg_data = _get(model, "class_path"), _get(dm, "class_path")
+    cfg_args = _get(dm, "init_args")
+    cfg_args = dict(vars(cfg_args)) if hasattr(cfg_args, "__dict__") else dict(cfg_args or {})
+    init = _get(model, "init_args")
+    sizes = {k: hparams[k] for k in _SIZE_KEYS if hparams.get(k) is not None}
+    cfg_sizes = {k: _get(init, k) for k in _SIZE_KEYS if _get(init, k) is not None}
+    mismatch = ((head and cfg_head and not _same_class(head, cfg_head))
+                or (data and cfg_data and not _same_class(data, cfg_data))
+                or ("task" in data_args and "task" in cfg_args and data_args["task"] != cfg_args["task"])
+                or any(sizes[k] != cfg_sizes[k] for k in sizes.keys() & cfg_sizes.keys()))
+    if mismatch:
+        raise ValueError(f"--ckpt_path {path}: checkpoint of {_describe(head, data, data_args, sizes)} does not "
+                         f"match the config's {_describe(cfg_head, cfg_data, cfg_args, cfg_sizes)}")
+
+
+def check_state_dict(path: str, checkpoint: dict, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose weights do not fit ``model`` (names, shapes), before anything is written.
+
+    Loads the weights with ``model.load_state_dict`` (so the modules' own conversions of older
+    checkpoints apply; Lightning loads them again when the run starts).
+
+    Raises:
+        ValueError: one line naming the first differing tensor and both shapes, or the tensors
+            only one side has.
+    """
+    try:
+        model.load_state_dict(dict(checkpoint.get("state_dict") or {}), strict=getattr(model, "strict_loading", True))
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip()] or [str(err)]
+        lines.sort(key=lambda line: not line.startswith("size mismatch"))  # a shape says most
+        size = re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from "
+                        r"checkpoint, the shape in current model is torch.Size\((\[.*?\])\)", lines[0])
+        if size:
+            what = f"{size.group(1)} has shape {size.group(2)} in the checkpoint but {size.group(3)} in the model"
+        else:
+            keys = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", lines[0])
+            names = re.findall(r'"([^"]+)"', keys.group(2)) if keys else []
+            where = "of the model missing from the checkpoint" if keys and keys.group(1) == "Missing" else \
+                "of the checkpoint not in the model"
+            what = f"{len(names)} tensor(s) {where}, e.g. {names[0]}" if names else lines[0].rstrip(".")
+        raise ValueError(f"--ckpt_path {path}: the checkpoint does not fit the config's model ({what}); use the "
+                         f"config it was trained with") from None
 
 # ---------------------------------------------------------------------- bad config and command-line keys
 _NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
