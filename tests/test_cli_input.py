@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mixlab import cli
 
@@ -154,3 +155,51 @@ def test_missing_or_foreign_checkpoint_file_is_one_line(capsys, monkeypatch, tmp
                 "--run_root", str(tmp_path / "runs"))
     assert err[-2].startswith(f"error: --ckpt_path {GENOME}: not a PyTorch Lightning checkpoint (")
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------- what a run leaves behind
+def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--model.init_args.vocab_size=3",
+                "--run_root", str(runs))
+    assert err[-2].startswith("error: model: model.init_args.vocab_size=3 is smaller than")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--data.init_args.context_length=100000",
+                "--run_root", str(runs))
+    assert err[-2].startswith("error: data: context_length=100000 needs")
+    assert sorted(p.name for p in runs.rglob("*")) == []
+
+
+def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkeypatch, tmp_path):
+    """Ctrl-C at step 3 of 4 before any validation: ``last.ckpt`` at step 3, exit status 1; resuming logs
+    into the same ``version_0`` (``v_num=0``), keeps its ``config.yaml`` and trains the last step."""
+    from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
+
+    from mixlab.cli import MixlabCLI
+    from mixlab.heads.lm import CausalLM
+
+    runs = tmp_path / "runs"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=4",
+            "--trainer.val_check_interval=100", "--run_root", str(runs)]
+    step = CausalLM.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLM, "training_step", interrupted)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *argv])
+    assert info.value.code == 1
+    run = runs / "text" / "goat" / "version_0"
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3
+    monkeypatch.setattr(CausalLM, "training_step", step)
+    first = (run / "config.yaml").read_text()
+    resumed = MixlabCLI(args=["fit", *argv, "--ckpt_path", "last", "--trainer.max_steps=5"])
+    assert get_standard_metrics(resumed.trainer)["v_num"] == 0
+    assert resumed.trainer.global_step == 5
+    assert (run / "config.yaml").read_text() == first
+    assert yaml.safe_load((run / "config_resume_1.yaml").read_text())["trainer"]["max_steps"] == 5
+    assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]

@@ -43,6 +43,7 @@ import importlib
 import logging
 import os
 import re
+import shutil
 import sys
 import traceback
 import warnings
@@ -195,6 +196,7 @@ class MixlabCLI(LightningCLI):
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
+            self._note_run_dir(Path(kwargs["logger"].log_dir))
         for key, value in integer_trainer_counts(self._words).items():  # "1" means one batch, not 100%
             cfg["trainer"][key] = value
         try:
@@ -207,6 +209,42 @@ class MixlabCLI(LightningCLI):
             raise ValueError("trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
                              "configs/trainer/ddp.yaml (gloo)")
         return trainer
+
+
+    # ------------------------------------------------------------------ the run folder
+    _fresh_run_dir: Path | None = None
+
+    def _note_run_dir(self, run_dir: Path) -> None:
+        """Remember a run folder this command creates (removed again if the command fails before
+        writing a checkpoint, :meth:`_run_subcommand`); a resumed ``fit`` keeps the run's
+        ``config.yaml`` and writes its own config as ``config_resume_<k>.yaml``."""
+        self._fresh_run_dir = None if run_dir.exists() else run_dir
+        if self.subcommand == "fit" and (run_dir / "config.yaml").exists():
+            k = 1
+            while (run_dir / f"config_resume_{k}.yaml").exists():
+                k += 1
+            self.save_config_kwargs["config_filename"] = f"config_resume_{k}.yaml"
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run ``subcommand``; if it fails (an error, Ctrl-C) in a run folder it created before
+        anything is kept there (no checkpoint; for ``fit``, no training step done), remove that
+        folder and the parents it leaves empty, so failed attempts leave no empty ``version_N``
+        behind and the next run takes its number."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            run_dir = self._fresh_run_dir
+            trainer = getattr(self, "trainer", None)
+            trained = subcommand == "fit" and trainer is not None and trainer.global_step > 0
+            if (run_dir is not None and run_dir.is_dir() and not trained and not any(run_dir.rglob("*.ckpt"))
+                    and (trainer is None or trainer.is_global_zero)):
+                shutil.rmtree(run_dir, ignore_errors=True)
+                root = Path(self.config_init[subcommand].get("run_root", "runs")).resolve()
+                for parent in run_dir.resolve().parents:
+                    if parent == root or root not in parent.parents or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
+            raise
 
 
 def _latest_checkpoint(run_dir: Path) -> str:
@@ -224,17 +262,19 @@ def _latest_checkpoint(run_dir: Path) -> str:
     return str(found[-1])
 
 
-def _run_version(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """``version_N`` of ``run_dir`` holding ``ckpt_path`` (``.../version_N/checkpoints/x.ckpt``), else None.
+def _run_version(ckpt_path: str | None, run_dir: Path) -> int | str | None:
+    """The version of ``run_dir`` holding ``ckpt_path`` (``.../version_N/checkpoints/x.ckpt``), else None.
 
-    Resuming, validating or testing from a run's own checkpoint then logs into that same
-    TensorBoard run instead of a new version.
+    ``N`` as an int for ``version_N`` (the progress bar then shows ``v_num=N``), other folder
+    names as they are. Resuming, validating or testing from a run's own checkpoint then logs
+    into that same TensorBoard run instead of a new version.
     """
     if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
         return None
     version_dir = Path(ckpt_path).resolve().parent.parent
     if Path(ckpt_path).resolve().parent.name == "checkpoints" and version_dir.parent == run_dir.resolve():
-        return version_dir.name
+        number = re.fullmatch(r"version_(\d+)", version_dir.name)
+        return int(number.group(1)) if number else version_dir.name
     return None
 
 
