@@ -203,3 +203,26 @@ def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkey
     assert (run / "config.yaml").read_text() == first
     assert yaml.safe_load((run / "config_resume_1.yaml").read_text())["trainer"]["max_steps"] == 5
     assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]
+
+
+# ---------------------------------------------------------------------- data files
+def test_text_file_in_another_encoding_is_one_line_naming_file_offset_and_option(capsys, monkeypatch, tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("To be, or not to be: that is the qu\u00e9stion\n".encode("latin-1") * 40)
+    argv = ["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=1",
+            f"--data.init_args.path={latin}", "--run_root", str(tmp_path / "runs")]
+    err = _main(capsys, monkeypatch, *argv)
+    assert err[-2] == (f"error: data: {latin}: not utf-8 text: byte 0xe9 at byte offset 35 (invalid continuation "
+                       f"byte); set data.init_args.encoding (e.g. latin-1) to read it")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main([*argv, "--data.init_args.encoding=latin-1"])  # the option it names reads the file
+    assert (tmp_path / "runs" / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_empty_text_file_is_reported_as_empty(capsys, monkeypatch, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), f"--data.init_args.path={empty}",
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2] == f"error: data: {empty}: file is empty"
+    assert not (tmp_path / "runs" / "text").exists()
