@@ -226,3 +226,39 @@ def test_empty_text_file_is_reported_as_empty(capsys, monkeypatch, tmp_path):
                 "--run_root", str(tmp_path / "runs"))
     assert err[-2] == f"error: data: {empty}: file is empty"
     assert not (tmp_path / "runs" / "text").exists()
+
+
+def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeypatch, tmp_path):
+    """The ImageFolder path skips a truncated JPEG like the WebDataset path (the run trains and writes
+    its checkpoint; the warning names the file and the count)."""
+    from PIL import Image
+
+    from mixlab.datamodules.digits import load_uci_digits
+    from mixlab.datamodules.imagenet import SKIPPED
+
+    images, labels = load_uci_digits()
+    root = tmp_path / "images"
+    for c in range(3):
+        (root / f"class_{c}").mkdir(parents=True)
+        for k, i in enumerate((labels == c).nonzero().flatten()[:4].tolist()):
+            Image.fromarray(images[i].numpy()).convert("RGB").resize((32, 32)).save(root / f"class_{c}" / f"{k}.jpg")
+    bad = root / "class_1" / "1.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated
+    data = tmp_path / "folder.yaml"
+    data.write_text(yaml.safe_dump({"data": {"class_path": "mixlab.datamodules.imagenet.ImageNetDataModule",
+                                             "init_args": {"format": "folder", "train_path": str(root),
+                                                           "val_path": str(root), "num_classes": 10,
+                                                           "image_size": 24, "batch_size": 4, "num_workers": 0,
+                                                           "train_samples": None, "auto_augment": None,
+                                                           "re_prob": 0.0, "color_jitter": 0.0}}}))
+    before = SKIPPED["corrupt"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.warns(RuntimeWarning, match=rf"skipped corrupt image '{bad}' \(OSError: Truncated File Read\); "
+                                            rf"{before + 1} corrupt image\(s\) skipped so far in this process; "
+                                            rf"the next image takes its place"):
+        cli.main(["fit", "--config", str(DIGITS), "--config", str(data), "--model.init_args.backbone.n_layers=1",
+                  "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+                  "--run_root", str(tmp_path / "runs")])
+    assert SKIPPED["corrupt"] - before == 2  # once in training, once in validation
+    ckpt = torch.load(tmp_path / "runs/imagenet/goat2d/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3  # 12 images, batches of 4: none lost
