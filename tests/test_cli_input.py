@@ -8,6 +8,7 @@ In-process calls of :func:`mixlab.cli.main` except where the real ``python -m mi
 
 from __future__ import annotations
 
+import csv
 import os
 import subprocess
 import sys
@@ -262,3 +263,22 @@ def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeyp
     assert SKIPPED["corrupt"] - before == 2  # once in training, once in validation
     ckpt = torch.load(tmp_path / "runs/imagenet/goat2d/version_0/checkpoints/last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 3  # 12 images, batches of 4: none lost
+
+
+def test_compare_finds_resolution_results_and_lists_no_output_folder(capsys, monkeypatch, trained):
+    """README: ``resolution ... --out runs/resolution`` then ``compare runs``: the digits run gets its
+    top-1@<res>px columns, and neither runs/resolution nor runs/compare becomes a row."""
+    root = trained["root"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["resolution", "--ckpt", str(trained["digits"]), "--resolutions", "16", "24",
+              "--out", str(root / "resolution"), "--limit-batches", "1", "--batch-size", "50", "--accelerator", "cpu"])
+    from mixlab.eval.compare import main as compare_main
+
+    rows = list(csv.DictReader((root / "resolution" / "resolution.csv").open()))
+    cmp = compare_main([str(root), "--no-plots"])
+    assert sorted(cmp.table) == ["goat2d"]  # the text run logged no scalar in its one step
+    top1 = {label: value for (task, label), value in cmp.table["goat2d"].items() if task == "digits"}
+    assert top1 == pytest.approx({"top-1@16px": float(rows[0]["top1"]), "top-1@24px": float(rows[1]["top1"])},
+                                 abs=1e-4)
+    compare_main([str(root), "--no-plots"])  # its own output folder is not a run either
+    assert "tensorboard" not in capsys.readouterr().out
