@@ -282,3 +282,17 @@ def test_compare_finds_resolution_results_and_lists_no_output_folder(capsys, mon
                                  abs=1e-4)
     compare_main([str(root), "--no-plots"])  # its own output folder is not a run either
     assert "tensorboard" not in capsys.readouterr().out
+
+
+def test_figure_writes_into_the_run_folder_not_the_working_directory(monkeypatch, tmp_path, trained):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["figure", "goat-spectrum", "--ckpt", str(trained["text"])])
+    assert (trained["text"].parents[1] / "figures" / "goat_spectrum.png").stat().st_size > 0
+    loose = tmp_path / "loose.ckpt"
+    shutil.copy(trained["text"], loose)
+    cli.main(["figure", "goat-spectrum", "--ckpt", str(loose)])
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png")) == \
+        ["runs/figures/loose/goat_spectrum.png"]
