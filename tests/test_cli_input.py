@@ -296,3 +296,19 @@ def test_figure_writes_into_the_run_folder_not_the_working_directory(monkeypatch
     cli.main(["figure", "goat-spectrum", "--ckpt", str(loose)])
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png")) == \
         ["runs/figures/loose/goat_spectrum.png"]
+
+
+def test_commands_print_no_litlogger_tip_or_pytree_deprecation(caplog, capfd, monkeypatch, tmp_path):
+    import logging
+    import warnings
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.main(["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=2",
+                  "--trainer.val_check_interval=1", "--run_root", str(tmp_path / "runs")])
+    out = capfd.readouterr()
+    assert "litlogger" not in out.out + out.err + caplog.text
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in caplog.text  # Lightning's own lines still come
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]

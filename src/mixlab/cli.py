@@ -100,6 +100,7 @@ class MixlabCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         self._words = list(sys.argv[1:] if args is None else args)
+        quiet_library_notices()
         defaults = {
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
@@ -646,6 +647,31 @@ def parser_options(parser: Any) -> list[str]:
             if a.dest not in skip and not a.dest.endswith(".help") and a.dest != argparse.SUPPRESS]
 
 
+# ---------------------------------------------------------------------- library notices
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+
+
+class _DropNotice(logging.Filter):
+    """Drops log records starting with :data:`_LITLOGGER_TIP`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_LITLOGGER_TIP)
+
+
+def quiet_library_notices() -> None:
+    """Silence two notices every mixlab command printed and no user can act on: Lightning's
+    litlogger advert (logged by every ``Trainer`` whose logger is not a LitLogger: mixlab's
+    TensorBoard default, or none in the evaluation commands) and torch's FutureWarning
+    ``isinstance(treespec, LeafSpec) is deprecated`` raised inside Lightning's own CombinedLoader.
+    Only these two messages; idempotent."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in log.filters):
+            log.addFilter(_DropNotice())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
 def _resolve(target: str) -> Callable[[list[str]], Any]:
     module, _, fn = target.partition(":")
     return getattr(importlib.import_module(module), fn)
@@ -654,6 +680,7 @@ def _resolve(target: str) -> Callable[[list[str]], Any]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
+    quiet_library_notices()
     log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
     if not log.handlers:
         handler = logging.StreamHandler()
