@@ -46,7 +46,7 @@ from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig, mixer_names, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.common import Head, as_config, plain_hparams
+from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
 from mixlab.optim import OptimConfig
 
 __all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "PRESETS", "POSITIONS", "legacy_position",
@@ -130,7 +130,8 @@ def run_name(mixer: str | list[str], ape: bool) -> str:
 
 
 class MixViT(nn.Module):
-    """ViT with a mixlab backbone: ``images [B, C, H, W] float -> logits [B, num_classes] float32``.
+    """ViT with a mixlab backbone: ``images [B, C, H, W] float -> logits [B, num_classes] float32``
+    (float64 for a float64 model).
 
     Args:
         num_classes: classifier outputs (0 = return pooled features ``[B, D]``).
@@ -233,7 +234,7 @@ class MixViT(nn.Module):
         return x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens:].mean(1)
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.head(self.forward_features(images)).float()
+        return float_logits(self.head(self.forward_features(images)))
 
     def attention_layers(self) -> list[nn.Module]:
         return [blk.mixer for blk in self.backbone.blocks]
