@@ -211,7 +211,6 @@ class MixlabCLI(LightningCLI):
                              "configs/trainer/ddp.yaml (gloo)")
         return trainer
 
-
     # ------------------------------------------------------------------ the run folder
     _fresh_run_dir: Path | None = None
 
@@ -443,6 +442,7 @@ def check_state_dict(path: str, checkpoint: dict, model: torch.nn.Module) -> Non
             what = f"{len(names)} tensor(s) {where}, e.g. {names[0]}" if names else lines[0].rstrip(".")
         raise ValueError(f"--ckpt_path {path}: the checkpoint does not fit the config's model ({what}); use the "
                          f"config it was trained with") from None
+
 
 # ---------------------------------------------------------------------- bad config and command-line keys
 _NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
