@@ -45,8 +45,9 @@ splits it by rank and saves its train position for exact resume.
 
 Bad input: a missing shard / folder raises FileNotFoundError naming the pattern; fewer shards than
 ``world_size * num_workers`` raises ValueError (see above); a label
-outside ``[0, num_classes)`` raises ValueError naming the sample key and shard; a corrupt image is
-skipped with a warning that counts the skipped samples (:data:`SKIPPED`).
+outside ``[0, num_classes)`` raises ValueError naming the sample key and shard; a corrupt or truncated
+image is skipped with a warning that counts the skipped samples (:data:`SKIPPED`), in shards and in
+ImageFolder trees alike (there the next image of the folder takes its place, so batches keep their size).
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ from mixlab.distributed import (
 )
 
 __all__ = ["ImageNetDataModule", "ShardStream", "expand_shards", "decode_sample", "write_imagefolder_shards",
-           "SKIPPED", "eval_transform", "train_transform"]
+           "SKIPPED", "eval_transform", "train_transform", "SkipCorrupt", "CorruptImage", "checked_loader"]
 
 SKIPPED = {"corrupt": 0}
 """Number of corrupt images skipped so far in this process (each DataLoader worker counts its own)."""
@@ -124,11 +125,67 @@ def decode_sample(sample: dict, num_classes: int, transform=None):
         img = Image.open(io.BytesIO(sample[img_key]))
         img = img.convert("RGB")  # forces the full decode: truncated/corrupt data raises here
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for bad files
-        SKIPPED["corrupt"] += 1
-        warnings.warn(f"skipped corrupt image {key!r} in {url} ({type(exc).__name__}: {exc}); "
-                      f"{SKIPPED['corrupt']} corrupt image(s) skipped so far in this process", RuntimeWarning)
+        _skip_corrupt(f"{key!r} in {url}", exc)
         return None
     return (transform(img) if transform is not None else img), label
+
+
+def _skip_corrupt(what: str, exc: BaseException, then: str = "") -> None:
+    """Count a corrupt image in :data:`SKIPPED` and warn (RuntimeWarning) naming it and the count."""
+    SKIPPED["corrupt"] += 1
+    warnings.warn(f"skipped corrupt image {what} ({type(exc).__name__}: {exc}); {SKIPPED['corrupt']} corrupt "
+                  f"image(s) skipped so far in this process{then}", RuntimeWarning)
+
+
+class CorruptImage(Exception):
+    """An image file PIL cannot decode (raised by :func:`checked_loader`)."""
+
+    def __init__(self, path: str, error: BaseException) -> None:
+        super().__init__(f"{path}: {type(error).__name__}: {error}")
+        self.path, self.error = path, error
+
+
+def checked_loader(path: str):
+    """torchvision's default image loader (PIL, converted to RGB: a full decode); a file it cannot
+    decode raises :class:`CorruptImage`."""
+    from torchvision.datasets.folder import default_loader
+
+    try:
+        return default_loader(path)
+    except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for bad files
+        raise CorruptImage(path, exc) from None
+
+
+class SkipCorrupt(torch.utils.data.Dataset):
+    """A map-style image dataset (an ``ImageFolder`` built with ``loader=checked_loader``) that skips
+    corrupt or truncated images.
+
+    A :class:`CorruptImage` is counted in :data:`SKIPPED` and warned about (RuntimeWarning naming the
+    file and the count), as the WebDataset path does, and item ``i`` becomes the next readable item
+    (``i + 1``, ...), so batches keep their size (Mixup needs even batches; DDP ranks stay in step).
+    ``classes``, ``class_to_idx``, ``samples`` and ``root`` are the wrapped dataset's.
+
+    Raises:
+        ValueError: no item is readable.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        for name in ("classes", "class_to_idx", "samples", "root"):
+            if hasattr(dataset, name):
+                setattr(self, name, getattr(dataset, name))
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        n = len(self.dataset)
+        for k in range(n):
+            try:
+                return self.dataset[(index + k) % n]
+            except CorruptImage as err:
+                _skip_corrupt(repr(err.path), err.error, "; the next image takes its place")
+        raise ValueError(f"{getattr(self, 'root', 'image dataset')!r}: none of its {n} images is readable")
 
 
 def train_transform(size, auto_augment: str | None = "rand-m9-mstd0.5-inc1", re_prob: float = 0.25,
@@ -440,13 +497,14 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         return ds.map(decode)
 
     def folder_dataset(self, split: str):
-        """``torchvision.datasets.ImageFolder`` of ``split`` with the split's transform."""
+        """``torchvision.datasets.ImageFolder`` of ``split`` with the split's transform; corrupt or
+        truncated images are skipped, counted and warned about (:class:`SkipCorrupt`)."""
         from torchvision.datasets import ImageFolder
 
         root = self._path(split)
         if not Path(root).is_dir():
             raise FileNotFoundError(f"{split}_path: ImageFolder root {root!r} is not a directory")
-        ds = ImageFolder(root, transform=self.transform(split))
+        ds = SkipCorrupt(ImageFolder(root, transform=self.transform(split), loader=checked_loader))
         if len(ds.classes) > self.num_classes:
             raise ValueError(f"{split}_path {root!r} has {len(ds.classes)} class folders but "
                              f"num_classes={self.num_classes}")

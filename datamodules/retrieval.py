@@ -155,7 +155,7 @@ class RetrievalDataModule(SyntheticDataModule):
         super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
         self.save_hyperparameters()
         if task not in TASK_DEFAULTS:
-            raise ValueError(f"data.task must be 'passkey' or 'niah'; got {task!r}")
+            raise ValueError(f"data.init_args.task must be 'passkey' or 'niah'; got {task!r}")
         self.task, self.task_name = task, task
         self.context_length, self.haystack = context_length, haystack
         self.essay = load_essay(essay_path) if haystack == "essay" else None

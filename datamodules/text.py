@@ -28,6 +28,7 @@ so splits never share a document. The test split is the validation split.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -149,8 +150,35 @@ def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[
     return [Path(f) for f in expand_pattern(path, "data.init_args.path", suffixes=_ALL_SUFFIXES)]
 
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+def decode_text(raw: bytes, encoding: str, where: str) -> str:
+    """``raw`` decoded with ``encoding``.
+
+    Raises:
+        ValueError: undecodable bytes: ``"<where>: not <encoding> text: byte 0xff at byte offset N
+            ...; set data.init_args.encoding (e.g. latin-1) to read it"``.
+    """
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not {encoding} text: byte 0x{raw[err.start]:02x} at byte offset {err.start} "
+                         f"({err.reason}); set data.init_args.encoding (e.g. latin-1) to read it") from None
+
+
+def _read_text(path: Path, encoding: str) -> str:
+    """The whole text of a file (``.gz``: decompressed), decoded with ``encoding``.
+
+    Raises:
+        ValueError: undecodable bytes (names the file, the byte offset and ``data.init_args.encoding``);
+            a damaged gzip file.
+    """
+    if not path.name.endswith(".gz"):
+        return decode_text(path.read_bytes(), encoding, str(path))
+    try:
+        with gzip.open(path, "rb") as fh:
+            raw = fh.read()
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError; a truncated file ends in EOFError
+        raise ValueError(f"{path}: not a readable gzip file ({err or type(err).__name__})") from None
+    return decode_text(raw, encoding, f"{path} (decompressed)")
 
 
 def _json_text(obj: dict, field: str, where: str) -> str:
@@ -160,24 +188,31 @@ def _json_text(obj: dict, field: str, where: str) -> str:
     return str(obj[field])
 
 
-def iter_documents(path, text_field: str = "text") -> Iterator[str]:
-    """Yield documents (``str``) from every file of ``path`` (see the module docstring).
+def _json(text: str | bytes, where: str) -> dict:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not a JSON record ({err})") from None
+
+
+def iter_documents(path, text_field: str = "text", encoding: str = "utf-8") -> Iterator[str]:
+    """Yield documents (``str``) from every file of ``path`` (see the module docstring), text
+    files decoded with ``encoding``.
 
     Raises:
-        ValueError: unsupported file type; a JSON record without ``text_field``;
-            a WebDataset sample with no text member.
+        ValueError: unsupported file type; bytes that are not ``encoding`` text (names the file,
+            the byte offset and ``data.init_args.encoding``); a line that is not JSON or a JSON
+            record without ``text_field``; a WebDataset sample with no text member.
         ImportError: a ``.parquet`` file without ``pyarrow`` installed.
     """
     for f in expand_paths(path):
         name = f.name.lower()
         if name.endswith(_TEXT_SUFFIXES):
-            with _open_text(f) as fh:
-                yield fh.read()
+            yield _read_text(f, encoding)
         elif name.endswith(_JSONL_SUFFIXES):
-            with _open_text(f) as fh:
-                for i, line in enumerate(fh, 1):
-                    if line.strip():
-                        yield _json_text(json.loads(line), text_field, f"{f}:{i}")
+            for i, line in enumerate(_read_text(f, encoding).split("\n"), 1):
+                if line.strip():
+                    yield _json_text(_json(line, f"{f}:{i}"), text_field, f"{f}:{i}")
         elif name.endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
@@ -190,12 +225,12 @@ def iter_documents(path, text_field: str = "text") -> Iterator[str]:
             for batch in pf.iter_batches(columns=[text_field]):
                 yield from (str(t) for t in batch.column(0).to_pylist() if t is not None)
         elif name.endswith(_TAR_SUFFIXES):
-            yield from _iter_wds(f, text_field)
+            yield from _iter_wds(f, text_field, encoding)
         else:
             raise ValueError(f"unsupported text file type: {f} (expected one of {', '.join(_ALL_SUFFIXES)})")
 
 
-def _iter_wds(path: Path, text_field: str) -> Iterator[str]:
+def _iter_wds(path: Path, text_field: str, encoding: str = "utf-8") -> Iterator[str]:
     """Documents of one WebDataset shard (samples grouped by key, as webdataset does)."""
     import webdataset as wds
 
@@ -206,12 +241,12 @@ def _iter_wds(path: Path, text_field: str) -> Iterator[str]:
             key = sample.get("__key__", "?")
             for ext in ("txt", "text"):
                 if ext in sample:
-                    yield sample[ext].decode("utf-8")
+                    yield decode_text(sample[ext], encoding, f"{path}: sample {key!r} .{ext}")
                     break
             else:
                 if "json" not in sample:
                     raise ValueError(f"{path}: WebDataset sample {key!r} has no .txt/.text/.json member")
-                yield _json_text(json.loads(sample["json"]), text_field, f"{path}:{key}")
+                yield _json_text(_json(sample["json"], f"{path}:{key}"), text_field, f"{path}:{key}")
 
 
 _TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32)
@@ -322,14 +357,18 @@ class TextDataModule(ResumableDataModule):
         max_val_windows: cap on validation/test windows.
         num_workers: DataLoader workers.
         seed: split seed (and, with ``seed_everything``, the seed of the window order).
+        encoding: text encoding of ``.txt``/``.jsonl``/WebDataset text (default ``utf-8``;
+            e.g. ``latin-1``, ``cp1252``, ``utf-16``).
 
     Under DDP/FSDP rank r of W reads windows r::W of one seeded order (no duplicates; see
     :class:`mixlab.distributed.ResumableDataModule`); the train position is saved in
     checkpoints, so a run resumed mid-epoch continues with the next unseen batch.
 
     Raises:
-        ValueError: bad tokenizer name; a split too short for one window (names the
-            split, its token count and the window length).
+        ValueError: bad tokenizer name or encoding; at ``setup``: a file that is not
+            ``encoding`` text (names the file, the byte offset and ``data.init_args.encoding``),
+            data holding no text (``"<file>: file is empty"``), a split too short for one window
+            (names the split, its token count and the window length).
     """
 
     task_name = "text"
@@ -348,11 +387,17 @@ class TextDataModule(ResumableDataModule):
         max_val_windows: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        encoding: str = "utf-8",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+        try:
+            codecs.lookup(encoding)
+        except LookupError:
+            raise ValueError(f"data.init_args.encoding: unknown text encoding {encoding!r}") from None
+        self.encoding = encoding
         self.path, self.tokenizer_name, self.tokenizer_file = path, tokenizer, tokenizer_file
         self.text_field, self.tokens_dir = text_field, tokens_dir
         self.context_length, self.batch_size = context_length, batch_size
@@ -394,8 +439,12 @@ class TextDataModule(ResumableDataModule):
                                  f"data.init_args.tokenizer {self.tokenizer_name!r}")
             self._splits = {"train": train, "val": val}
             return self._splits
-        docs = list(iter_documents(self.path if self.path is not None else shipped_file("tinyshakespeare.txt"),
-                                   self.text_field))
+        path = self.path if self.path is not None else shipped_file("tinyshakespeare.txt")
+        docs = list(iter_documents(path, self.text_field, self.encoding))
+        if not any(docs):
+            files = expand_paths(path)
+            raise ValueError(f"{files[0]}: file is empty" if len(files) == 1 else
+                             f"data.init_args.path {path!r}: its {len(files)} files hold no text")
         tok = self.tokenizer
         ids = tok.encode_batch(docs)
         dtype = token_dtype(tok.vocab_size)
@@ -425,7 +474,7 @@ class TextDataModule(ResumableDataModule):
         if len(ds) == 0:
             n = sum(len(a) for a in arrays)
             raise ValueError(f"text {split} split has {n} tokens; too short for one window of {length} tokens "
-                             f"(lower data.context_length or add data)")
+                             f"(lower data.init_args.context_length or add data)")
         return ds
 
     def setup(self, stage: str | None = None) -> None:

@@ -177,7 +177,7 @@ def test_backbone_owns_the_pattern_grammar_and_answers_position_questions():
 def test_vocab_mismatch_is_a_clear_error(tmp_path):
     dm = GenomeDataModule(fasta=_fasta(tmp_path), context_length=32, batch_size=4, region_size=1024)
     model = CausalLM(vocab_size=4, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="nope"))
-    with pytest.raises(ValueError, match="model.vocab_size=4 .* vocab_size=5"):
+    with pytest.raises(ValueError, match="model.init_args.vocab_size=4 .* vocab_size=5"):
         _trainer(tmp_path, max_steps=1).fit(model, dm)
 
 

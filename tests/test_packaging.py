@@ -24,3 +24,18 @@ def test_shipped_data_is_package_data():
                  "tinyshakespeare.txt", "gpt2.tiktoken", "uci_digits.csv.gz", "SOURCES.md"]:
         assert (data / name).is_file(), name
     assert "CC BY 4.0" in (data / "SOURCES.md").read_text()
+
+
+def test_ci_runs_the_readme_commands_and_the_numerics_on_avx2():
+    """.ci/run installs and tests as the README says, then repeats the float64 checks on AVX2 kernels."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    install = re.search(r"pip install (torch==\S+ torchvision==\S+)", readme).group(1)
+    assert f"pip install -q {install}" in ci and 'pip install -q -e ".[test]"' in ci
+    assert re.search(r"^python -m pytest tests$", ci, re.M)
+    assert ". .venv/bin/activate && python -m pytest tests" in readme
+    avx2 = re.search(r"^ATEN_CPU_CAPABILITY=avx2 python -m pytest (.+?) -k", ci, re.M | re.S).group(1)
+    files = avx2.replace("\\\n", " ").split()
+    assert all((ROOT / f).is_file() for f in files) and "tests/test_recurrent_baselines.py" in files

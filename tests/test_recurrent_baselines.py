@@ -311,3 +311,24 @@ def test_gated_rmsnorm_keeps_float64_inputs_in_float64():
     want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight * F.silu(gate)
     torch.testing.assert_close(norm(x, gate), want, rtol=1e-15, atol=1e-15)
     assert norm(x.bfloat16(), gate.bfloat16()).dtype == torch.bfloat16
+
+
+@torch.no_grad()
+def test_heads_keep_float64_logits_and_a_float64_lm_decodes_like_its_parallel_forward():
+    """The heads' float32 cast of the logits (for bf16 models) must leave a float64 model in float64."""
+    from mixlab.heads.lm import CausalLM
+    from mixlab.heads.vit import ImageClassifier
+
+    torch.manual_seed(0)
+    lm = CausalLM(vocab_size=7, backbone={"d_model": 24, "n_layers": 2, "n_heads": 2, "mixer": "gla,goat",
+                                          "mixer_args": {"goat": {"position_args": {"n_modes": 2}}}})
+    lm = lm.double().eval()
+    tokens = torch.randint(0, 7, (1, 9), generator=_gen(3))
+    y = lm(tokens)
+    caches = [{} for _ in range(2)]
+    steps = torch.cat([lm(tokens[:, i: i + 1], None, caches) for i in range(9)], dim=1)
+    assert y.dtype == F64 and steps.dtype == F64
+    torch.testing.assert_close(steps, y, rtol=1e-9, atol=1e-10)
+    vit = ImageClassifier(10, 8, 4, backbone={"d_model": 16, "n_layers": 1, "n_heads": 2, "mixer": "nope"}).double()
+    assert vit(torch.randn(2, 3, 8, 8, dtype=F64)).dtype == F64
+    assert lm.float()(tokens).dtype == torch.float32

@@ -81,11 +81,12 @@ class LastCheckpoint(ModelCheckpoint):
     """``checkpoints/last.ckpt`` holding the NEWEST state, for ``--ckpt_path last``.
 
     Rewritten at every validation (at every train epoch end when validation runs once per
-    epoch or not at all) and at the end of training, so a killed or finished run resumes
-    where it stopped. Lightning 2.6's ``ModelCheckpoint(save_last=True)`` rewrites
-    ``last.ckpt`` only when its monitored top-k checkpoint is saved, i.e. when the metric
-    improves. Keyword arguments go to :class:`~lightning.pytorch.callbacks.ModelCheckpoint`
-    (``dirpath``, ``every_n_train_steps``, ...).
+    epoch or not at all), at the end of training and on an interrupt (Ctrl-C, i.e.
+    KeyboardInterrupt, which Lightning turns into exit status 1 after this callback ran), so a
+    killed, interrupted or finished run resumes where it stopped. Lightning 2.6's
+    ``ModelCheckpoint(save_last=True)`` rewrites ``last.ckpt`` only when its monitored top-k
+    checkpoint is saved, i.e. when the metric improves. Keyword arguments go to
+    :class:`~lightning.pytorch.callbacks.ModelCheckpoint` (``dirpath``, ``every_n_train_steps``, ...).
     """
 
     def __init__(self, **kwargs) -> None:
@@ -93,4 +94,11 @@ class LastCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):  # steps after the last save
+            self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """On Ctrl-C during ``fit``, save the steps done since the last save (none done: nothing
+        to save). Other exceptions save nothing: the state may be the cause."""
+        if (isinstance(exception, KeyboardInterrupt) and self.dirpath is not None and trainer.global_step > 0
+                and self._last_global_step_saved != trainer.global_step and trainer.state.fn == "fit"):
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -9,7 +9,7 @@ Defaults added to every run:
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
   config sets ``trainer.logger``;
 * checkpoints: ``last.ckpt`` with the newest state (:class:`~mixlab.callbacks.LastCheckpoint`:
-  every validation and the end of training) and the best on ``val/loss``; LearningRateMonitor,
+  every validation, the end of training and Ctrl-C) and the best on ``val/loss``; LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
@@ -18,20 +18,36 @@ Defaults added to every run:
 * the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
   nested mixer options (``mixer_args``) deep-merge, ``limit_*_batches: 1`` is one batch; a
   checkpoint file's hyperparameters replace the config's model options, named in one warning line.
+* a resumed ``fit`` keeps the run's ``config.yaml`` and writes ``config_resume_<k>.yaml``; a
+  command that fails before its new run folder holds anything (no checkpoint, no training step)
+  removes that folder again.
 
-Bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
-FileNotFoundError raised in mixlab's source, at construction or in ``setup``) ends the run
-with one line ``error: <field>: <message>`` on stderr and exit status 2, like
-jsonargparse's own errors, instead of a traceback wrapped in jsonargparse's Union dump
-(``<field>`` is ``model``, ``data`` or ``trainer.callbacks``). Set ``MIXLAB_TRACEBACK=1``
-to get the full traceback instead.
+Bad input ends the run with one line on stderr and exit status 2 instead of a usage dump or
+a traceback:
+
+* a parse error (a misspelt key in a config file or on the command line, a value of the
+  wrong type, a class path that does not import, a YAML syntax error): ``error: <file>:
+  unknown key <key>; did you mean <closest key>?`` (:func:`parse_error_line`);
+* a ``--ckpt_path`` that is missing, not a checkpoint, or of another head, task or
+  vocabulary than the config (:func:`read_checkpoint`, :func:`check_checkpoint_config`,
+  :func:`check_state_dict`), checked before anything is written;
+* bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
+  FileNotFoundError raised in mixlab's source, at construction or in ``setup``):
+  ``error: <field>: <message>`` (``<field>`` is ``model``, ``data`` or
+  ``trainer.callbacks``), instead of a traceback wrapped in jsonargparse's Union dump.
+
+Set ``MIXLAB_TRACEBACK=1`` to get jsonargparse's message or the full traceback instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
 import logging
 import os
+import re
+import shutil
 import sys
 import traceback
 import warnings
@@ -65,6 +81,8 @@ class MixlabCLI(LightningCLI):
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
         overrides.install()  # nested mixer options deep-merge across sources (mixlab.overrides)
+        self._words = list(sys.argv[1:] if args is None else args)
+        quiet_library_notices()
         defaults = {
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
@@ -81,7 +99,7 @@ class MixlabCLI(LightningCLI):
         kwargs.setdefault("trainer_defaults", defaults)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         # no argparse prefix matching: "--trainer.max_step 5" is an error, not max_steps
-        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False})
+        kwargs.setdefault("parser_kwargs", {"allow_abbrev": False, "prog": "python -m mixlab"})
         super().__init__(
             pl.LightningModule,
             pl.LightningDataModule,
@@ -124,6 +142,40 @@ class MixlabCLI(LightningCLI):
             # eval metrics are exact sums reduced across ranks by torchmetrics, identical on every rank
             warnings.filterwarnings("ignore", message=r".*sync_dist=True.*when logging on epoch level.*")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """jsonargparse's parsing; a parse error (an unknown or misspelt key in a config file or on the
+        command line, a value of the wrong type) ends the run with ONE line naming the file and key
+        and the closest valid key (:func:`parse_error_line`), exit status 2, instead of the usage
+        dump. ``MIXLAB_TRACEBACK=1`` keeps jsonargparse's own message."""
+        from jsonargparse import ArgumentError
+
+        if os.environ.get("MIXLAB_TRACEBACK"):
+            return super().parse_arguments(parser, args)
+        parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
+        for p in parsers:
+            p.exit_on_error = False
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as err:
+            command = next((w for w in self._words if w in self.subcommands()), "fit")
+            sub = getattr(err.__cause__, "subcommand_parser", None) or self._subcommand_parsers.get(command, parser)
+            print(f"error: {parse_error_line(str(err), self._words, parser_options(sub), command)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        finally:
+            for p in parsers:
+                p.exit_on_error = True
+
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` before LightningCLI reads its hyperparameters into the model config
+        (which would silently swap in the checkpoint's model): a missing file, a file that is not a
+        checkpoint, or a checkpoint of another head, task or vocabulary is a one-line error
+        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if _own_checkpoint_file(path):
+            check_checkpoint_config(str(path), read_checkpoint(str(path)), self.config[sub])
+        super()._parse_ckpt_path()
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
                             help="Root directory of TensorBoard runs: <run_root>/<task>/<run_name>/version_N")
@@ -140,9 +192,12 @@ class MixlabCLI(LightningCLI):
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
         if cfg.get("ckpt_path") == "last":
             cfg["ckpt_path"] = _latest_checkpoint(root / name)
+        if _own_checkpoint_file(cfg.get("ckpt_path")):
+            check_state_dict(cfg["ckpt_path"], read_checkpoint(cfg["ckpt_path"]), self.model)
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
+            self._note_run_dir(Path(kwargs["logger"].log_dir))
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
@@ -153,6 +208,41 @@ class MixlabCLI(LightningCLI):
             raise ValueError("trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
                              "configs/trainer/ddp.yaml (gloo)")
         return trainer
+
+    # ------------------------------------------------------------------ the run folder
+    _fresh_run_dir: Path | None = None
+
+    def _note_run_dir(self, run_dir: Path) -> None:
+        """Remember a run folder this command creates (removed again if the command fails before
+        writing a checkpoint, :meth:`_run_subcommand`); a resumed ``fit`` keeps the run's
+        ``config.yaml`` and writes its own config as ``config_resume_<k>.yaml``."""
+        self._fresh_run_dir = None if run_dir.exists() else run_dir
+        if self.subcommand == "fit" and (run_dir / "config.yaml").exists():
+            k = 1
+            while (run_dir / f"config_resume_{k}.yaml").exists():
+                k += 1
+            self.save_config_kwargs["config_filename"] = f"config_resume_{k}.yaml"
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Run ``subcommand``; if it fails (an error, Ctrl-C) in a run folder it created before
+        anything is kept there (no checkpoint; for ``fit``, no training step done), remove that
+        folder and the parents it leaves empty, so failed attempts leave no empty ``version_N``
+        behind and the next run takes its number."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            run_dir = self._fresh_run_dir
+            trainer = getattr(self, "trainer", None)
+            trained = subcommand == "fit" and trainer is not None and trainer.global_step > 0
+            if (run_dir is not None and run_dir.is_dir() and not trained and not any(run_dir.rglob("*.ckpt"))
+                    and (trainer is None or trainer.is_global_zero)):
+                shutil.rmtree(run_dir, ignore_errors=True)
+                root = Path(self.config_init[subcommand].get("run_root", "runs")).resolve()
+                for parent in run_dir.resolve().parents:
+                    if parent == root or root not in parent.parents or any(parent.iterdir()):
+                        break
+                    parent.rmdir()
+            raise
 
 
 def _latest_checkpoint(run_dir: Path) -> str:
@@ -170,17 +260,19 @@ def _latest_checkpoint(run_dir: Path) -> str:
     return str(found[-1])
 
 
-def _run_version(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """``version_N`` of ``run_dir`` holding ``ckpt_path`` (``.../version_N/checkpoints/x.ckpt``), else None.
+def _run_version(ckpt_path: str | None, run_dir: Path) -> int | str | None:
+    """The version of ``run_dir`` holding ``ckpt_path`` (``.../version_N/checkpoints/x.ckpt``), else None.
 
-    Resuming, validating or testing from a run's own checkpoint then logs into that same
-    TensorBoard run instead of a new version.
+    ``N`` as an int for ``version_N`` (the progress bar then shows ``v_num=N``), other folder
+    names as they are. Resuming, validating or testing from a run's own checkpoint then logs
+    into that same TensorBoard run instead of a new version.
     """
     if not ckpt_path or ckpt_path in ("last", "best", "hpc", "registry"):
         return None
     version_dir = Path(ckpt_path).resolve().parent.parent
     if Path(ckpt_path).resolve().parent.name == "checkpoints" and version_dir.parent == run_dir.resolve():
-        return version_dir.name
+        number = re.fullmatch(r"version_(\d+)", version_dir.name)
+        return int(number.group(1)) if number else version_dir.name
     return None
 
 
@@ -219,6 +311,365 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
     return None
 
 
+# ---------------------------------------------------------------------- --ckpt_path checks
+_CKPT_NAMES = ("last", "best", "hpc", "registry")
+"""``--ckpt_path`` values Lightning resolves itself (``last`` is mixlab's, see :func:`_latest_checkpoint`)."""
+
+_SIZE_KEYS = ("vocab_size", "num_classes")
+"""Head hyperparameters that fix the output vocabulary; a checkpoint must agree with the config on them."""
+
+
+def _own_checkpoint_file(path: Any) -> bool:
+    """True for a ``--ckpt_path`` that names one file to check (not ``best``/``hpc``/..., not a sharded
+    checkpoint folder)."""
+    return bool(path) and str(path) not in _CKPT_NAMES and not Path(str(path)).is_dir()
+
+
+def read_checkpoint(path: str) -> dict:
+    """The checkpoint dict at ``--ckpt_path path`` (memory-mapped, tensors not copied).
+
+    Raises:
+        FileNotFoundError: no such file (``"--ckpt_path <path>: file not found"``).
+        ValueError: not a PyTorch checkpoint (names the file and torch's reason).
+    """
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--ckpt_path {path}: file not found")
+    try:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as err:  # mmap needs the zip format (torch >= 1.6); older files load whole
+            if "mmap" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for other files
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint ({reason})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint (no state_dict)")
+    return checkpoint
+
+
+def _get(node: Any, key: str) -> Any:
+    if node is None:
+        return None
+    return node.get(key) if hasattr(node, "get") else getattr(node, key, None)
+
+
+def _import(path: str | None) -> Any:
+    try:
+        module, _, name = str(path).rpartition(".")
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _same_class(a: str | None, b: str | None) -> bool:
+    """Class paths naming the same class (``mixlab.heads.CausalLM`` = ``mixlab.heads.lm.CausalLM``)."""
+    ca, cb = _import(a), _import(b)
+    if ca is not None and cb is not None:
+        return ca is cb
+    return str(a).rpartition(".")[2] == str(b).rpartition(".")[2]
+
+
+def _describe(head: str | None, data: str | None, data_args: dict, sizes: dict) -> str:
+    cls = _import(data)
+    task = data_args.get("task") or getattr(cls, "task_name", None)
+    task = task if isinstance(task, str) else None
+    inner = ", ".join([*([data.rpartition(".")[2]] if data else []), *(f"{k} {v}" for k, v in sizes.items())])
+    return (f"{str(head).rpartition('.')[2]}" + (f" on task '{task}'" if task else "")
+            + (f" ({inner})" if inner else ""))
+
+
+def check_checkpoint_config(path: str, checkpoint: dict, config: Any) -> None:
+    """Refuse a checkpoint whose head, task or vocabulary differs from the config's.
+
+    Compares the checkpoint's run record (:func:`mixlab.eval.common.run_record_of`: head class,
+    datamodule class and arguments; older checkpoints: LightningCLI's ``_class_path`` entries)
+    and its ``vocab_size`` / ``num_classes`` hyperparameters with ``config`` (the subcommand's
+    parsed config: ``model`` and ``data``). Whatever one side does not record is not compared.
+
+    Raises:
+        ValueError: one line naming both sides, e.g. ``--ckpt_path x.ckpt: checkpoint of CausalLM
+            on task 'text' (TextDataModule, vocab_size 257) does not match the config's CausalLM
+            on task 'genome' (GenomeDataModule, vocab_size 5)``.
+    """
+    from mixlab.eval.common import run_record_of
+
+    head, data, data_args = run_record_of(checkpoint)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    model, dm = _get(config, "model"), _get(config, "data")
+    cfg_head, cfg_data = _get(model, "class_path"), _get(dm, "class_path")
+    cfg_args = _get(dm, "init_args")
+    cfg_args = dict(vars(cfg_args)) if hasattr(cfg_args, "__dict__") else dict(cfg_args or {})
+    init = _get(model, "init_args")
+    sizes = {k: hparams[k] for k in _SIZE_KEYS if hparams.get(k) is not None}
+    cfg_sizes = {k: _get(init, k) for k in _SIZE_KEYS if _get(init, k) is not None}
+    mismatch = ((head and cfg_head and not _same_class(head, cfg_head))
+                or (data and cfg_data and not _same_class(data, cfg_data))
+                or ("task" in data_args and "task" in cfg_args and data_args["task"] != cfg_args["task"])
+                or any(sizes[k] != cfg_sizes[k] for k in sizes.keys() & cfg_sizes.keys()))
+    if mismatch:
+        raise ValueError(f"--ckpt_path {path}: checkpoint of {_describe(head, data, data_args, sizes)} does not "
+                         f"match the config's {_describe(cfg_head, cfg_data, cfg_args, cfg_sizes)}")
+
+
+def check_state_dict(path: str, checkpoint: dict, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose weights do not fit ``model`` (names, shapes), before anything is written.
+
+    Loads the weights with ``model.load_state_dict`` (so the modules' own conversions of older
+    checkpoints apply; Lightning loads them again when the run starts).
+
+    Raises:
+        ValueError: one line naming the first differing tensor and both shapes, or the tensors
+            only one side has.
+    """
+    try:
+        model.load_state_dict(dict(checkpoint.get("state_dict") or {}), strict=getattr(model, "strict_loading", True))
+    except RuntimeError as err:
+        lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip()] or [str(err)]
+        lines.sort(key=lambda line: not line.startswith("size mismatch"))  # a shape says most
+        size = re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from "
+                        r"checkpoint, the shape in current model is torch.Size\((\[.*?\])\)", lines[0])
+        if size:
+            what = f"{size.group(1)} has shape {size.group(2)} in the checkpoint but {size.group(3)} in the model"
+        else:
+            keys = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", lines[0])
+            names = re.findall(r'"([^"]+)"', keys.group(2)) if keys else []
+            where = "of the model missing from the checkpoint" if keys and keys.group(1) == "Missing" else \
+                "of the checkpoint not in the model"
+            what = f"{len(names)} tensor(s) {where}, e.g. {names[0]}" if names else lines[0].rstrip(".")
+        raise ValueError(f"--ckpt_path {path}: the checkpoint does not fit the config's model ({what}); use the "
+                         f"config it was trained with") from None
+
+
+# ---------------------------------------------------------------------- bad config and command-line keys
+_NOISE = ("Does not validate against any of the Union subtypes", "Subtypes:", "Errors:", "Given value",
+          "Expected a <class 'NoneType'>")
+
+
+def config_files(words: list[str]) -> list[str]:
+    """The ``--config`` / ``-c`` files among command-line ``words``, in order."""
+    found = []
+    for i, word in enumerate(words):
+        if word in ("--config", "-c") and i + 1 < len(words):
+            found.append(words[i + 1])
+        elif word.startswith("--config="):
+            found.append(word.split("=", 1)[1])
+    return found
+
+
+def _plain(key: str) -> str:
+    """``data.init_args.context_length`` -> ``data.context_length`` (how keys are compared)."""
+    return ".".join(p for p in key.split(".") if p != "init_args")
+
+
+def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
+    if not isinstance(tree, dict):
+        return []
+    keys = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        keys += [key, *_flat_keys(v, key + ".")]
+    return keys
+
+
+def _where(key: str, words: list[str]) -> tuple[str | None, str]:
+    """``(config file or None, key as the user wrote it)`` for the dotted ``key`` of a parse error.
+
+    The command line wins over the files (it is read last); among the files the last one
+    holding the key wins, as jsonargparse merges them. None: not found (shown as ``--key``).
+    """
+    import yaml
+
+    plain = _plain(key)
+    for word in words:
+        if word.startswith("--") and _plain(word[2:].split("=", 1)[0]) == plain:
+            return None, word[2:].split("=", 1)[0]
+    for path in reversed(config_files(words)):
+        try:
+            tree = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            continue
+        hit = next((k for k in _flat_keys(tree) if _plain(k) == plain), None)
+        if hit is not None:
+            return path, hit
+    return None, key
+
+
+def _accepted(class_path: str) -> list[str]:
+    """Constructor keywords (dataclass fields) of ``class_path``; [] when it does not import."""
+    import dataclasses
+    import inspect
+
+    try:
+        module, _, name = class_path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return []
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    try:
+        params = inspect.signature(cls.__init__).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _is_dataclass_path(class_path: str) -> bool:
+    import dataclasses
+
+    try:
+        module, _, name = class_path.rpartition(".")
+        return dataclasses.is_dataclass(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
+def _parse_leaf(message: str) -> tuple[list[str], str, str | None]:
+    """Walk jsonargparse's nested error text: ``(key path, innermost error, class path holding the key)``.
+
+    ``Parser key "x":`` lines add ``x`` to the path, ``Problem with given class_path 'C':`` adds
+    ``init_args`` (nothing for a dataclass); the innermost other line (not a Union alternative
+    ``Expected a <class 'NoneType'>``) is the error.
+    """
+    stack: list[tuple[int, str | None, str | None]] = []  # (indent, key segment, class path)
+    for raw in message.splitlines():
+        line = raw.strip().removeprefix("- ").strip()
+        if not line or line.startswith(_NOISE):
+            continue
+        indent = len(raw) - len(raw.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        inline = re.fullmatch(r'Parser key "([^"]+)": (.+)', line)
+        if inline:  # 'Parser key "config": File does not exist: ...' on one line
+            stack.append((indent, inline.group(1), None))
+            line = inline.group(2)
+        key = None if inline else re.fullmatch(r'Parser key "(.+)":', line)
+        cls = re.fullmatch(r"Problem with given class_path '(.+)':", line)
+        if key:
+            stack.append((indent, key.group(1), None))
+        elif cls:
+            stack.append((indent, None if _is_dataclass_path(cls.group(1)) else "init_args", cls.group(1)))
+        else:
+            owner = next((c for _, _, c in reversed(stack) if c), None)
+            return [s for _, s, _ in stack if s], line, owner
+    return [], message.strip().splitlines()[0] if message.strip() else message, None
+
+
+def _yaml_error(words: list[str]) -> str | None:
+    """``<file>: not valid YAML (<problem> at line L, column C)`` for the first ``--config`` file
+    that does not parse, else None."""
+    import yaml
+
+    for path in config_files(words):
+        try:
+            yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            return f"{path}: not valid YAML ({getattr(err, 'problem', None) or err}{at})"
+        except (OSError, UnicodeDecodeError):
+            continue
+    return None
+
+
+def _closest(word: str, candidates: list[str]) -> str | None:
+    hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def parse_error_line(message: str, words: list[str], options: list[str], command: str = "fit") -> str:
+    """One line for a jsonargparse parse error ``message`` (what follows ``error:``).
+
+    Names the config file (or the command-line option) and the key, and for an unknown key the
+    closest valid one (:func:`difflib.get_close_matches`): ``<file>: unknown key <key>; did you
+    mean <key>?``. ``words``: the command line; ``options``: the parser's dotted option names;
+    ``command``: the subcommand (for the ``--help`` hint).
+    """
+    hint = f"python -m mixlab {command} --help lists the options"
+    if message.startswith("Problems parsing config"):
+        return _yaml_error(words) or " ".join(line.strip() for line in message.splitlines())
+    choice = re.fullmatch(r"argument subcommand: invalid choice: '(.+)' \(choose from (.+)\)", message.strip())
+    if choice:
+        near = _closest(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)))
+        return message.strip() + (f"; did you mean {near}?" if near else "")
+    top = re.fullmatch(r"Subcommand '\w+' does not accept option '(.+)'", message.strip())
+    extra = re.fullmatch(r"unrecognized arguments: (.+)", message.strip())
+    path, leaf, owner = _parse_leaf(message)
+    if top or extra:
+        if top:
+            key = top.group(1)
+        else:
+            key = next((w[2:].split("=", 1)[0] for w in extra.group(1).split() if w.startswith("--")),
+                       extra.group(1).split()[0])
+        suggestion, candidates = _closest(key, options), options
+    else:
+        unknown = re.fullmatch(r"Option '(.+)' is not accepted", leaf)
+        if unknown is None:
+            key = ".".join(path)
+            where, shown = _where(key, words) if key else (None, "")
+            missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
+            if missing:  # a class_path typo
+                try:
+                    names = [n for n in dir(importlib.import_module(missing.group(1))) if n[:1].isupper()]
+                except ImportError:
+                    names = []
+                near = _closest(missing.group(2), names)
+                leaf += f"; did you mean {missing.group(1)}.{near}?" if near else ""
+                shown = shown.removesuffix(".init_args") + ".class_path" if shown else shown
+            place = f"{where}: {shown}" if where else (f"--{shown}" if shown else "")
+            return f"{place}: {leaf}" if place else leaf
+        key = ".".join([*path, unknown.group(1)])
+        candidates = _accepted(owner) if owner else []
+        near = _closest(unknown.group(1), candidates)
+        suggestion = ".".join([*path, near]) if near else None
+    where, shown = _where(key, words)
+    if suggestion is not None and not (top or extra):  # in the user's spelling (with or without init_args)
+        parts, new = shown.split("."), suggestion.split(".")[-1]
+        suggestion = ".".join([*parts[:-1], new]) if parts[-1] == key.split(".")[-1] else suggestion
+    if where is None:
+        shown, suggestion = f"--{shown}", suggestion and f"--{suggestion}"
+        head = f"unknown option {shown}"
+    else:
+        head = f"{where}: unknown key {shown}"
+    if suggestion:
+        return f"{head}; did you mean {suggestion}?"
+    short = sorted({c.split(".")[-1] for c in candidates}) if not (top or extra) else []
+    return f"{head}; valid keys there: {', '.join(short)}" if 0 < len(short) <= 20 else f"{head}; {hint}"
+
+
+def parser_options(parser: Any) -> list[str]:
+    """Dotted option names of a jsonargparse parser (``trainer.max_steps``, ``data``, ...)."""
+    skip = ("help", "config", "print_config")
+    return [a.dest for a in parser._actions
+            if a.dest not in skip and not a.dest.endswith(".help") and a.dest != argparse.SUPPRESS]
+
+
+# ---------------------------------------------------------------------- library notices
+_LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
+
+
+class _DropNotice(logging.Filter):
+    """Drops log records starting with :data:`_LITLOGGER_TIP`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_LITLOGGER_TIP)
+
+
+def quiet_library_notices() -> None:
+    """Silence two notices every mixlab command printed and no user can act on: Lightning's
+    litlogger advert (logged by every ``Trainer`` whose logger is not a LitLogger: mixlab's
+    TensorBoard default, or none in the evaluation commands) and torch's FutureWarning
+    ``isinstance(treespec, LeafSpec) is deprecated`` raised inside Lightning's own CombinedLoader.
+    Only these two messages; idempotent."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) for f in log.filters):
+            log.addFilter(_DropNotice())
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
 def _resolve(target: str) -> Callable[[list[str]], Any]:
     module, _, fn = target.partition(":")
     return getattr(importlib.import_module(module), fn)
@@ -227,6 +678,7 @@ def _resolve(target: str) -> Callable[[list[str]], Any]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
+    quiet_library_notices()
     log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
     if not log.handlers:
         handler = logging.StreamHandler()

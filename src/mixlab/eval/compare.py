@@ -1,13 +1,14 @@
 """``python -m mixlab compare <logdir> [--tasks ...] [--mixers ...] [--out DIR]``: cross-task tables and curves.
 
 Reads the TensorBoard event files of a run root laid out as ``<logdir>/<task>/<mixer>/version_N/``
-(the CLI's layout) with TensorBoard's own :class:`EventAccumulator` (no protobuf parsing here),
-and writes into ``--out`` (default ``<logdir>/compare``):
+(the CLI's layout) with TensorBoard's own :class:`EventAccumulator` (no protobuf parsing here);
+folders without ``version_N`` runs (e.g. ``resolution --out runs/resolution``, ``compare``'s own
+output) are not runs. Writes into ``--out`` (default ``<logdir>/compare``):
 
 * ``compare.md`` / ``compare.csv``: one row per mixer (run name), one column per task metric
   holding its final value (the last event by wall time over all versions and all event
   files under ``<task>/<mixer>/``, so evaluation outputs written inside a run directory,
-  e.g. ``length-extrapolation --out runs/text/goat/version_0/eval``, are picked up too).
+  e.g. ``length-extrapolation`` and ``resolution`` results, are picked up too).
   The best value of each column (with two or more values) is bold in the Markdown table. Which metric each task
   reports is :data:`mixlab.eval.metrics.TASK_METRICS`; a task matching no entry reports ``test/loss``.
   MAD tasks (``mad_*``) also give the derived ``MAD score`` column (mean ``test/acc``
@@ -123,7 +124,7 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
             continue
         runs = {}
         for run_dir in sorted(p for p in task_dir.iterdir() if p.is_dir()):
-            if _match(run_dir.name, mixers) and next(run_dir.rglob("events.out.tfevents.*"), None) is not None:
+            if _match(run_dir.name, mixers) and next(run_dir.glob("version_*/**/events.out.tfevents.*"), None):
                 scalars = load_scalars(run_dir)
                 if scalars:  # a run that crashed before logging anything is not a run to compare
                     runs[run_dir.name] = scalars

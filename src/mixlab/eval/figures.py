@@ -33,6 +33,10 @@ Hooks read from the mixers (looked up with ``getattr``, so mixers can override t
   forward's ``extra_metrics()`` (``cg_iters/h{i}``) and condition numbers are computed
   from ``H_t = sum_s decay * beta_s k_s k_s^T`` (:func:`mixlab.ops.mesa.mesa_states`) and
   ``Lambda = mixer.lamb()``, re-deriving ``k, g, beta`` as ``Mesa.forward`` does.
+
+The command writes the PNGs and the TensorBoard images into the checkpoint's run folder
+(``version_N/figures``; ``runs/figures/<checkpoint name>`` for a checkpoint outside one) unless
+``--out`` / ``--tb`` say otherwise.
 """
 
 from __future__ import annotations
@@ -487,7 +491,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
     p.add_argument("name", choices=sorted(FIGURES))
     p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a mixlab run")
-    p.add_argument("--out", default="figures", help="folder of the PNGs")
+    p.add_argument("--out", default=None, help="folder of the PNGs (default: <version_N>/figures of the "
+                   "checkpoint's run, else runs/figures/<checkpoint name>)")
     p.add_argument("--tb", default=None, help="TensorBoard log dir for the images "
                    "(default: <version_N>/figures of the checkpoint's run, else <out>/tb)")
     p.add_argument("--layer", type=int, default=None, help="goat-prior: layer index (default: the first GOAT layer)")
@@ -503,6 +508,7 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = Path(a.ckpt)
     run = load_run(ckpt, a.device)
     model, step = run.model, run.step
+    a.out = a.out or str(_default_tb(ckpt) or Path("runs") / "figures" / ckpt.stem)
     tb = Path(a.tb) if a.tb else (_default_tb(ckpt) or Path(a.out) / "tb")
     writer = SummaryWriter(str(tb))
     try:

@@ -21,8 +21,12 @@ Outputs in ``--out``:
 * ``resolution_top1.png`` - top-1 against resolution, one line per run;
 * ``prior_<run>_layer<L>.png`` - the learned 2D log-prior of layer ``L`` of each GOAT run (one panel
   per head, query at the grid centre);
-* a TensorBoard event file (scalars ``resolution/<run>/top1`` stepped by resolution, the figures,
-  the Markdown table as text).
+* a TensorBoard event file in ``tensorboard/`` (scalars ``resolution/<run>/top1`` stepped by
+  resolution, the figures, the Markdown table as text).
+
+For a checkpoint inside a run folder (``.../version_N/checkpoints/x.ckpt``) the scalars
+``resolution/<run>/top1`` and ``top5`` also go into that run's ``version_N/resolution/`` (whatever
+``--out`` is), where ``python -m mixlab compare`` finds them as the task's ``top-1@<res>px`` columns.
 """
 
 from __future__ import annotations
@@ -149,6 +153,9 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
     for path in ckpts:
         run = load_run(path, "cpu", head=ImageClassifier,
                        hint="the resolution evaluation needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
+        ck = Path(path).resolve()
+        # the run's own folder too (where `mixlab compare` looks), whatever --out is
+        run_writer = SummaryWriter(str(ck.parent.parent / "resolution")) if ck.parent.name == "checkpoints" else None
         model = run.model
         base = model.run_name
         names_seen[base] = names_seen.get(base, 0) + 1
@@ -179,8 +186,9 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
                    "top5": float(metrics[f"{split}/top5"]), "loss": float(metrics[f"{split}/loss"]),
                    "ckpt": str(path)}
             rows.append(row)
-            writer.add_scalar(f"resolution/{name}/top1", row["top1"], global_step=hw[0])
-            writer.add_scalar(f"resolution/{name}/top5", row["top5"], global_step=hw[0])
+            for w in (writer, run_writer) if run_writer is not None else (writer,):
+                w.add_scalar(f"resolution/{name}/top1", row["top1"], global_step=hw[0])
+                w.add_scalar(f"resolution/{name}/top5", row["top5"], global_step=hw[0])
             print(f"{name:>16s} @ {row['res']:>9s}: top-1 {row['top1']:6.2f}  top-5 {row['top5']:6.2f}  "
                   f"loss {row['loss']:.4f}")
         if prior_layer is not None and model.position == "goat2d":
@@ -190,6 +198,8 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
                 writer.add_figure(f"prior/{base}/layer{prior_layer}", fig)
             except ValueError as exc:  # a non-GOAT layer in a hybrid pattern
                 print(f"{base}: no prior image ({exc})")
+        if run_writer is not None:
+            run_writer.close()
     lightning_info.setLevel(info_level)
     _write_tables(rows, out, writer)
     writer.close()

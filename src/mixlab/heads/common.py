@@ -6,16 +6,23 @@ import dataclasses
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+import torch
 
 from mixlab.distributed import as_batch_end_checkpoint, check_validation_on_optimizer_steps
 from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
 
-__all__ = ["Head", "CHECKPOINT_KEY", "run_record", "as_config", "plain_hparams", "qualname"]
+__all__ = ["Head", "CHECKPOINT_KEY", "run_record", "as_config", "plain_hparams", "qualname", "float_logits"]
 
 CHECKPOINT_KEY = "mixlab"
 """Key of the run record every head writes into its checkpoints (see :func:`run_record`)."""
+
+
+def float_logits(logits: Any) -> Any:
+    """Logits in float32 for half-precision models (bf16/fp16 activations), float64 kept for float64
+    models (a float32 step would make float64 references depend on the CPU's kernels)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
 
 
 def qualname(obj: Any) -> str:

@@ -11,7 +11,7 @@ from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.common import Head, as_config, plain_hparams
+from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name"]
@@ -86,7 +86,7 @@ class CausalLM(Head):
 
     # ------------------------------------------------------------------ model
     def forward(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32)."""
+        """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32; float64 for a float64 model)."""
         x = self.embed(tokens)
         if self.abs_pos is not None:
             # decoding position kept by the head itself (layer 0 may be a recurrent mixer with no KV length)
@@ -97,7 +97,7 @@ class CausalLM(Head):
             x = x + self.abs_pos.weight[start:end]
             if caches:
                 caches[0]["head_position"] = end
-        return self.lm_head(self.backbone(x, coords, caches)).float()
+        return float_logits(self.lm_head(self.backbone(x, coords, caches)))
 
     @staticmethod
     def batch_tokens(batch: Tensor) -> int:
@@ -118,7 +118,7 @@ class CausalLM(Head):
     def setup(self, stage: str) -> None:
         dm_vocab = self.data_attr("vocab_size")
         if dm_vocab is not None and dm_vocab > self.vocab_size:
-            raise ValueError(f"model.vocab_size={self.vocab_size} is smaller than the datamodule's "
+            raise ValueError(f"model.init_args.vocab_size={self.vocab_size} is smaller than the datamodule's "
                              f"vocab_size={dm_vocab} ({type(self.data).__name__}); "
                              f"set model.init_args.vocab_size: {dm_vocab}")
         self.token_unit = self.data_attr("token_unit", "token")

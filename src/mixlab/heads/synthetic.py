@@ -34,6 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from mixlab.backbone import BackboneConfig
 from mixlab.coords import Coords
+from mixlab.heads.common import float_logits
 from mixlab.heads.lm import CausalLM, token_nll
 from mixlab.optim import OptimConfig
 
@@ -98,13 +99,13 @@ class SyntheticLM(CausalLM):
         self._task_metrics = None
 
     def forward(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32."""
+        """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32 (float64 for a float64 model)."""
         if self.decoder == "lm":
             return super().forward(tokens, coords, caches)
         h = self.backbone(self.embed(tokens), coords, caches)  # [B, T, D]
         t = tokens.shape[1]
         z = h[:, -1:, :] + self.dec_pos.weight[:t].unsqueeze(0)
-        return self.lm_head(self.dec_mlp(z)).float()
+        return float_logits(self.lm_head(self.dec_mlp(z)))
 
     @staticmethod
     def batch_tokens(batch) -> int:

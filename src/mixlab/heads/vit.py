@@ -60,7 +60,7 @@ from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig, mixer_names, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.common import Head, as_config, plain_hparams
+from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
 from mixlab.optim import OptimConfig
 
 __all__ = ["MixViT", "ImageClassifier", "MixupConfig", "vit_backbone", "PRESETS", "POSITIONS", "PATCH_COORDS",
@@ -154,7 +154,8 @@ def run_name(mixer: str | list[str], ape: bool) -> str:
 
 
 class MixViT(nn.Module):
-    """ViT with a mixlab backbone: ``images [B, C, H, W] float -> logits [B, num_classes] float32``.
+    """ViT with a mixlab backbone: ``images [B, C, H, W] float -> logits [B, num_classes] float32``
+    (float64 for a float64 model).
 
     Args:
         num_classes: classifier outputs (0 = return pooled features ``[B, D]``).
@@ -272,7 +273,7 @@ class MixViT(nn.Module):
         return x[:, 0] if self.pool == "cls" else x[:, self.num_prefix_tokens:].mean(1)
 
     def forward(self, images: Tensor) -> Tensor:
-        return self.head(self.forward_features(images)).float()
+        return float_logits(self.head(self.forward_features(images)))
 
     def attention_layers(self) -> list[nn.Module]:
         return [blk.mixer for blk in self.backbone.blocks]
@@ -416,15 +417,15 @@ class ImageClassifier(Head):
     def setup(self, stage: str) -> None:
         n = self.data_attr("num_classes")
         if n is not None and n != self.num_classes:
-            raise ValueError(f"model.num_classes={self.num_classes} but the datamodule {type(self.data).__name__} has "
-                             f"num_classes={n}; set model.init_args.num_classes: {n}")
+            raise ValueError(f"model.init_args.num_classes={self.num_classes} but the datamodule "
+                             f"{type(self.data).__name__} has num_classes={n}; set model.init_args.num_classes: {n}")
         for name in ("image_size", "eval_size"):  # before the model summary and the first batch
             size = self.data_attr(name)
             if size is not None:
                 try:
                     self.model.grid(*((size, size) if isinstance(size, int) else size))
                 except ValueError as err:
-                    raise ValueError(f"data.{name}={size}: {err}") from None
+                    raise ValueError(f"data.init_args.{name}={size}: {err}") from None
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch

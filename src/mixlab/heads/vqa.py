@@ -19,7 +19,7 @@ from torchmetrics import Metric
 
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
-from mixlab.heads.common import Head, as_config, plain_hparams
+from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
 from mixlab.optim import OptimConfig
 
 __all__ = ["SpatialVQA", "GroupedSums"]
@@ -138,10 +138,10 @@ class SpatialVQA(Head):
         return Coords.seq(t, device=batch["text"].device)
 
     def forward(self, batch: dict[str, Tensor]) -> Tensor:
-        """Batch dict -> answer logits ``[B, n_answers]`` float32."""
+        """Batch dict -> answer logits ``[B, n_answers]`` float32 (float64 for a float64 model)."""
         x = torch.cat([self.patch_embed(batch["patches"]), self.text_embed(batch["text"])], dim=1)  # [B, T, D]
         h = self.backbone(x, self.coords(batch))
-        return self.answer_head(h[:, -1]).float()
+        return float_logits(self.answer_head(h[:, -1]))
 
     @staticmethod
     def batch_tokens(batch: dict[str, Tensor]) -> int:

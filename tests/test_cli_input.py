@@ -1,0 +1,312 @@
+"""A new user's mistakes through ``python -m mixlab``: one line, exit status 2, nothing written.
+
+Config and command-line typos, checkpoints that do not belong to the config, missing
+checkpoint files; and what a run leaves behind when it fails or is interrupted (no empty
+``version_N``, ``last.ckpt`` on Ctrl-C, the run's own ``config.yaml`` kept on resume).
+In-process calls of :func:`mixlab.cli.main` except where the real ``python -m mixlab`` matters.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from mixlab import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+GENOME = ROOT / "configs" / "genome" / "goat.yaml"
+TEXT = ROOT / "configs" / "text" / "goat.yaml"
+DIGITS = ROOT / "configs" / "vit" / "goat_digits.yaml"
+TINY = ["--model.init_args.backbone.d_model=32", "--model.init_args.backbone.n_layers=1",
+        "--model.init_args.backbone.mixer_args={goat: {position_args: {n_modes: 1}}}",
+        "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
+
+
+def _main(capsys, monkeypatch, *argv: str, code: int = 2) -> list[str]:
+    """Run ``python -m mixlab *argv`` in-process; return the stderr lines after exit ``code``."""
+    monkeypatch.setattr(sys, "argv", ["mixlab"])  # pytest's own argv is not ours
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(list(argv))
+    assert info.value.code == code
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def _typo(tmp_path: Path, source: Path, old: str, new: str) -> Path:
+    path = tmp_path / f"typo_{new}.yaml"
+    path.write_text(source.read_text().replace(old, new))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """``last.ckpt`` of a tiny text LM and a tiny digits ViT (one training step each)."""
+    root = tmp_path_factory.mktemp("runs")
+    saved = sys.argv
+    sys.argv = ["mixlab"]
+    try:
+        cli.main(["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=1",
+                  "--run_root", str(root)])
+        cli.main(["fit", "--config", str(DIGITS), *TINY[1:2], *TINY[3:], "--trainer.max_steps=1",
+                  "--data.init_args.batch_size=8", "--run_root", str(root)])
+    finally:
+        sys.argv = saved
+    return {"text": root / "text/goat/version_0/checkpoints/last.ckpt",
+            "digits": root / "digits/goat2d/version_0/checkpoints/last.ckpt", "root": root}
+
+
+# ---------------------------------------------------------------------- config typos
+@pytest.mark.parametrize(("old", "new", "line"), [
+    ("val_check_interval", "val_check_intervall",
+     "unknown key trainer.val_check_intervall; did you mean trainer.val_check_interval?"),
+    ("context_length", "contxt_length",
+     "unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"),
+    ("n_layers", "n_layer",
+     "unknown key model.init_args.backbone.n_layer; did you mean model.init_args.backbone.n_layers?"),
+    ("trainer:", "trainr:", "unknown key trainr.max_steps; did you mean trainer.max_steps?"),
+])
+def test_yaml_typo_is_one_line_naming_file_key_and_closest_key(capsys, monkeypatch, tmp_path, old, new, line):
+    config = _typo(tmp_path, GENOME, old, new)
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config), "--run_root", str(tmp_path / "runs"))
+    assert err == [f"error: {config}: {line}"]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tmp_path):
+    config = _typo(tmp_path, GENOME, "batch_size: 16", "batch_size: sixteen")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config))
+    assert err == [f"error: {config}: data.init_args.batch_size: Expected a <class 'int'>. Got value: sixteen"]
+    config = _typo(tmp_path, GENOME, "mixlab.heads.CausalLM", "mixlab.heads.CausalLMM")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(config))
+    assert err == [f"error: {config}: model.class_path: module 'mixlab.heads' has no attribute 'CausalLMM'; "
+                   f"did you mean mixlab.heads.CausalLM?"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: [\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(bad))
+    assert err == [f"error: {bad}: not valid YAML (expected the node content, but found '<stream end>' at line 2, "
+                   f"column 1)"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(tmp_path / "missing.yaml"))
+    assert err == [f"error: --config: File does not exist: '{tmp_path / 'missing.yaml'}'"]
+    err = _main(capsys, monkeypatch, "fitt", "--config", str(GENOME))
+    assert err == ["error: argument subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', "
+                   "'predict'); did you mean fit?"]
+
+
+def test_typo_through_python_dash_m_names_the_command(tmp_path):
+    """The real entry point: one line on stderr, no usage dump, no ``__main__.py``."""
+    config = _typo(tmp_path, GENOME, "context_length", "contxt_length")
+    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--config", str(config)], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"error: {config}: unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"]
+    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--help"], capture_output=True, text=True)
+    assert out.stdout.startswith("usage: python -m mixlab [options] fit")
+
+
+# ---------------------------------------------------------------------- checkpoints of another run
+def test_checkpoint_of_another_task_or_head_is_refused_before_anything_is_written(capsys, monkeypatch, tmp_path,
+                                                                                 trained):
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(trained["text"]),
+                "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['text']}: checkpoint of CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 257) does not match the config's CausalLM on task 'genome' (GenomeDataModule, "
+                       f"vocab_size 5)")
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(trained["digits"]),
+                "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['digits']}: checkpoint of ImageClassifier on task 'digits' "
+                       f"(DigitsDataModule, num_classes 10) does not match the config's CausalLM on task 'genome' "
+                       f"(GenomeDataModule, vocab_size 5)")
+    err = _main(capsys, monkeypatch, "test", "--config", str(TEXT), "--ckpt_path", str(trained["text"]),
+                "--model.init_args.vocab_size=50257", "--data.init_args.tokenizer=gpt2", "--run_root", str(runs))
+    assert err[-2] == (f"error: --ckpt_path {trained['text']}: checkpoint of CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 257) does not match the config's CausalLM on task 'text' (TextDataModule, "
+                       f"vocab_size 50257)")
+    assert not runs.exists()
+
+
+def test_checkpoint_without_a_record_is_checked_by_its_weights(capsys, monkeypatch, tmp_path, trained):
+    """An old checkpoint (no run record, no class paths): its tensors must fit the config's model."""
+    old = torch.load(trained["text"], weights_only=False)
+    bare = {"state_dict": old["state_dict"], "global_step": old["global_step"]}
+    torch.save(bare, tmp_path / "bare.ckpt")
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(tmp_path / "bare.ckpt"),
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2] == (f"error: --ckpt_path {tmp_path / 'bare.ckpt'}: the checkpoint does not fit the config's "
+                       f"model (embed.weight has shape [257, 32] in the checkpoint but [5, 128] in the model); use "
+                       f"the config it was trained with")
+    assert not (tmp_path / "runs" / "genome").exists()
+
+
+def test_missing_or_foreign_checkpoint_file_is_one_line(capsys, monkeypatch, tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(missing),
+                "--run_root", str(tmp_path / "runs"))
+    assert err == [f"error: --ckpt_path {missing}: file not found", "(MIXLAB_TRACEBACK=1 shows the full traceback)"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--ckpt_path", str(GENOME),
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2].startswith(f"error: --ckpt_path {GENOME}: not a PyTorch Lightning checkpoint (")
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------- what a run leaves behind
+def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--model.init_args.vocab_size=3",
+                "--run_root", str(runs))
+    assert err[-2].startswith("error: model: model.init_args.vocab_size=3 is smaller than")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--data.init_args.context_length=100000",
+                "--run_root", str(runs))
+    assert err[-2].startswith("error: data: context_length=100000 needs")
+    assert sorted(p.name for p in runs.rglob("*")) == []
+
+
+def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkeypatch, tmp_path):
+    """Ctrl-C at step 3 of 4 before any validation: ``last.ckpt`` at step 3, exit status 1; resuming logs
+    into the same ``version_0`` (``v_num=0``), keeps its ``config.yaml`` and trains the last step."""
+    from lightning.pytorch.callbacks.progress.progress_bar import get_standard_metrics
+
+    from mixlab.cli import MixlabCLI
+    from mixlab.heads.lm import CausalLM
+
+    runs = tmp_path / "runs"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=4",
+            "--trainer.val_check_interval=100", "--run_root", str(runs)]
+    step = CausalLM.training_step
+
+    def interrupted(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise KeyboardInterrupt
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLM, "training_step", interrupted)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *argv])
+    assert info.value.code == 1
+    run = runs / "text" / "goat" / "version_0"
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3
+    monkeypatch.setattr(CausalLM, "training_step", step)
+    first = (run / "config.yaml").read_text()
+    resumed = MixlabCLI(args=["fit", *argv, "--ckpt_path", "last", "--trainer.max_steps=5"])
+    assert get_standard_metrics(resumed.trainer)["v_num"] == 0
+    assert resumed.trainer.global_step == 5
+    assert (run / "config.yaml").read_text() == first
+    assert yaml.safe_load((run / "config_resume_1.yaml").read_text())["trainer"]["max_steps"] == 5
+    assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]
+
+
+# ---------------------------------------------------------------------- data files
+def test_text_file_in_another_encoding_is_one_line_naming_file_offset_and_option(capsys, monkeypatch, tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("To be, or not to be: that is the qu\u00e9stion\n".encode("latin-1") * 40)
+    argv = ["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=1",
+            f"--data.init_args.path={latin}", "--run_root", str(tmp_path / "runs")]
+    err = _main(capsys, monkeypatch, *argv)
+    assert err[-2] == (f"error: data: {latin}: not utf-8 text: byte 0xe9 at byte offset 35 (invalid continuation "
+                       f"byte); set data.init_args.encoding (e.g. latin-1) to read it")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main([*argv, "--data.init_args.encoding=latin-1"])  # the option it names reads the file
+    assert (tmp_path / "runs" / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_empty_text_file_is_reported_as_empty(capsys, monkeypatch, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), f"--data.init_args.path={empty}",
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2] == f"error: data: {empty}: file is empty"
+    assert not (tmp_path / "runs" / "text").exists()
+
+
+def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeypatch, tmp_path):
+    """The ImageFolder path skips a truncated JPEG like the WebDataset path (the run trains and writes
+    its checkpoint; the warning names the file and the count)."""
+    from PIL import Image
+
+    from mixlab.datamodules.digits import load_uci_digits
+    from mixlab.datamodules.imagenet import SKIPPED
+
+    images, labels = load_uci_digits()
+    root = tmp_path / "images"
+    for c in range(3):
+        (root / f"class_{c}").mkdir(parents=True)
+        for k, i in enumerate((labels == c).nonzero().flatten()[:4].tolist()):
+            Image.fromarray(images[i].numpy()).convert("RGB").resize((32, 32)).save(root / f"class_{c}" / f"{k}.jpg")
+    bad = root / "class_1" / "1.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # truncated
+    data = tmp_path / "folder.yaml"
+    data.write_text(yaml.safe_dump({"data": {"class_path": "mixlab.datamodules.imagenet.ImageNetDataModule",
+                                             "init_args": {"format": "folder", "train_path": str(root),
+                                                           "val_path": str(root), "num_classes": 10,
+                                                           "image_size": 24, "batch_size": 4, "num_workers": 0,
+                                                           "train_samples": None, "auto_augment": None,
+                                                           "re_prob": 0.0, "color_jitter": 0.0}}}))
+    before = SKIPPED["corrupt"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.warns(RuntimeWarning, match=rf"skipped corrupt image '{bad}' \(OSError: Truncated File Read\); "
+                                            rf"{before + 1} corrupt image\(s\) skipped so far in this process; "
+                                            rf"the next image takes its place"):
+        cli.main(["fit", "--config", str(DIGITS), "--config", str(data), "--model.init_args.backbone.n_layers=1",
+                  "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
+                  "--run_root", str(tmp_path / "runs")])
+    assert SKIPPED["corrupt"] - before == 2  # once in training, once in validation
+    ckpt = torch.load(tmp_path / "runs/imagenet/goat2d/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 3  # 12 images, batches of 4: none lost
+
+
+def test_compare_finds_resolution_results_and_lists_no_output_folder(capsys, monkeypatch, trained):
+    """README: ``resolution ... --out runs/resolution`` then ``compare runs``: the digits run gets its
+    top-1@<res>px columns, and neither runs/resolution nor runs/compare becomes a row."""
+    root = trained["root"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["resolution", "--ckpt", str(trained["digits"]), "--resolutions", "16", "24",
+              "--out", str(root / "resolution"), "--limit-batches", "1", "--batch-size", "50", "--accelerator", "cpu"])
+    from mixlab.eval.compare import main as compare_main
+
+    rows = list(csv.DictReader((root / "resolution" / "resolution.csv").open()))
+    cmp = compare_main([str(root), "--no-plots"])
+    assert sorted(cmp.table) == ["goat2d"]  # the text run logged no scalar in its one step
+    top1 = {label: value for (task, label), value in cmp.table["goat2d"].items() if task == "digits"}
+    assert top1 == pytest.approx({"top-1@16px": float(rows[0]["top1"]), "top-1@24px": float(rows[1]["top1"])},
+                                 abs=1e-4)
+    compare_main([str(root), "--no-plots"])  # its own output folder is not a run either
+    assert "tensorboard" not in capsys.readouterr().out
+
+
+def test_figure_writes_into_the_run_folder_not_the_working_directory(monkeypatch, tmp_path, trained):
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["figure", "goat-spectrum", "--ckpt", str(trained["text"])])
+    assert (trained["text"].parents[1] / "figures" / "goat_spectrum.png").stat().st_size > 0
+    loose = tmp_path / "loose.ckpt"
+    shutil.copy(trained["text"], loose)
+    cli.main(["figure", "goat-spectrum", "--ckpt", str(loose)])
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*.png")) == \
+        ["runs/figures/loose/goat_spectrum.png"]
+
+
+def test_commands_print_no_litlogger_tip_or_pytree_deprecation(caplog, capfd, monkeypatch, tmp_path):
+    import logging
+    import warnings
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.main(["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=2",
+                  "--trainer.val_check_interval=1", "--run_root", str(tmp_path / "runs")])
+    out = capfd.readouterr()
+    assert "litlogger" not in out.out + out.err + caplog.text
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in caplog.text  # Lightning's own lines still come
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
