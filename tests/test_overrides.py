@@ -113,7 +113,11 @@ def test_test_with_a_checkpoint_says_when_its_hyperparameters_replace_the_given_
                 "mixer_args": {"goat": {"position_args": {"n_modes": 1}}}}
     hparams = {"_class_path": "mixlab.heads.CausalLM", "vocab_size": 5, "backbone": backbone}
     ckpt = tmp_path / "run.ckpt"
-    torch.save({"hyper_parameters": hparams}, ckpt)
+    from mixlab.backbone import BackboneConfig
+    from mixlab.heads import CausalLM
+
+    weights = CausalLM(vocab_size=5, backbone=BackboneConfig(**backbone)).state_dict()  # a checkpoint with weights
+    torch.save({"hyper_parameters": hparams, "state_dict": weights}, ckpt)
     with caplog.at_level(logging.WARNING, logger="mixlab"):
         t = _run(monkeypatch, tmp_path, "--ckpt_path", str(ckpt), "--model.init_args.backbone.d_model", "48",
                  command="test")

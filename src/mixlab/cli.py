@@ -114,19 +114,6 @@ class MixlabCLI(LightningCLI):
         for parser in [self.parser, *getattr(self, "_subcommand_parsers", {}).values()]:
             overrides.int_before_float(parser)  # limit_val_batches: 1 is one batch, 1.0 all (any source)
 
-    def _parse_ckpt_path(self) -> None:
-        """LightningCLI's: a checkpoint file's hyperparameters replace the config's model options (its
-        ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
-        sub = self.config.get("subcommand")
-        before = self.config[sub].get("model") if sub else None
-        with overrides.replacing_dicts():
-            super()._parse_ckpt_path()
-        changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
-        if changed:
-            logging.getLogger("mixlab.cli").warning(
-                "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
-                "the config: %s", self.config[sub].get("ckpt_path"), "; ".join(changed))
-
     def before_fit(self) -> None:
         """Silence two Lightning warnings that are wrong for mixlab's own classes: "dataloader
         is not resumable" (it checks the DataLoader object, while mixlab datamodules restore the
@@ -169,12 +156,21 @@ class MixlabCLI(LightningCLI):
         """Check ``--ckpt_path`` before LightningCLI reads its hyperparameters into the model config
         (which would silently swap in the checkpoint's model): a missing file, a file that is not a
         checkpoint, or a checkpoint of another head, task or vocabulary is a one-line error
-        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written."""
+        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written. Then
+        LightningCLI's step: the checkpoint's hyperparameters replace the config's model options (its
+        ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
         if _own_checkpoint_file(path):
             check_checkpoint_config(str(path), read_checkpoint(str(path)), self.config[sub])
-        super()._parse_ckpt_path()
+        before = self.config[sub].get("model") if sub else None
+        with overrides.replacing_dicts():
+            super()._parse_ckpt_path()
+        changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
+        if changed:
+            logging.getLogger("mixlab.cli").warning(
+                "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
+                "the config: %s", path, "; ".join(changed))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
