@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.training import fit_two_epochs
 from torch.utils.data import default_collate
 
 from mixlab.datamodules.copy_mixture import CopyMixtureDataModule
@@ -245,7 +246,6 @@ def test_map_style_resume_under_lightning_mid_epoch_and_at_the_last_batch(n, wor
     moves on to epoch 1) trains on exactly the uninterrupted run's remaining batches, with DataLoader
     workers or without."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     class Rec(pl.LightningModule):
         def __init__(self):
@@ -260,15 +260,7 @@ def test_map_style_resume_under_lightning_mid_epoch_and_at_the_last_batch(n, wor
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def fit(ckpt=None, every=None):
-        model = Rec()
-        cbs = []
-        if every:
-            cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs,
-                             enable_checkpointing=bool(every), limit_val_batches=0, enable_progress_bar=False,
-                             enable_model_summary=False)
-        trainer.fit(model, _IndexData(n, 2, workers), ckpt_path=ckpt)
-        return model.seen
+        return fit_two_epochs(Rec(), _IndexData(n, 2, workers), tmp_path, ckpt, every).seen
 
     full = fit(every=1)
     assert [e for e, _ in full] == [0] * 6 + [1] * 6

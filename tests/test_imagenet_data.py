@@ -9,6 +9,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.training import fit_two_epochs
 from PIL import Image
 
 from mixlab.datamodules.digits import load_uci_digits
@@ -278,22 +279,13 @@ def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_
     """Real Trainer, 2 epochs x 4 steps, checkpoints every 3 steps: resuming from step 3 (mid epoch 0)
     and from step 4 (the last batch of epoch 0: Lightning builds the resumed iterator before it moves
     on to epoch 1) trains on exactly the uninterrupted run's remaining batches."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(ckpt=None, every=None):
         pl.seed_everything(3)
         dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
                                 shuffle_buffer=4)
-        model = _BatchRecorder()
-        cbs = []
-        if every:
-            cbs = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
-        trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, callbacks=cbs,
-                             enable_checkpointing=bool(every), limit_val_batches=0, enable_progress_bar=False,
-                             enable_model_summary=False)
-        trainer.fit(model, dm, ckpt_path=ckpt)
-        return model.seen
+        return fit_two_epochs(_BatchRecorder(), dm, tmp_path, ckpt, every).seen
 
     out, _ = shards
     full = fit(every=1)

@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from helpers.training import direct_top1
 
 from mixlab.coords import Coords
 from mixlab.heads.vit import ImageClassifier, MixViT, vit_backbone
@@ -208,23 +209,6 @@ def _fit_tiny(tmp_path, **kw) -> str:
     return str(path)
 
 
-def _direct_top1(ckpt: str, size: int, patch_coords: str) -> float:
-    from mixlab.datamodules.digits import DigitsDataModule
-
-    model = ImageClassifier.load_from_checkpoint(ckpt, weights_only=False).eval()
-    model.model.patch_coords = patch_coords
-    dm = DigitsDataModule(image_size=16, eval_size=size, batch_size=50)
-    dm.setup()
-    hits = n = 0
-    for b, (x, y) in enumerate(dm.val_dataloader()):
-        if b == 2:
-            break
-        with torch.no_grad():
-            hits += int((model(x).argmax(-1) == y).sum())
-        n += len(y)
-    return 100 * hits / n
-
-
 def test_resolution_command_honours_records_and_overrides_patch_coords(tmp_path):
     from mixlab.eval.resolution import main as resolution_main
 
@@ -237,7 +221,7 @@ def test_resolution_command_honours_records_and_overrides_patch_coords(tmp_path)
         ("goat2d", "scaled", "16"), ("goat2d", "scaled", "32"),
         ("goat2d-2", "index", "16"), ("goat2d-2", "index", "32")]
     for r, ck, pc in zip(rows[1::2], (ck_default, ck_index), ("scaled", "index")):
-        assert r["top1"] == pytest.approx(_direct_top1(ck, 32, pc), abs=1e-3)
+        assert r["top1"] == pytest.approx(direct_top1(ck, 16, 32, pc), abs=1e-3)
     with open(tmp_path / "a" / "resolution.csv") as f:
         assert [r["patch_coords"] for r in csv.DictReader(f)] == ["scaled", "scaled", "index", "index"]
     # the study override: both conventions of one checkpoint, as two runs
@@ -246,5 +230,5 @@ def test_resolution_command_honours_records_and_overrides_patch_coords(tmp_path)
     assert [(r["run"], r["patch_coords"]) for r in rows] == [("goat2d-index", "index")] * 2 + \
         [("goat2d-scaled", "scaled")] * 2
     assert rows[0]["top1"] == rows[2]["top1"]  # the training resolution: the same model
-    assert rows[3]["top1"] == pytest.approx(_direct_top1(ck_index, 32, "scaled"), abs=1e-3)
+    assert rows[3]["top1"] == pytest.approx(direct_top1(ck_index, 16, 32, "scaled"), abs=1e-3)
     assert "| goat2d-scaled | 16 |" in (tmp_path / "b" / "resolution.md").read_text()

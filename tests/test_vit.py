@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.training import direct_top1
 
 from mixlab.backbone import BackboneConfig
 from mixlab.coords import Coords
@@ -264,17 +265,7 @@ def test_resolution_command_writes_table_plot_and_prior(tmp_path):
     md = (out / "resolution.md").read_text()
     assert "| goat2d | 16 |" in md and "top-1 @ 24x16" in md
     # exact: the eval on 100 samples at the training resolution matches a direct forward
-    model = ImageClassifier.load_from_checkpoint(ckpts[0], weights_only=False).eval()
-    dm = DigitsDataModule(image_size=16, batch_size=50)
-    dm.setup()
-    hits = n = 0
-    for b, (x, y) in enumerate(dm.val_dataloader()):
-        if b == 2:
-            break
-        with torch.no_grad():
-            hits += int((model(x).argmax(-1) == y).sum())
-        n += len(y)
-    assert float(got[0]["top1"]) == pytest.approx(100 * hits / n, abs=1e-3)
+    assert float(got[0]["top1"]) == pytest.approx(direct_top1(ckpts[0], 16), abs=1e-3)
 
 
 # ---------------------------------------------------------------------- one knob: the mixer states the scheme, plus ape
