@@ -41,5 +41,23 @@ def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkey
     with pytest.raises(SystemExit):
         reproduce.main(["goatt"])
     assert "invalid choice: 'goatt'" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="--only vqaa matches no experiment of goat; they have genome, text_length"):
+    with pytest.raises(SystemExit):
         reproduce.main(["goat", "--only", "vqaa", "--out", str(tmp_path)])
+    assert "--only vqaa matches no experiment of goat; they have genome, text_length" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        reproduce.main(["mesa", "--runs", "goat_no_key_lin", "--out", str(tmp_path)])
+    assert "--runs 'goat_no_key_lin' is no run of the chosen experiments; they have" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        reproduce.main(["mesa", "--max-minutes", "0", "--out", str(tmp_path)])
+    assert "--max-minutes must be > 0; got 0.0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing written on bad input
+
+
+def test_runs_filter_and_wall_time_cap():
+    chosen = reproduce.select(["mesa", "fg2"], None, ["goat_no_bos_bias", "deltanet_neg"])
+    assert {x: [e.name for e in exps] for x, exps in chosen.items()} == {"mesa": ["mad_recall", "parity"]}
+    spec = next(s for e in chosen["mesa"] for s in e.runs if s.name == "goat_no_bos_bias")
+    argv = reproduce.fit_argv(spec, Path("runs"), quick=False, scale=0.5, max_minutes=7.5)
+    assert argv[argv.index("--trainer.max_steps") + 1] == "4000"
+    assert argv[argv.index("--trainer.max_time") + 1] == "00:00:07:30"
+    assert argv[argv.index("--model.init_args.backbone.mixer_args.goat.position_args.bos_bias") + 1] == "false"

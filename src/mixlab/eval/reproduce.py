@@ -377,6 +377,11 @@ def _mesa_suite() -> list[Experiment]:
     recall += [RunSpec(f"goat_prior_lr{k}", "configs/reproduce/mad.yaml",
                        [D + "task", "in_context_recall", M + "backbone.mixer", "goat", M + "optim.lr_scales",
                         json.dumps({"position_prior": k})], steps=8000, quick=recall[0].quick) for k in (10, 100)]
+    # the key-only terms of the prior (recency slope, BOS bias) switched off one at a time
+    goat_pa = M + "backbone.mixer_args.goat.position_args."
+    recall += [RunSpec(f"goat_no_{term}", "configs/reproduce/mad.yaml",
+                       [D + "task", "in_context_recall", M + "backbone.mixer", "goat", goat_pa + term, "false"],
+                       steps=8000, quick=recall[0].quick) for term in ("key_linear", "bos_bias")]
     for spec in recall:
         spec.in_quick = spec.name in ("rope", "goat_prior_lr10")
     return [
@@ -398,10 +403,14 @@ def _steps(spec: RunSpec, quick: bool, scale: float) -> int:
     return 4 if quick else max(1, int(round(spec.steps * scale)))
 
 
-def fit_argv(spec: RunSpec, run_root: Path, quick: bool, scale: float) -> list[str]:
-    """The ``fit`` command line of one run (also shown in the table)."""
+def fit_argv(spec: RunSpec, run_root: Path, quick: bool, scale: float, max_minutes: float | None = None) -> list[str]:
+    """The ``fit`` command line of one run (also shown in the table); ``max_minutes`` caps its wall time
+    (``--trainer.max_time``: training stops there, checkpoints and is tested as usual)."""
     steps = _steps(spec, quick, scale)
     argv = ["fit", *_common(spec, run_root, quick, steps), "--trainer.max_steps", str(steps)]
+    if max_minutes is not None:
+        sec = int(max_minutes * 60)
+        argv += ["--trainer.max_time", f"00:{sec // 3600:02d}:{sec % 3600 // 60:02d}:{sec % 60:02d}"]
     if quick:
         argv += ["--trainer.val_check_interval", str(steps), "--trainer.limit_val_batches", "1"]
     return argv
@@ -427,16 +436,19 @@ def _collect(run_dir: Path) -> dict:
     tok = [v for _, _, v in sc.get("perf/tokens_per_s", [])]
     mem = [v for _, _, v in sc.get("perf/peak_mem_gb", [])]
     perf = {"tokens_per_s": sorted(tok)[len(tok) // 2] if tok else None, "peak_mem_gb": max(mem) if mem else None}
-    return {"test": last("test/"), "val": last("val/"), "perf": perf}
+    steps = max((ev[-1][1] for ev in sc.values() if ev), default=None)  # the last logged step
+    return {"test": last("test/"), "val": last("val/"), "perf": perf, "last_step": steps}
 
 
-def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float, workers: int) -> dict:
-    """Train and test every run of ``exp`` (side by side), then its evaluation command; returns results."""
+def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float, workers: int,
+                   runs: list[str] | None = None, max_minutes: float | None = None) -> dict:
+    """Train and test the runs of ``exp`` (all, or those named in ``runs``; side by side), then its
+    evaluation command; returns results."""
     root = out / "runs" / exp.name
     results: dict[str, Any] = {}
 
     def one(spec: RunSpec) -> None:
-        argv = fit_argv(spec, root, quick, scale)
+        argv = fit_argv(spec, root, quick, scale, max_minutes)
         rc, text = launch(argv, out / "logs" / f"{exp.name}-{spec.name}.fit.log")
         entry: dict[str, Any] = {"command": "python -m mixlab " + shlex.join(argv), "fit_rc": rc}
         if rc == 0:
@@ -452,8 +464,8 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
         results[spec.name] = entry
 
     with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(one, [s for s in exp.runs if s.in_quick or not quick]))
-    if exp.evaluate is not None:
+        list(pool.map(one, [s for s in exp.runs if (s.in_quick or not quick) and (not runs or s.name in runs)]))
+    if exp.evaluate is not None and all(s.name in results for s in exp.runs):
         ckpts = {s.name: results[s.name].get("ckpt") for s in exp.runs}
         if all(ckpts.values()):
             eval_out = out / exp.name
@@ -492,11 +504,13 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
     return rows
 
 
-def select(suites: list[str], only: list[str] | None) -> dict[str, list[Experiment]]:
-    """``{suite: experiments}`` for the named suites, filtered by ``only`` (experiment names).
+def select(suites: list[str], only: list[str] | None, runs: list[str] | None = None) -> dict[str, list[Experiment]]:
+    """``{suite: experiments}`` for the named suites, filtered by ``only`` (experiment names) and
+    ``runs`` (run names: experiments with none of them are dropped).
 
     Raises:
-        ValueError: an unknown suite, or ``only`` names that match no experiment of them.
+        ValueError: an unknown suite, ``only`` names that match no experiment of them, or ``runs``
+            names that match no run of the chosen experiments.
     """
     unknown = [x for x in suites if x not in SUITES]
     if unknown:
@@ -507,24 +521,33 @@ def select(suites: list[str], only: list[str] | None) -> dict[str, list[Experime
         known = sorted(e.name for x in suites for e in SUITES[x]())
         raise ValueError(f"reproduce: --only {' '.join(only or [])} matches no experiment of {', '.join(suites)}; "
                          f"they have {', '.join(known)}")
+    if runs:
+        have = {s.name for exps in chosen.values() for e in exps for s in e.runs}
+        missing = [r for r in runs if r not in have]
+        if missing:
+            raise ValueError(f"reproduce: --runs {missing[0]!r} is no run of the chosen experiments; they have "
+                             f"{', '.join(sorted(have))}")
+        chosen = {x: [e for e in exps if any(s.name in runs for s in e.runs)] for x, exps in chosen.items()}
+        chosen = {x: exps for x, exps in chosen.items() if exps}
     return chosen
 
 
 def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float = 1.0, workers: int = 12,
-               only: list[str] | None = None, timeout: float = 3600) -> list[dict]:
+               only: list[str] | None = None, timeout: float = 3600, runs: list[str] | None = None,
+               max_minutes: float | None = None) -> list[dict]:
     """Run the experiments of ``suites`` side by side; write ``REPRODUCTION_<suite>.md`` and
     ``reproduce_<suite>.json`` per suite into ``out``, rewritten as each experiment finishes (a run
     stopped early keeps what finished).
 
     Raises:
-        ValueError: unknown suite, ``only`` names that match no experiment, or not run from the
+        ValueError: unknown suite, ``only``/``runs`` names that match nothing, or not run from the
             repository root (the configs are read from ``configs/``).
     """
     from concurrent.futures import as_completed
 
     from mixlab.eval.runner import Launcher
 
-    chosen = select(suites, only)
+    chosen = select(suites, only, runs)
     if not Path("configs/reproduce").is_dir():
         raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
     out.mkdir(parents=True, exist_ok=True)
@@ -547,7 +570,7 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
 
     jobs = [(x, e) for x, exps in chosen.items() for e in exps]
     with ThreadPoolExecutor(len(jobs)) as pool:  # experiments side by side; the launcher bounds the processes
-        futures = {pool.submit(run_experiment, e, out, launch, quick, scale, workers): (x, e) for x, e in jobs}
+        futures = {pool.submit(run_experiment, e, out, launch, quick, scale, workers, runs, max_minutes): (x, e) for x, e in jobs}
         for fut in as_completed(futures):
             suite, exp = futures[fut]
             done[suite][exp.name] = fut.result()
@@ -570,9 +593,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--only", nargs="+", default=None, help="experiment names to run (default: all of the suite)")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every step budget")
     p.add_argument("--workers", type=int, default=12, help="runs at a time")
+    p.add_argument("--runs", nargs="+", default=None, help="run names to run (default: every run of the experiments)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="cap each training run's wall time (it stops, checkpoints and is tested as usual)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per command")
     args = p.parse_args(argv)
     if args.scale <= 0:
         p.error(f"--scale must be > 0; got {args.scale}")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        p.error(f"--max-minutes must be > 0; got {args.max_minutes}")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
-    return run_suites(suites, Path(args.out), args.quick, args.scale, args.workers, args.only, args.timeout)
+    try:
+        return run_suites(suites, Path(args.out), args.quick, args.scale, args.workers, args.only, args.timeout,
+                          args.runs, args.max_minutes)
+    except ValueError as e:
+        p.error(str(e))
