@@ -45,8 +45,8 @@ def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkey
         reproduce.main(["goat", "--only", "vqaa", "--out", str(tmp_path)])
     assert "--only vqaa matches no experiment of goat; they have genome, text_length" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        reproduce.main(["mesa", "--runs", "goat_no_key_lin", "--out", str(tmp_path)])
-    assert "--runs 'goat_no_key_lin' is no run of the chosen experiments; they have" in capsys.readouterr().err
+        reproduce.main(["mesa", "--runs", "goat_key_lin", "--out", str(tmp_path)])
+    assert "--runs 'goat_key_lin' is no run of the chosen experiments; they have" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         reproduce.main(["mesa", "--max-minutes", "0", "--out", str(tmp_path)])
     assert "--max-minutes must be > 0; got 0.0" in capsys.readouterr().err
