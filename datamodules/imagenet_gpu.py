@@ -265,7 +265,7 @@ def collate_encoded(samples: list[dict]) -> EncodedBatch:
     jpegs = [s["jpeg"] for s in samples]
     offsets = torch.zeros(len(jpegs) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor([len(j) for j in jpegs]).cumsum(0)
-    names = [k for k in samples[0] if k not in ("jpeg", "label", "key")]
+    names = [k for k in samples[0] if k not in ("jpeg", "label", "key") and not k.startswith("__")]  # wds adds __key__
     params = {k: torch.stack([s[k] for s in samples]) for k in names}
     return EncodedBatch(torch.cat(jpegs), offsets, torch.tensor([s["label"] for s in samples], dtype=torch.int64),
                         [s["key"] for s in samples], params, train=bool(names))
@@ -380,10 +380,11 @@ def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor
     dev = x.device
     a = arg.to(dev, torch.float32)
     if name == "AutoContrast":  # ImageOps.autocontrast: per channel lo..hi -> 0..255, int() of the LUT value
-        lo = x.amin(dim=(-2, -1), keepdim=True)
-        hi = x.amax(dim=(-2, -1), keepdim=True)
-        scale = 255.0 / (hi - lo).clamp_min(1)
-        return torch.where(hi > lo, (x * scale - lo * scale).floor().clamp(0, 255), x)
+        xd = x.double()  # PIL builds the LUT in double precision
+        lo = xd.amin(dim=(-2, -1), keepdim=True)
+        hi = xd.amax(dim=(-2, -1), keepdim=True)
+        scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
+        return torch.where(hi > lo, (xd * scale - lo * scale).floor().clamp(0, 255), xd).to(x.dtype)
     if name == "Equalize":
         from torchvision.transforms.v2.functional import equalize
 
