@@ -474,7 +474,7 @@ def heldout_batches(ckpt: str | Path, n: int) -> list[Any]:
     dm.setup("validate")
     out = []
     for b in dm.val_dataloader():
-        out.append(b)
+        out.append(dm.on_after_batch_transfer(b, 0))  # e.g. ImageNet decode: gpu decodes here (on the CPU)
         if len(out) >= n:
             break
     return out

@@ -1,0 +1,302 @@
+"""Input-pipeline benchmark: does ``ImageNetDataModule`` keep a GPU busy with ViT-S/16? (issue 21)
+
+Run from the project root on the training machine (one GPU, all its CPU cores)::
+
+    python scripts/bench_input.py --workers 15 --out bench_input.md
+    python scripts/bench_input.py --shards '/data/imagenet/wds/imagenet1k-train-{0000..1023}.tar' \\
+        --val-shards '/data/imagenet/wds/imagenet1k-validation-{0000..0063}.tar' --workers 15 --out bench_input.md
+    python scripts/bench_input.py --quick --out /tmp/bench_input.md      # CPU smoke run, well under a minute
+
+Without ``--shards`` it first writes synthetic ImageNet-like shards (``--images`` photo-like JPEGs of
+``--image-wh`` pixels, about 77 kB each at 500x375, ``--classes`` labels; ``write_synthetic_shards``, the
+``scripts/make_wds_shards.py`` writer) into ``--workdir``. For every ``--decode`` mode it measures, after
+``--warmup`` batches, over ``--batches`` batches of ``--batch-size``:
+
+* ``loader``: images/s out of the DataLoader (``--workers`` processes). ``cpu``: decoded and augmented
+  tensors (timm DeiT recipe). ``gpu``: JPEG bytes + sampled augmentation parameters only;
+* ``loader + device stage``: the same followed by the datamodule's ``on_after_batch_transfer`` on the
+  device (``decode: gpu``: batched ``decode_jpeg``, crop/resize, RandAugment, erasing);
+* ``device stage alone``: that stage on one batch held in memory (its device time per batch competes with
+  the model's);
+* ``end to end``: loader + device stage + a ViT-S/16 training step (timm Mixup/CutMix, fwd + bwd + AdamW,
+  bf16 autocast on CUDA): what training would see;
+
+for the training and (``--val-shards`` or the synthetic set) the evaluation pipeline, and the model alone
+(random tensors, same step). On CPU the device stage runs on the CPU. Also reported: the fraction of
+images whose JPEG could be decoded at reduced size (PIL ``Image.draft``, a 2x or more DCT scaling) without
+going under the resolution the crop needs (train: both crop sides >= 2 x 224; eval: short side >= 2 x 256).
+Writes a Markdown table with date, device and command to ``--out`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def to_device(dm, batch, device: torch.device):
+    """A loader batch -> (images, labels) on ``device``, as Lightning would (transfer, then the hook)."""
+    batch = dm.transfer_batch_to_device(batch, device, 0)
+    return dm.on_after_batch_transfer(batch, 0)
+
+
+def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int, stage: bool,
+                step=None) -> tuple[float, int]:
+    """(images/s, images timed) of ``split``'s loader, optionally followed by the device stage and ``step``."""
+    loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+    it = iter(loader)
+    n = 0
+    t0 = None
+    for k in range(warmup + batches):
+        if k == warmup:
+            sync(device)
+            t0, n = time.perf_counter(), 0
+        try:
+            b = next(it)
+        except StopIteration:
+            break
+        if stage:
+            x, y = to_device(dm, b, device)
+            if step is not None:
+                step(x, y)
+            n += len(y)
+        else:
+            n += len(b) if not isinstance(b, (tuple, list)) else len(b[1])
+    sync(device)
+    dt = time.perf_counter() - (t0 if t0 is not None else time.perf_counter())
+    del it
+    return (n / dt if dt > 0 and n else float("nan")), n
+
+
+def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, float]:
+    """(images/s, ms per batch) of the device stage alone on one held batch (``decode: gpu``)."""
+    loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+    b = next(iter(loader))
+    for _ in range(2):
+        to_device(dm, b, device)
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x, y = to_device(dm, b, device)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times)
+    return len(y) / t, 1000 * t
+
+
+def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
+    import timm
+
+    if name == "tiny":
+        from timm.models.vision_transformer import VisionTransformer
+
+        model = VisionTransformer(img_size=image_size, patch_size=16, embed_dim=32, depth=1, num_heads=2,
+                                  num_classes=num_classes)
+    else:
+        import mixlab.heads.vit  # noqa: F401  (registers vit_small_patch16_<position>)
+
+        model = timm.create_model(name, num_classes=num_classes, drop_path_rate=0.1, img_size=image_size)
+    return model.to(device).train()
+
+
+def make_step(model, device: torch.device, num_classes: int):
+    """A training step as ImageClassifier's: timm Mixup/CutMix (DeiT), soft-target CE, AdamW; bf16 on CUDA."""
+    from timm.data import Mixup
+
+    mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5, mode="batch", label_smoothing=0.1,
+                num_classes=num_classes)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+
+    def step(x, y):
+        if x.shape[0] % 2:
+            x, y = x[:-1], y[:-1]
+        xm, ym = mix(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(xm)
+        loss = torch.sum(-ym * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def time_model(step, batch: int, image_size: int, num_classes: int, device: torch.device, warmup: int,
+               iters: int) -> float:
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+    for _ in range(warmup):
+        step(x, y)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step(x, y)
+    sync(device)
+    return batch * iters / (time.perf_counter() - t0)
+
+
+def draft_fractions(pattern: str, image_size: int, crop_pct: float, limit: int) -> tuple[float, float, int]:
+    """Fractions of images (first ``limit`` of the shards; JPEG headers only) where PIL's ``draft`` could
+    decode at 1/2 size or less: (train: a timm RandomResizedCrop draw has both sides >= 2 x image_size;
+    eval: short side >= 2 x floor(image_size / crop_pct)), and the number of images looked at."""
+    import random
+
+    import webdataset as wds
+    from PIL import Image
+    from timm.data.transforms import RandomResizedCropAndInterpolation
+
+    from mixlab.datamodules.imagenet import expand_shards
+
+    rng = random.Random(0)
+    rrc = RandomResizedCropAndInterpolation(image_size)
+    resize = math.floor(image_size / crop_pct)
+    train = evals = n = 0
+    for sample in wds.tarfile_samples([{"url": u} for u in expand_shards(pattern)]):
+        data = next((sample[k] for k in ("jpg", "jpeg") if k in sample), None)
+        if data is None:
+            continue
+        img = Image.open(io.BytesIO(data))
+        state = random.getstate()
+        random.seed(rng.random())
+        _, _, h, w = rrc.get_params(img, rrc.scale, rrc.ratio)
+        random.setstate(state)
+        train += h >= 2 * image_size and w >= 2 * image_size
+        evals += min(img.size) >= 2 * resize
+        n += 1
+        if n >= limit:
+            break
+    return train / max(n, 1), evals / max(n, 1), n
+
+
+def device_name(device: torch.device) -> str:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {cores} CPU cores"
+    return f"CPU only ({platform.processor() or platform.machine()}), {cores} CPU cores"
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shards", default=None, help="training shard pattern (default: write synthetic shards)")
+    p.add_argument("--val-shards", default=None, help="evaluation shard pattern (default: --shards)")
+    p.add_argument("--workdir", default=None, help="where synthetic shards go (default: a temporary folder)")
+    p.add_argument("--images", type=int, default=4096, help="synthetic images")
+    p.add_argument("--image-wh", default="500x375", help="synthetic image width x height (pixels)")
+    p.add_argument("--classes", type=int, default=10, help="synthetic classes (real shards: 1000)")
+    p.add_argument("--shard-size", type=int, default=128, help="synthetic images per shard")
+    p.add_argument("--decode", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"])
+    p.add_argument("--workers", type=int, default=15, help="DataLoader workers")
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--warmup", type=int, default=5, help="batches before timing")
+    p.add_argument("--batches", type=int, default=30, help="timed batches")
+    p.add_argument("--model", default="vit_small_patch16_224",
+                   help="timm model name (mixlab's vit_small_patch16_goat2d etc. work too) or 'tiny'")
+    p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
+    p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
+    p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
+    p.add_argument("--out", default=None, help="write the Markdown table here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.images, a.image_wh, a.classes, a.shard_size, a.workers = 48, "64x48", 4, 6, 2
+        a.batch_size, a.image_size, a.warmup, a.batches, a.model = 8, 32, 1, 3, "tiny"
+        a.device = a.device or "cpu"
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from mixlab.datamodules.imagenet import ImageNetDataModule, write_synthetic_shards
+
+    tmp = None
+    train_pattern, what = a.shards, "real shards"
+    if train_pattern is None:
+        wdir = a.workdir or (tmp := tempfile.TemporaryDirectory(prefix="bench_input_")).name
+        w, h = (int(v) for v in a.image_wh.lower().split("x"))
+        t0 = time.perf_counter()
+        train_pattern = write_synthetic_shards(wdir, a.images, (w, h), a.classes, a.shard_size)
+        files = sorted((Path(wdir) / "folder").rglob("*.jpg"))
+        kb = sum(f.stat().st_size for f in files) / len(files) / 1000
+        what = f"synthetic: {a.images} JPEGs {w}x{h}, {kb:.0f} kB mean, {a.classes} classes " \
+               f"(written in {time.perf_counter() - t0:.0f} s)"
+    val_pattern = a.val_shards or train_pattern
+
+    num_classes = a.classes if a.shards is None else 1000
+
+    def dm_for(mode: str) -> ImageNetDataModule:
+        return ImageNetDataModule(format="wds", train_path=train_pattern, val_path=val_pattern, num_classes=num_classes,
+                                  image_size=a.image_size, batch_size=a.batch_size, num_workers=a.workers,
+                                  train_samples=10**9, shuffle_buffer=min(5000, 4 * a.batch_size),
+                                  persistent_workers=False, decode=mode)
+
+    rows: list[tuple[str, ...]] = []
+
+    def row(pipeline, decode, stage, ips, ms="", note=""):
+        rows.append((pipeline, decode, str(a.workers) if stage != "device stage alone" and decode != "-" else "-",
+                     stage, f"{ips:,.0f}", ms, note))
+
+    model = build_model(a.model, a.image_size, num_classes, device)
+    step = make_step(model, device, num_classes)
+    model_ips = time_model(step, a.batch_size, a.image_size, num_classes, device, max(2, a.warmup),
+                           max(3, a.batches // 2))
+    row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
+        f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
+    splits = ["train"] + ([] if a.no_eval else ["val"])
+    for split in splits:
+        for mode in a.decode:
+            dm = dm_for(mode)
+            if mode == "cpu":
+                ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
+                row(split, mode, "loader (decoded, augmented)", ips, note=f"{n} images")
+            else:
+                ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
+                row(split, mode, "loader (bytes + parameters)", ips, note=f"{n} images")
+                ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True)
+                row(split, mode, "loader + device stage", ips, note=f"{n} images")
+                ips, ms = time_stage(dm, split, device, max(3, a.batches // 3))
+                row(split, mode, "device stage alone", ips, f"{ms:.1f}", f"on {device.type}")
+            if split == "train" and not a.no_end_to_end:
+                ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
+                row(split, mode, "end to end (loader + device stage + model step)", ips,
+                    f"{1000 * a.batch_size / ips:.1f}", f"{ips / model_ips:.0%} of the model alone")
+    f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
+    cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
+                                                         *(sys.argv[1:] if argv is None else argv)])
+    lines = [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
+             f"- device: {device_name(device)}; torch {torch.__version__}",
+             f"- data: {what if a.shards is None else train_pattern}",
+             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed",
+             f"- command: `{cmd}`", "",
+             "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
+             "|---|---|---|---|---:|---:|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {f_train:.1%} of training crops and "
+              f"{f_eval:.1%} of evaluation images ({n_draft} images looked at).", ""]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text)
+    if tmp is not None:
+        tmp.cleanup()
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""scripts/bench_input.py --quick on CPU: synthetic shards, both decode modes, a well-formed Markdown table."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # DataLoader workers may import the script too
+    import bench_input
+
+    out = tmp_path / "bench.md"
+    text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data")])
+    assert out.read_text() == text
+    lines = text.splitlines()
+    assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
+    assert "- command: `python scripts/bench_input.py --quick --out " in text and "synthetic: 48 JPEGs 64x48" in text
+    head = lines.index("| pipeline | decode | workers | measured | img/s | ms/batch | note |")
+    assert lines[head + 1] == "|---|---|---|---|---:|---:|---|"
+    rows = []
+    for line in lines[head + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 7, line
+        ips = float(cells[4].replace(",", ""))
+        assert math.isfinite(ips) and ips > 0, line
+        rows.append(tuple(cells[:4]))
+    assert rows[0][:2] == ("model", "-") and rows[0][3].startswith("tiny fwd+bwd+AdamW")
+    measured = {(p, d, m) for p, d, _, m in rows}
+    for split in ("train", "val"):
+        assert (split, "cpu", "loader (decoded, augmented)") in measured
+        for m in ("loader (bytes + parameters)", "loader + device stage", "device stage alone"):
+            assert (split, "gpu", m) in measured
+    assert {("train", d, "end to end (loader + device stage + model step)") for d in ("cpu", "gpu")} <= measured
+    assert len(rows) == 11 and "PIL `draft`" in text

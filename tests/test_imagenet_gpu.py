@@ -1,0 +1,209 @@
+"""``decode: gpu`` (mixlab.datamodules.imagenet_gpu) run on the CPU device against the CPU (timm/PIL) path.
+
+Images are the photo-like synthetic JPEGs of ``write_synthetic_shards`` (96 x 72, 3 classes); levels are
+0..255 (the uint8 scale), so "mean |d| < 1" is less than one grey level.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mixlab.datamodules.imagenet import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    SKIPPED,
+    ImageNetDataModule,
+    decode_sample,
+    eval_transform,
+    seeded_rngs,
+    synthetic_jpeg,
+    train_transform,
+    write_synthetic_shards,
+)
+from mixlab.datamodules.imagenet_gpu import (
+    RA_OPS,
+    EncodedBatch,
+    GpuPipeline,
+    TrainParams,
+    apply_ra_op,
+    collate_encoded,
+    decode_jpegs,
+    encode_sample,
+)
+
+MEAN, STD = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
+
+
+def _levels(x: torch.Tensor) -> torch.Tensor:
+    """Normalised images -> 0..255 levels."""
+    return (x * STD + MEAN) * 255
+
+
+@pytest.fixture(scope="module")
+def samples():
+    rng = np.random.default_rng(0)
+    return [{"__key__": f"k{i}", "__url__": "s.tar", "jpg": synthetic_jpeg(rng, 96, 72), "cls": str(i % 3).encode()}
+            for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synthetic")
+    return write_synthetic_shards(out, 24, size=(96, 72), num_classes=3, maxcount=4)  # 6 shards
+
+
+def _both_paths(samples, tf, seed0=1000):
+    """CPU path images and the gpu path (CPU device) batch for the same per-sample seeds."""
+    cpu, enc = [], []
+    params = TrainParams(tf)
+    for i, s in enumerate(samples):
+        with seeded_rngs(seed0 + i):
+            cpu.append(decode_sample(s, 3, tf)[0])
+        with seeded_rngs(seed0 + i):
+            enc.append(encode_sample(s, 3, params))
+    batch = collate_encoded(enc)
+    x, y = GpuPipeline(tf, train=True)(batch)
+    return torch.stack(cpu), x, y, batch
+
+
+def test_sampled_parameters_are_the_cpu_paths_draws():
+    """Crop boxes (on the original size) equal timm's RandomResizedCrop draws for the same seed, and their
+    distribution is the recipe's: area fraction in [0.08, 1] (mean ~0.42 on a 4:3 image: draws that do
+    not fit are redrawn, which favours small crops), aspect in [3/4, 4/3]."""
+    tf = train_transform(224)
+    params, rrc = TrainParams(tf), tf.transforms[0]
+    img = Image.open(io.BytesIO(synthetic_jpeg(np.random.default_rng(1), 500, 375)))  # header only
+    crops = []
+    for seed in range(400):
+        with seeded_rngs(seed):
+            p = params(img)
+        with seeded_rngs(seed):
+            ref = rrc.get_params(img, rrc.scale, rrc.ratio)
+        assert p["crop"].tolist() == list(ref)
+        crops.append(ref)
+    c = torch.tensor(crops, dtype=torch.float64)
+    area, aspect = c[:, 2] * c[:, 3] / (500 * 375), c[:, 3] / c[:, 2]
+    assert area.min() >= 0.075 and area.max() <= 1.0 and 0.38 < area.mean() < 0.47
+    assert aspect.min() >= 0.74 and aspect.max() <= 1.34
+    assert (c[:, 0] + c[:, 2] <= 375).all() and (c[:, 1] + c[:, 3] <= 500).all()
+
+
+@pytest.mark.parametrize("name", RA_OPS)
+def test_each_randaugment_op_matches_timms_pil_op(name):
+    """Every op against timm's own PIL function on the same image and argument: bit-exact except the
+    geometric ops (grid_sample bicubic a=-0.75 vs PIL's a=-0.5: under 1.5 levels on average)."""
+    from timm.data.auto_augment import NAME_TO_OP
+
+    img = Image.open(io.BytesIO(synthetic_jpeg(np.random.default_rng(2), 70, 50))).convert("RGB")
+    x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)[None].float()
+    args = {"Rotate": 25.0, "Posterize": 2, "PosterizeIncreasing": 1, "PosterizeOriginal": 6, "Solarize": 100,
+            "SolarizeIncreasing": 30, "SolarizeAdd": 90, "ShearX": 0.27, "ShearY": -0.27, "TranslateX": 11.0,
+            "TranslateY": -7.0, "TranslateXRel": 0.3, "TranslateYRel": -0.4, "Color": 1.7, "Contrast": 0.4,
+            "Brightness": 1.6, "Sharpness": 0.2, "ColorIncreasing": 0.3, "ContrastIncreasing": 1.8,
+            "BrightnessIncreasing": 0.5, "SharpnessIncreasing": 1.9}
+    fill = (124, 116, 104)
+    a = args.get(name)
+    ref = NAME_TO_OP[name](img, *([] if a is None else [a]), fillcolor=fill, resample=Image.BICUBIC)
+    ref = torch.from_numpy(np.asarray(ref).copy()).permute(2, 0, 1).float()
+    out = apply_ra_op(name, x, torch.tensor([float(a or 0)], dtype=torch.float64), 3, torch.tensor(fill).float())[0]
+    d = (out - ref).abs()
+    assert out.shape == ref.shape and out.min() >= 0 and out.max() <= 255 and torch.equal(out, out.round())
+    if name in ("Rotate", "ShearX", "ShearY"):
+        assert d.mean() < 1.5 and (d == 0).float().mean() > 0.3, (d.mean(), d.max())
+    else:
+        assert d.max() == 0, (d.mean(), d.max())
+
+
+def test_train_batch_matches_cpu_path_per_image_and_per_channel(samples):
+    """Same seeds: the same crops, flips, ops and erasing boxes; images without erasing agree to under one
+    level on average (decoder and resize kernels), erased ones outside their box; per-channel mean and std
+    of the batch agree to 0.02 (normalised units)."""
+    tf = train_transform(64)
+    x_cpu, x, y, batch = _both_paths(samples, tf)
+    assert x.shape == x_cpu.shape == (24, 3, 64, 64) and x.dtype == torch.float32
+    assert y.tolist() == [i % 3 for i in range(24)]
+    boxes = batch.params["erase"][:, 0]
+    erased = boxes[:, 2] > 0
+    assert 0 < int(erased.sum()) < 24 and (batch.params["ra_op"] >= 0).any()
+    for k in range(24):
+        d = (_levels(x[k]) - _levels(x_cpu[k])).abs()
+        if erased[k]:
+            t, le, h, w = boxes[k].tolist()
+            d[:, t:t + h, le:le + w] = 0
+        assert d.mean() < 1.0, (k, d.mean())
+    keep = ~erased
+    assert torch.allclose(x[keep].mean((0, 2, 3)), x_cpu[keep].mean((0, 2, 3)), atol=0.02)
+    assert torch.allclose(x[keep].std((0, 2, 3)), x_cpu[keep].std((0, 2, 3)), atol=0.02)
+    assert torch.allclose(x.std((0, 2, 3)), x_cpu.std((0, 2, 3)), atol=0.05)  # erasing noise: N(0, 1) both
+    again, _ = GpuPipeline(tf, train=True)(batch)
+    assert torch.equal(again, x)  # deterministic given the batch (exact resume)
+
+
+@pytest.mark.parametrize("size", [32, [24, 40], 80])
+def test_eval_batch_matches_cpu_path(samples, size):
+    """Resize by 256/224 then centre crop, at square, non-square and upsampling resolutions: equal to the
+    CPU path within JPEG decoder differences (mean under 0.5 levels, no pixel off by more than 12)."""
+    tf = eval_transform(size)
+    ref = torch.stack([decode_sample(s, 3, tf)[0] for s in samples])
+    x, y = GpuPipeline(tf, train=False)(collate_encoded([encode_sample(s, 3) for s in samples]))
+    assert x.shape == ref.shape and y.tolist() == [i % 3 for i in range(24)]
+    d = (_levels(x) - _levels(ref)).abs()
+    assert d.mean() < 0.5 and d.max() <= 12, (d.mean(), d.max())
+
+
+def test_corrupt_images_are_skipped_and_counted_in_workers_and_at_decode(samples):
+    good = samples[0]["jpg"]
+    bad = [dict(samples[1], jpg=good[: len(good) // 3], __key__="trunc"),  # no end-of-image marker: PIL check
+           dict(samples[2], jpg=b"not an image", __key__="junk")]
+    params = TrainParams(train_transform(32))
+    before = SKIPPED["corrupt"]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        assert [encode_sample(s, 3, params) for s in bad] == [None, None]
+    assert SKIPPED["corrupt"] - before == 2 and sum("'trunc' in s.tar" in str(w.message) for w in rec) == 1
+    # a file that passes the worker's header check but no decoder reads: found at (accelerator) decode time
+    enc = [encode_sample(s, 3, params) for s in samples[:4]]
+    broken = bytearray(good[:200]) + bytes(range(256)) * 8 + b"\xff\xd9"
+    enc[1]["jpeg"] = torch.frombuffer(broken, dtype=torch.uint8)
+    batch = collate_encoded(enc)
+    before = SKIPPED["corrupt"]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        imgs = decode_jpegs(batch.data, batch.offsets, torch.device("cpu"), batch.keys)
+        x, y = GpuPipeline(train_transform(32), train=True)(batch)
+    assert imgs[1] is None and all(im is not None and im.shape == (3, 72, 96) for k, im in enumerate(imgs) if k != 1)
+    assert SKIPPED["corrupt"] - before == 2  # once per call
+    assert any("'k1' in s.tar" in str(w.message) and "accelerator" in str(w.message) for w in rec)
+    assert x.shape == (3, 3, 32, 32) and y.tolist() == [batch.labels[k].item() for k in (0, 2, 3)]
+
+
+def test_datamodule_gpu_mode_loaders_and_rank_split(shards, monkeypatch):
+    """``decode='gpu'`` loaders yield EncodedBatch; the datamodule hooks turn them into images; under 2
+    simulated ranks x 2 workers every validation image is read exactly once; ``auto`` is ``cpu`` here."""
+    assert ImageNetDataModule(train_path=shards).decode_mode() == "cpu"
+    with pytest.raises(ValueError, match="decode='gpu' reads WebDataset shards"):
+        ImageNetDataModule(format="folder", decode="gpu")
+    dm = ImageNetDataModule(train_path=shards, val_path=shards, num_classes=3, image_size=32, batch_size=4,
+                            num_workers=2, train_samples=16, decode="gpu", persistent_workers=False)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 4 and all(isinstance(b, EncodedBatch) and b.train for b in batches)
+    x, y = dm.on_after_batch_transfer(dm.transfer_batch_to_device(batches[0], torch.device("cpu"), 0), 0)
+    assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    keys = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        dm = ImageNetDataModule(val_path=shards, num_classes=3, eval_size=24, eval_batch_size=5, num_workers=2,
+                                decode="gpu")
+        for b in dm.val_dataloader():
+            assert not b.train
+            x, y = dm.on_after_batch_transfer(b, 0)
+            assert x.shape == (len(b), 3, 24, 24)
+            keys += b.keys
+    assert len(keys) == len(set(keys)) == 24
