@@ -111,9 +111,13 @@ def build_model(name: str, image_size: int, num_classes: int, device: torch.devi
 
         model = VisionTransformer(img_size=image_size, patch_size=16, embed_dim=32, depth=1, num_heads=2,
                                   num_classes=num_classes)
-    else:
-        import mixlab.heads.vit  # noqa: F401  (registers vit_small_patch16_<position>)
+    elif name.startswith("mixlab-"):  # mixlab's ViT-S/16 with a position preset: mixlab-goat2d, mixlab-ape, ...
+        from mixlab.heads.vit import MixViT, vit_backbone
 
+        preset = name.removeprefix("mixlab-")
+        model = MixViT(num_classes=num_classes, img_size=image_size, backbone=vit_backbone(preset),
+                       ape=preset == "ape")
+    else:
         model = timm.create_model(name, num_classes=num_classes, drop_path_rate=0.1, img_size=image_size)
     return model.to(device).train()
 
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--warmup", type=int, default=5, help="batches before timing")
     p.add_argument("--batches", type=int, default=30, help="timed batches")
     p.add_argument("--model", default="vit_small_patch16_224",
-                   help="timm model name (mixlab's vit_small_patch16_goat2d etc. work too) or 'tiny'")
+                   help="timm model name, mixlab-<preset> (mixlab's ViT-S/16: mixlab-goat2d, mixlab-ape, mixlab-rope2d, "
+                        "mixlab-nope) or 'tiny'")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
