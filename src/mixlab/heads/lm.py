@@ -140,11 +140,20 @@ class CausalLM(Head):
     def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if batch.dim() != 2:
             raise ValueError(f"CausalLM expects LongTensor [B, L+1] batches; got shape {tuple(batch.shape)}")
-        return self._scores(batch[:, :-1], batch[:, 1:])
+        return self.scores(batch[:, :-1], batch[:, 1:])
 
-    def _scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(nll, valid, hits)`` of :func:`token_nll` for ``inputs [B, T]`` and ``targets [B, T]``, the output
-        layer and cross entropy chunked by ``loss_chunk_tokens`` tokens when set."""
+    def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-token next-token scores of a batch, as training and evaluation use them.
+
+        Args:
+            inputs: ``[B, T]`` int64 token ids.
+            targets: ``[B, T]`` int64 ids to predict at each position; ``-100`` is not scored.
+
+        Returns:
+            ``(nll [B*T] float32 nats (0 where not scored), valid [B*T] bool, hits [B*T] bool)`` as
+            :func:`token_nll`; the output layer and cross entropy chunked by ``loss_chunk_tokens`` tokens
+            when set (the mean training loss is ``nll.sum() / valid.sum()``).
+        """
         if not self.loss_chunk_tokens:
             return token_nll(self(inputs), targets)
         h = self.hidden(inputs).flatten(0, 1)

@@ -116,12 +116,12 @@ class SyntheticLM(CausalLM):
 
     def _nll(self, batch) -> tuple[Tensor, Tensor, Tensor]:
         inp, tgt, _ = split_batch(batch)
-        return self._scores(inp, tgt)
+        return self.scores(inp, tgt)
 
-    def _scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if self.decoder != "lm":
             return token_nll(self(inputs), targets)
-        return super()._scores(inputs, targets)
+        return super().scores(inputs, targets)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -132,7 +132,7 @@ class SyntheticLM(CausalLM):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         inp, tgt, b = split_batch(batch)
-        nll, valid, hits = self._scores(inp, tgt)
+        nll, valid, hits = self.scores(inp, tgt)
         n = valid.sum().clamp_min(1)
         loss = nll.sum() / n
         if self.span_weight > 0 and "span" in b:
