@@ -1,4 +1,4 @@
-"""The chunked output layer + cross entropy (``mixlab.ops.cross_entropy``, the LM heads' ``loss_chunk_tokens``)
+"""The chunked output layer + cross entropy (``mixlab.heads.loss``, the LM heads' ``loss_chunk_tokens``)
 equals the plain full cross entropy: loss, hits and the gradients of the hidden states and the weight."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from mixlab.backbone import BackboneConfig
 from mixlab.heads.lm import AUTO_CHUNK_TOKENS, CausalLM
+from mixlab.heads.loss import linear_cross_entropy
 from mixlab.heads.synthetic import SyntheticLM
-from mixlab.ops.cross_entropy import linear_cross_entropy
 
 
 def _plain(h, w, t):

@@ -12,7 +12,7 @@ from torchmetrics import SumMetric
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
-from mixlab.ops.cross_entropy import linear_cross_entropy
+from mixlab.heads.loss import linear_cross_entropy
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
@@ -54,7 +54,7 @@ class CausalLM(Head):
         abs_pos_len: > 0 adds learned absolute position embeddings for up to this many
             tokens (the "learned absolute" baseline; combine with ``mixer: nope``).
         loss_chunk_tokens: training and evaluation losses compute the output layer and the cross
-            entropy this many tokens at a time (:func:`mixlab.ops.cross_entropy.linear_cross_entropy`:
+            entropy this many tokens at a time (:func:`mixlab.heads.loss.linear_cross_entropy`:
             the ``[B*T, vocab]`` float32 logits never exist whole; each chunk's logits are recomputed
             in backward, one more output matmul); ``0`` never chunks; ``None`` (default) chunks by
             :data:`AUTO_CHUNK_TOKENS` tokens for vocabularies of at least :data:`AUTO_CHUNK_MIN_VOCAB`

@@ -1,4 +1,4 @@
-"""Output layer and next-token cross entropy in chunks of tokens (never the whole ``[N, V]`` logits).
+"""The LM heads' output layer and next-token cross entropy in chunks of tokens (never the whole ``[N, V]`` logits).
 
 An LM's last matmul ``logits = h W^T`` and its cross entropy hold ``N x V`` float32 logits (and as
 many for their gradient) in training: at GPT-2's vocabulary, 8 x 2048 tokens take 6.6 GB. Computed
@@ -16,15 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from mixlab.heads.common import float_logits
+
 __all__ = ["linear_cross_entropy"]
 
 
-def _float_logits(logits: Tensor) -> Tensor:
-    return logits if logits.dtype == torch.float64 else logits.float()
-
-
 def _chunk_scores(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    logits = _float_logits(F.linear(hidden, weight))  # [n, V]: bf16 matmul under autocast, scored in float32
+    logits = float_logits(F.linear(hidden, weight))  # [n, V]: bf16 matmul under autocast, scored in float32
     nll = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
     hits = (logits.argmax(-1) == targets) & (targets != ignore_index)
     return nll, hits
