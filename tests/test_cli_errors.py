@@ -173,6 +173,6 @@ def test_image_size_not_divisible_by_patch_is_one_line_before_training(capsys, t
 
 def test_every_extra_command_name_resolves():
     """The README's commands keep their names after the evaluation wing moved into ``mixlab.eval``."""
-    assert sorted(cli.COMMANDS) == ["compare", "copy-prior", "figure", "length-extrapolation", "niah", "passkey",
-                                    "reproduce", "resolution"]
+    assert sorted(cli.COMMANDS) == ["compare", "copy-prior", "figure", "generate", "length-extrapolation", "niah",
+                                    "passkey", "reproduce", "resolution"]
     assert all(t.startswith("mixlab.eval.") and callable(cli._resolve(t)) for t in cli.COMMANDS.values())

@@ -12,9 +12,15 @@ from torchmetrics import SumMetric
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
+from mixlab.heads.loss import linear_cross_entropy
 from mixlab.optim import OptimConfig
 
-__all__ = ["CausalLM", "token_nll", "pattern_name"]
+__all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
+
+AUTO_CHUNK_TOKENS = 4096
+"""Tokens per loss chunk when ``loss_chunk_tokens`` is left at None and the vocabulary is large."""
+AUTO_CHUNK_MIN_VOCAB = 8192
+"""Smallest vocabulary for which ``loss_chunk_tokens=None`` chunks the loss (GPT-2's 50257 does, DNA's 5 not)."""
 
 
 def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
@@ -47,10 +53,17 @@ class CausalLM(Head):
         tie_embeddings: share the input embedding and output matrix.
         abs_pos_len: > 0 adds learned absolute position embeddings for up to this many
             tokens (the "learned absolute" baseline; combine with ``mixer: nope``).
+        loss_chunk_tokens: training and evaluation losses compute the output layer and the cross
+            entropy this many tokens at a time (:func:`mixlab.heads.loss.linear_cross_entropy`:
+            the ``[B*T, vocab]`` float32 logits never exist whole; each chunk's logits are recomputed
+            in backward, one more output matmul); ``0`` never chunks; ``None`` (default) chunks by
+            :data:`AUTO_CHUNK_TOKENS` tokens for vocabularies of at least :data:`AUTO_CHUNK_MIN_VOCAB`
+            ids and never for smaller ones. Same loss and gradients either way; :meth:`forward` still
+            returns the whole logits.
 
     Raises:
         ValueError: vocab mismatch with the datamodule; a sequence longer than
-            ``abs_pos_len``.
+            ``abs_pos_len``; a negative ``loss_chunk_tokens``.
     """
 
     def __init__(
@@ -60,8 +73,12 @@ class CausalLM(Head):
         optim: OptimConfig | None = None,
         tie_embeddings: bool = True,
         abs_pos_len: int = 0,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens must be >= 0 (0: no chunking) or null (automatic); "
+                             f"got {loss_chunk_tokens}")
         self.save_hyperparameters()
         plain_hparams(self)
         backbone, optim = as_config(BackboneConfig, backbone), as_config(OptimConfig, optim)
@@ -78,6 +95,9 @@ class CausalLM(Head):
             self.lm_head.weight = self.embed.weight
         else:
             nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
+        if loss_chunk_tokens is None:
+            loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.run_name = pattern_name(backbone.mixer) + ("-ape" if abs_pos_len > 0 else "")
         self.token_unit = "token"
         self.metric_sums = nn.ModuleDict(
@@ -86,7 +106,20 @@ class CausalLM(Head):
 
     # ------------------------------------------------------------------ model
     def forward(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32; float64 for a float64 model)."""
+        """``tokens [B, T]`` int64 -> logits ``[B, T, vocab]`` (float32; float64 for a float64 model).
+
+        With ``caches`` (one dict per layer, filled in place) successive calls continue the sequence:
+        a prompt's parallel forward then one token per call equals the parallel forward of it all.
+        """
+        return float_logits(self.lm_head(self.hidden(tokens, coords, caches)))
+
+    def hidden(self, tokens: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
+        """``tokens [B, T]`` int64 -> final hidden states ``[B, T, D]`` (after the backbone's final norm;
+        the input of ``lm_head``).
+
+        Raises:
+            ValueError: the sequence (with ``caches``: so far) is longer than ``abs_pos_len``.
+        """
         x = self.embed(tokens)
         if self.abs_pos is not None:
             # decoding position kept by the head itself (layer 0 may be a recurrent mixer with no KV length)
@@ -97,7 +130,7 @@ class CausalLM(Head):
             x = x + self.abs_pos.weight[start:end]
             if caches:
                 caches[0]["head_position"] = end
-        return float_logits(self.lm_head(self.backbone(x, coords, caches)))
+        return self.backbone(x, coords, caches)
 
     @staticmethod
     def batch_tokens(batch: Tensor) -> int:
@@ -107,7 +140,24 @@ class CausalLM(Head):
     def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if batch.dim() != 2:
             raise ValueError(f"CausalLM expects LongTensor [B, L+1] batches; got shape {tuple(batch.shape)}")
-        return token_nll(self(batch[:, :-1]), batch[:, 1:])
+        return self.scores(batch[:, :-1], batch[:, 1:])
+
+    def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-token next-token scores of a batch, as training and evaluation use them.
+
+        Args:
+            inputs: ``[B, T]`` int64 token ids.
+            targets: ``[B, T]`` int64 ids to predict at each position; ``-100`` is not scored.
+
+        Returns:
+            ``(nll [B*T] float32 nats (0 where not scored), valid [B*T] bool, hits [B*T] bool)`` as
+            :func:`token_nll`; the output layer and cross entropy chunked by ``loss_chunk_tokens`` tokens
+            when set (the mean training loss is ``nll.sum() / valid.sum()``).
+        """
+        if not self.loss_chunk_tokens:
+            return token_nll(self(inputs), targets)
+        h = self.hidden(inputs).flatten(0, 1)
+        return linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens)
 
     def _update_sums(self, stage: str, nll: Tensor, valid: Tensor, hits: Tensor) -> None:
         self.metric_sums[f"{stage}_nll"].update(nll.sum().double())

@@ -60,7 +60,9 @@ class SyntheticLM(CausalLM):
     """:class:`~mixlab.heads.lm.CausalLM` with explicit targets, macro accuracy and task metrics.
 
     Args:
-        vocab_size, backbone, optim, tie_embeddings, abs_pos_len: as :class:`CausalLM`.
+        vocab_size, backbone, optim, tie_embeddings, abs_pos_len, loss_chunk_tokens: as :class:`CausalLM`
+            (the training loss of ``decoder="lm"`` is chunked; evaluation needs the whole logits for
+            the task metrics).
         span_weight: extra weight ``w`` of the answer-span NLL (batches with ``span``).
         decoder: ``"lm"`` (per-position output) or ``"compression"`` (MAD compression:
             the last hidden state plus a learned position embedding goes through an MLP
@@ -81,8 +83,9 @@ class SyntheticLM(CausalLM):
         span_weight: float = 0.0,
         decoder: Literal["lm", "compression"] = "lm",
         max_len: int = 0,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
-        super().__init__(vocab_size, backbone, optim, tie_embeddings, abs_pos_len)
+        super().__init__(vocab_size, backbone, optim, tie_embeddings, abs_pos_len, loss_chunk_tokens)
         if decoder not in ("lm", "compression"):
             raise ValueError(f"SyntheticLM decoder must be 'lm' or 'compression'; got {decoder!r}")
         self.span_weight, self.decoder = float(span_weight), decoder
@@ -113,7 +116,12 @@ class SyntheticLM(CausalLM):
 
     def _nll(self, batch) -> tuple[Tensor, Tensor, Tensor]:
         inp, tgt, _ = split_batch(batch)
-        return token_nll(self(inp), tgt)
+        return self.scores(inp, tgt)
+
+    def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        if self.decoder != "lm":
+            return token_nll(self(inputs), targets)
+        return super().scores(inputs, targets)
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -124,8 +132,7 @@ class SyntheticLM(CausalLM):
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         inp, tgt, b = split_batch(batch)
-        logits = self(inp)
-        nll, valid, hits = token_nll(logits, tgt)
+        nll, valid, hits = self.scores(inp, tgt)
         n = valid.sum().clamp_min(1)
         loss = nll.sum() / n
         if self.span_weight > 0 and "span" in b:

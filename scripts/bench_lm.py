@@ -1,0 +1,267 @@
+"""Whole-model LM training speed: mixlab's CausalLM per mixer against a textbook plain GPT, in ONE process.
+
+Run on a CUDA device from the project root::
+
+    python scripts/bench_lm.py --out bench_lm.md                 # the issue's table (about 20 minutes on an H200)
+    python scripts/bench_lm.py --models goat kda --modes eager   # a subset (the plain anchor always runs)
+    python scripts/bench_lm.py --quick                           # tiny shape on CPU, eager: checks the script
+
+Models: ``plain`` (the anchor, written below in ~60 lines: token embedding, pre-norm blocks of RMSNorm,
+fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) and
+:class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa`` and
+the hybrid ``--hybrid`` (default ``kda*3,goat``), all at the same shape (default GPT-2 small:
+12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8) with bf16 autocast over float32 parameters
+(as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
+(:meth:`CausalLM.scores`: output layer and cross entropy in chunks of ``loss_chunk_tokens`` tokens,
+automatic at this vocabulary); the anchor's is the plain full-logits one.
+
+Each model runs eagerly and under ``torch.compile`` (``--modes``). Every (model, mode) is built, warmed
+up and its peak memory measured first (``torch.cuda.max_memory_allocated`` above what was allocated
+before it was built: its parameters, gradients, optimizer state and activations, as if alone); then
+``--rounds`` interleaved rounds time ``--steps`` back-to-back training steps of each in turn, so
+every ratio to the plain anchor (same mode, same round) sees the same state of the host and GPU.
+
+Reported per (model, mode): parameters N (tied embedding counted once), tokens/s (median over the
+rounds), the ratio to the plain anchor's tokens/s (median and [min, max] over the rounds), MFU =
+6 N tokens/s / peak FLOP/s (``--peak-tflops``, default 989: H200 bf16 dense; the attention
+score FLOPs are not counted, as in the 6N rule) and the peak memory (GiB; "-" on CPU). The table
+goes to stdout and, with ``--out``, to a Markdown file rewritten after every round (a run cut short
+keeps the rounds it finished). Progress lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid"]
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench_lm {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- the plain GPT anchor
+class PlainBlock(nn.Module):
+    """Pre-norm block: ``x + proj(SDPA(qkv(norm(x))))``, ``x + SwiGLU(norm(x))``."""
+
+    def __init__(self, d: int, h: int, hidden: int) -> None:
+        super().__init__()
+        self.h = h
+        self.norm1, self.norm2 = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.gate_up, self.down = nn.Linear(d, 2 * hidden, bias=False), nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)  # (B, H, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class PlainGPT(nn.Module):
+    """Textbook decoder LM: tied embedding, ``n_layers`` :class:`PlainBlock`, final RMSNorm, full logits."""
+
+    def __init__(self, vocab: int, d: int, n_layers: int, h: int) -> None:
+        super().__init__()
+        hidden = 8 * math.ceil(2 * 4 * d / 3 / 8)  # SwiGLU at 2/3 of 4d per branch, as mixlab's backbone
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(PlainBlock(d, h, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.norm(x), self.embed.weight).float()  # [B, T, V]
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class MixlabLoss(nn.Module):
+    """mixlab's CausalLM with its training loss (mean NLL over scored tokens) as ``forward(inputs, targets)``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, inputs, targets):
+        nll, valid, _ = self.lm.scores(inputs, targets)
+        return nll.sum() / valid.sum()
+
+
+def build(name: str, args) -> nn.Module:
+    """``plain`` or a mixlab CausalLM with mixer ``name`` (``hybrid``: ``args.hybrid``) as a loss module."""
+    torch.manual_seed(0)
+    if name == "plain":
+        return PlainGPT(args.vocab, args.d_model, args.n_layers, args.n_heads)
+    from mixlab.backbone import BackboneConfig
+    from mixlab.heads.lm import CausalLM
+
+    cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
+                         mixer=args.hybrid if name == "hybrid" else name)
+    return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=args.loss_chunk_tokens))
+
+
+# ---------------------------------------------------------------------- measuring
+class Case:
+    """One (model, mode): the module, its optimizer, its training step and what was measured."""
+
+    def __init__(self, name: str, mode: str, args, dev: torch.device) -> None:
+        self.name, self.mode, self.dev = name, mode, dev
+        self.module = build(name, args).to(dev)
+        self.n_params = sum(p.numel() for p in self.module.parameters())  # tied weights counted once
+        fused = dev.type == "cuda"
+        self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
+        self.fn = torch.compile(self.module) if mode == "compile" else self.module
+        g = torch.Generator().manual_seed(1)
+        batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g).to(dev)
+        self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
+        self.amp = args.amp
+        self.tps: list[float] = []
+        self.peak_gib: float | None = None
+
+    def step(self) -> None:
+        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.amp):
+            loss = self.fn(self.inputs, self.targets)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(case: Case, steps: int, tokens: int) -> float:
+    """Tokens/s over ``steps`` back-to-back training steps (no host sync inside)."""
+    sync(case.dev)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        case.step()
+    sync(case.dev)
+    return steps * tokens / (time.perf_counter() - t0)
+
+
+def table(cases: list[Case], args) -> str:
+    """The Markdown table of everything measured so far."""
+    anchor = {c.mode: c for c in cases if c.name == "plain"}
+    head = ["model", "mode", "params (M)", "tokens/s", "ratio to plain: median [min, max]", "MFU %", "peak mem (GiB)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in cases:
+        if not c.tps:
+            continue
+        tps = statistics.median(c.tps)
+        plain = anchor.get(c.mode)
+        ratios = [a / b for a, b in zip(c.tps, plain.tps)] if plain is not None else []
+        ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-"
+        mfu = 100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12)
+        mem = "-" if c.peak_gib is None else f"{c.peak_gib:.2f}"
+        label = f"hybrid `{args.hybrid}`" if c.name == "hybrid" else c.name
+        lines.append(f"| {label} | {c.mode} | {c.n_params / 1e6:.2f} | {tps:,.0f} | {ratio} | {mfu:.1f} | {mem} |")
+    rounds = min((len(c.tps) for c in cases), default=0)
+    note = (f"\n{args.n_layers} layers x {args.d_model}, {args.n_heads} heads, vocabulary {args.vocab}, "
+            f"T {args.seq_len}, batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, "
+            f"{'fused ' if args.device == 'cuda' else ''}AdamW; {rounds} interleaved rounds of {args.steps} steps "
+            f"after {args.warmup} warm-up steps; MFU = 6 N tokens/s / {args.peak_tflops:g} TFLOP/s; "
+            f"device {device_name(args)}; torch {torch.__version__}.\n")
+    return "\n".join(lines) + "\n" + note
+
+
+def device_name(args) -> str:
+    return torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS,
+                   help="mixlab models besides the plain anchor (always measured)")
+    p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")
+    p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile"],
+                   help="default: eager compile (--quick: eager)")
+    p.add_argument("--n-layers", type=int, default=12)
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--n-heads", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--loss-chunk-tokens", type=int, default=None,
+                   help="mixlab's loss_chunk_tokens (default: automatic; 0: full logits like the anchor)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, autotuning)")
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="peak dense FLOP/s of the device, in TFLOP/s")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
+    p.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 rounds of 2 steps), eager, float32")
+    p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
+    args = p.parse_args(argv)
+    for name in ("rounds", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1")
+    if args.quick:
+        args.n_layers, args.d_model, args.n_heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 512, 64, 2
+        args.rounds, args.steps, args.warmup, args.amp = 2, 2, 1, False
+        args.device = args.device or "cpu"
+        args.hybrid = "kda,goat" if args.hybrid == "kda*3,goat" else args.hybrid
+        args.modes = args.modes or ["eager"]
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.modes = args.modes or ["eager", "compile"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run the benchmark; returns the Markdown table (also printed, and written to ``--out``)."""
+    args = parse(argv)
+    dev = torch.device(args.device)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        dynamo = torch._dynamo.config  # every (model, mode) is a new module: room for all their graphs
+        dynamo.cache_size_limit = max(dynamo.cache_size_limit, 64)
+    names = ["plain"] + [m for m in dict.fromkeys(args.models) if m != "plain"]
+    tokens = args.batch * args.seq_len
+    cases: list[Case] = []
+    for mode in args.modes:
+        for name in names:
+            if dev.type == "cuda":
+                sync(dev)
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            log(f"build + warm up {name} ({mode})")
+            case = Case(name, mode, args, dev)
+            for _ in range(args.warmup):
+                case.step()
+            if dev.type == "cuda":
+                sync(dev)
+                case.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
+            cases.append(case)
+    for r in range(args.rounds):
+        for case in cases:
+            case.tps.append(timed(case, args.steps, tokens))
+        log(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{c.name}/{c.mode} {c.tps[-1]:,.0f} tok/s" for c in cases))
+        md = table(cases, args)
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(md)
+    print(md, flush=True)
+    return md
+
+
+if __name__ == "__main__":
+    main()

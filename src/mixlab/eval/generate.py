@@ -1,0 +1,253 @@
+"""Sample a continuation from a trained decoder LM: text, DNA or a character-level synthetic task.
+
+``python -m mixlab generate --ckpt X.ckpt (--prompt TEXT | --fasta FILE) --max-new-tokens N
+[--temperature T --top-k K --seed S --device D --dtype float32|float64|bfloat16 --ignore-eos]``
+
+The prompt is encoded with the checkpoint's own tokenizer (:func:`codec_for`: the text datamodule's
+GPT-2 BPE or bytes, DNA letters for genome runs, the passkey/NIAH characters, whitespace-separated
+token ids for other tasks), run through the model once in parallel (prefill, filling every layer's
+cache: attention keys/values, recurrent states), then decoded one token per step through the caches
+(the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``).
+Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature, cut to the
+``top_k`` largest and sampled with a generator seeded by ``--seed``. Ids the tokenizer cannot decode
+(a model vocabulary padded beyond the tokenizer's) are never sampled; generation stops at the
+tokenizer's end-of-document id unless ``--ignore-eos``.
+
+The generated text (the continuation only) goes to stdout, progress and timings to stderr.
+Mistakes end with one line and exit status 2: a missing checkpoint, a checkpoint that is not a
+decoder LM (a ViT, VQA or MAD-compression run), an empty prompt, characters the tokenizer cannot
+encode (named with their position), ``--fasta`` for a run that is not a genome LM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from mixlab.eval.common import import_class, load_run
+
+__all__ = ["Codec", "codec_for", "generate", "main"]
+
+_LM_HINT = "generate needs a decoder language model (mixlab.heads.CausalLM or SyntheticLM)"
+
+
+@dataclass
+class Codec:
+    """How a run's text and token ids map to each other.
+
+    Attributes:
+        name: ``"gpt2"``, ``"byte"``, ``"dna"``, ``"chars"`` or ``"ids"``.
+        encode: prompt text -> token ids (raises ``ValueError`` naming a character it cannot encode).
+        decode: token ids -> text.
+        vocab_size: ids ``0 .. vocab_size - 1`` can be decoded (sampling never leaves them).
+        eos_id: end-of-document id, or None.
+    """
+
+    name: str
+    encode: Callable[[str], list[int]]
+    decode: Callable[[Sequence[int]], str]
+    vocab_size: int
+    eos_id: int | None = None
+
+
+def _char_codec(name: str, alphabet: str, where: str) -> Codec:
+    index = {c: i for i, c in enumerate(alphabet)}
+
+    def encode(text: str) -> list[int]:
+        for pos, c in enumerate(text):
+            if c not in index:
+                raise ValueError(f"{where}: character {c!r} at position {pos + 1} is not in the model's "
+                                 f"alphabet {alphabet!r}")
+        return [index[c] for c in text]
+
+    return Codec(name, encode, lambda ids: "".join(alphabet[int(i)] for i in ids), len(alphabet))
+
+
+def _ids_codec(vocab_size: int) -> Codec:
+    def encode(text: str) -> list[int]:
+        ids = []
+        for pos, word in enumerate(text.split()):
+            if not word.isdigit() or int(word) >= vocab_size:
+                raise ValueError(f"--prompt: item {pos + 1} ({word!r}) is not a token id in 0..{vocab_size - 1} "
+                                 f"(this run's prompts are whitespace-separated token ids)")
+            ids.append(int(word))
+        return ids
+
+    return Codec("ids", encode, lambda ids: " ".join(str(int(i)) for i in ids), vocab_size)
+
+
+def codec_for(data: str | None, data_args: dict, model_vocab: int) -> Codec:
+    """The :class:`Codec` of a run from its datamodule class path and arguments (the checkpoint's record).
+
+    Text runs (``TextDataModule``): its tokenizer (``gpt2`` BPE or ``byte``; EOS is the end of a
+    document). Genome runs: DNA letters ``ACGTN`` (lowercase and IUPAC codes as the run's
+    ``lowercase`` / ``iupac`` options say; whitespace and newlines are dropped). Passkey / NIAH runs:
+    their character vocabulary. Anything else (MAD and the other synthetic tasks, or no datamodule):
+    whitespace-separated token ids below ``model_vocab``.
+    """
+    cls = import_class(data) if data else None
+    from mixlab.datamodules.genome import GenomeDataModule, encode_sequence
+    from mixlab.datamodules.retrieval import CHARS, RetrievalDataModule
+    from mixlab.datamodules.text import TextDataModule, get_tokenizer
+
+    if cls is not None and issubclass(cls, TextDataModule):
+        tok = get_tokenizer(data_args.get("tokenizer", "gpt2"), data_args.get("tokenizer_file"))
+
+        def encode(text: str) -> list[int]:
+            try:
+                return tok.encode(text)
+            except UnicodeEncodeError as err:  # a lone surrogate: not UTF-8
+                raise ValueError(f"--prompt: character {text[err.start]!r} at position {err.start + 1} cannot be "
+                                 f"encoded by the {tok.name} tokenizer") from None
+
+        return Codec(tok.name, encode, tok.decode, min(int(tok.vocab_size), model_vocab), tok.eos_id)
+    if cls is not None and issubclass(cls, GenomeDataModule):
+        lowercase, iupac = data_args.get("lowercase", "fold"), data_args.get("iupac", "n")
+
+        def encode_dna(text: str) -> list[int]:
+            return encode_sequence("".join(text.split()), lowercase, iupac, where="--prompt").tolist()
+
+        alphabet = GenomeDataModule.alphabet
+        return Codec("dna", encode_dna, lambda ids: "".join(alphabet[int(i)] for i in ids), len(alphabet))
+    if cls is not None and issubclass(cls, RetrievalDataModule):
+        return _char_codec("chars", CHARS, "--prompt")
+    return _ids_codec(model_vocab)
+
+
+def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> Tensor:
+    """``logits [B, V]`` float -> ``[B]`` int64 ids: argmax at temperature 0, else a top-k sample."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             generator: torch.Generator | None = None, vocab_limit: int | None = None,
+             eos_id: int | None = None) -> Tensor:
+    """Continue ``prompt`` with up to ``max_new_tokens`` tokens: one parallel forward of the prompt fills
+    the per-layer caches, then one cached forward per new token.
+
+    Args:
+        model: a :class:`~mixlab.heads.CausalLM` (``hidden(tokens, coords, caches)``, ``lm_head``, ``backbone``).
+        prompt: ``[B, P]`` int64 token ids, ``P >= 1``, on the model's device.
+        max_new_tokens: tokens to generate (>= 0).
+        temperature: 0 for greedy decoding (argmax), else the softmax temperature (> 0).
+        top_k: sample among the ``top_k`` most likely ids only (None: all).
+        generator: random generator for sampling (on the model's device).
+        vocab_limit: only ids below it are generated (the tokenizer's vocabulary; None: all).
+        eos_id: stop once every sequence has produced this id (it is included in the output).
+
+    Returns:
+        ``[B, n]`` int64 new token ids, ``n <= max_new_tokens`` (the prompt not included).
+
+    Raises:
+        ValueError: an empty prompt; a negative ``max_new_tokens`` or ``temperature``; ``top_k < 1``.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); give at least one token")
+    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
+        raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1; got {max_new_tokens}, "
+                         f"{temperature}, {top_k}")
+    caches: list[dict] = [{} for _ in model.backbone.blocks]
+    out: list[Tensor] = []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    tokens = prompt
+    for _ in range(max_new_tokens):
+        h = model.hidden(tokens, None, caches)[:, -1]  # [B, D]; the prompt's last position, then each new token
+        logits = model.lm_head(h).float()
+        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+            logits[:, vocab_limit:] = float("-inf")
+        tokens = _next_token(logits, temperature, top_k, generator)[:, None]
+        out.append(tokens)
+        if eos_id is not None:
+            done |= tokens[:, 0] == eos_id
+            if bool(done.all()):
+                break
+    return torch.cat(out, 1) if out else prompt.new_zeros(prompt.shape[0], 0)
+
+
+def _log(msg: str) -> None:
+    print(f"generate: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """CLI entry (``python -m mixlab generate``); returns ``{"prompt_ids", "ids", "text"}`` (lists of ints, str).
+
+    Raises:
+        FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
+        ValueError: not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
+            ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
+            model's learned absolute positions.
+    """
+    p = argparse.ArgumentParser(prog="python -m mixlab generate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ckpt", required=True, help="checkpoint of a CausalLM / SyntheticLM run")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (DNA letters for a genome run, token ids for other synthetic runs)")
+    src.add_argument("--fasta", help="genome runs: the prompt is the first record of this FASTA(.gz) file")
+    p.add_argument("--max-new-tokens", type=int, default=100)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (argmax)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-document token")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32",
+                   help="parameter and activation dtype (float64: exact comparisons with a parallel forward)")
+    args = p.parse_args(argv)
+
+    from mixlab.heads.lm import CausalLM
+
+    t0 = time.perf_counter()
+    run = load_run(args.ckpt, "cpu", head=CausalLM, hint=_LM_HINT)
+    model = run.model
+    if getattr(model, "decoder", "lm") != "lm":
+        raise ValueError(f"--ckpt {args.ckpt}: a SyntheticLM with decoder={model.decoder!r} reconstructs a whole "
+                         f"sequence at once and does not generate; {_LM_HINT} with decoder 'lm'")
+    model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+    codec = codec_for(run.data, run.data_args, model.vocab_size)
+    if args.fasta is not None:
+        if codec.name != "dna":
+            raise ValueError(f"--fasta is for genome LM checkpoints; {args.ckpt} is a {codec.name} run (use --prompt)")
+        from mixlab.datamodules.genome import read_fasta
+
+        records, _ = read_fasta(args.fasta, run.data_args.get("lowercase", "fold"), run.data_args.get("iupac", "n"))
+        name, codes = records[0]
+        if len(records) > 1:
+            _log(f"{args.fasta} holds {len(records)} records; the prompt is the first, {name!r}")
+        ids = codes.tolist()
+    else:
+        ids = codec.encode(args.prompt)
+    if not ids:
+        raise ValueError("--prompt: the prompt is empty (no token to start from); give at least one character")
+    abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
+    if abs_len is not None and len(ids) + args.max_new_tokens > abs_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
+                         f"learned absolute positions (abs_pos_len={abs_len})")
+    _log(f"{args.ckpt}: {type(model).__name__} {model.run_name}, step {run.step}, {args.dtype} on {args.device}; "
+         f"{codec.name} prompt of {len(ids)} tokens (loaded in {time.perf_counter() - t0:.1f}s)")
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
+    t1 = time.perf_counter()
+    new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, gen, codec.vocab_size,
+                   None if args.ignore_eos else codec.eos_id)[0].tolist()
+    dt = time.perf_counter() - t1
+    stopped = not args.ignore_eos and codec.eos_id is not None and bool(new) and new[-1] == codec.eos_id
+    if stopped:
+        new = new[:-1]  # the end-of-document id is not text
+    text = codec.decode(new)
+    _log(f"{len(new)} new tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill included)"
+         + (", stopped at end-of-document" if stopped else ""))
+    print(text, flush=True)
+    return {"prompt_ids": ids, "ids": new, "text": text}

@@ -1,0 +1,62 @@
+"""scripts/bench_lm.py --quick on CPU: two mixlab models beside the plain anchor, a well-formed table
+(no timing is asserted)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("bench_lm", None)
+    import bench_lm
+
+    return bench_lm
+
+
+def test_bench_lm_quick_writes_a_well_formed_table(tmp_path, monkeypatch, capsys):
+    bench = _bench(monkeypatch)
+    out = tmp_path / "sub" / "bench_lm.md"
+    md = bench.main(["--quick", "--models", "goat", "kda", "--out", str(out)])
+    assert out.read_text() == md
+    captured = capsys.readouterr()
+    assert md in captured.out and "round 2/2" in captured.err  # table on stdout, progress on stderr
+    lines = md.splitlines()
+    assert lines[0] == ("| model | mode | params (M) | tokens/s | ratio to plain: median [min, max] | MFU % "
+                        "| peak mem (GiB) |")
+    assert lines[1] == "|---|---|---|---|---|---|---|"
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:5]]
+    assert [r[:2] for r in rows] == [["plain", "eager"], ["goat", "eager"], ["kda", "eager"]]
+    assert lines[5] == "" and "2 interleaved rounds of 2 steps" in lines[6] and "device cpu" in lines[6]
+    for name, mode, params, tps, ratio, mfu, mem in rows:
+        assert float(params) > 0 and float(tps.replace(",", "")) > 0 and float(mfu) >= 0 and mem == "-"
+        med, lo, hi = map(float, re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", ratio).groups())
+        assert 0 < lo <= med <= hi
+    assert rows[0][4] == "1.000 [1.000, 1.000]"  # the anchor against itself, round by round
+
+
+def test_the_plain_anchor_matches_mixlab_in_size_and_learns(monkeypatch):
+    """The anchor is the textbook model mixlab's nope LM is (RMSNorm, SwiGLU of the same width, tied
+    output): equal parameter counts; its loss starts at about ln(vocab) and decreases under AdamW."""
+    import math
+
+    import torch
+
+    bench = _bench(monkeypatch)
+    args = bench.parse(["--quick"])
+    plain, nope = bench.build("plain", args), bench.build("nope", args)
+    assert sum(p.numel() for p in plain.parameters()) == sum(p.numel() for p in nope.parameters())
+    x = torch.randint(0, args.vocab, (2, 17))
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        loss = plain(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert abs(losses[0] - math.log(args.vocab)) < 0.1 and losses[-1] < losses[0] - 0.5

@@ -1,0 +1,106 @@
+"""The chunked output layer + cross entropy (``mixlab.heads.loss``, the LM heads' ``loss_chunk_tokens``)
+equals the plain full cross entropy: loss, hits and the gradients of the hidden states and the weight."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixlab.backbone import BackboneConfig
+from mixlab.heads.lm import AUTO_CHUNK_TOKENS, CausalLM
+from mixlab.heads.loss import linear_cross_entropy
+from mixlab.heads.synthetic import SyntheticLM
+
+
+def _plain(h, w, t):
+    logits = F.linear(h, w)
+    nll = F.cross_entropy(logits, t, reduction="none", ignore_index=-100)
+    return nll, (logits.argmax(-1) == t) & (t != -100)
+
+
+@pytest.mark.parametrize("n,chunk", [(37, 5), (37, 36), (37, 37), (37, 100), (1, 3), (64, 7)],
+                         ids=lambda v: str(v))
+def test_linear_cross_entropy_equals_the_full_cross_entropy_in_float64(n, chunk):
+    g = torch.Generator().manual_seed(n * 101 + chunk)
+    d, v = 12, 29
+    h = torch.randn(n, d, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -100  # masked positions, as the heads' targets carry them
+    up = torch.randn(n, dtype=torch.float64, generator=g)  # a per-token upstream gradient, not just a mean
+    nll, valid, hits = linear_cross_entropy(h, w, t, chunk=chunk)
+    gh, gw = torch.autograd.grad((nll * up).sum(), (h, w))
+    ref, ref_hits = _plain(h, w, t)
+    rh, rw = torch.autograd.grad((ref * up).sum(), (h, w))
+    assert nll.dtype == torch.float64 and valid.dtype == hits.dtype == torch.bool
+    torch.testing.assert_close(nll, ref, rtol=1e-10, atol=1e-10)
+    assert torch.equal(valid, t != -100) and torch.equal(hits, ref_hits)
+    assert torch.all(nll[t == -100] == 0)
+    torch.testing.assert_close(gh, rh, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-10)
+
+
+def test_linear_cross_entropy_recomputes_instead_of_keeping_the_logits():
+    """With chunks, what autograd keeps for backward holds no [chunk, V] tensor (the logits are recomputed)."""
+    n, d, v, chunk = 50, 8, 1000, 16
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        nll, _, _ = linear_cross_entropy(h, w, t, chunk=chunk)
+    assert saved and not [s for s in saved if len(s) == 2 and s[-1] == v], saved
+    nll.sum().backward()
+    assert h.grad is not None and w.grad is not None
+
+
+def test_linear_cross_entropy_rejects_a_bad_chunk_and_bad_shapes():
+    h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        linear_cross_entropy(h, w, t, chunk=0)
+    with pytest.raises(ValueError, match=r"hidden \[N, D\]"):
+        linear_cross_entropy(h[None], w, t, chunk=2)
+
+
+def _model(cls, chunk, **kw):
+    torch.manual_seed(0)
+    cfg = BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat")
+    return cls(vocab_size=23, backbone=cfg, loss_chunk_tokens=chunk, **kw).double()
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("cls", [CausalLM, SyntheticLM])
+def test_heads_training_loss_and_gradients_do_not_depend_on_loss_chunk_tokens(cls, tie):
+    torch.manual_seed(1)
+    batch = torch.randint(0, 23, (3, 14))  # 3 x 13 = 39 scored tokens: chunks of 5 do not divide it
+    if cls is SyntheticLM:
+        tgt = batch[:, 1:].clone()
+        tgt[:, :4] = -100
+        batch = {"inputs": batch[:, :-1], "targets": tgt, "span": torch.rand(3, 13) < 0.5}
+    results = []
+    for chunk in (0, 5):
+        model = _model(cls, chunk, tie_embeddings=tie, **({"span_weight": 2.0} if cls is SyntheticLM else {}))
+        model.log = lambda *a, **k: None  # no trainer attached
+        loss = model.training_step(batch, 0)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            scores = model._nll(batch)  # the evaluation sums' inputs: (nll, valid, hits)
+        results.append((loss.detach(), grads, scores))
+    (l0, g0, s0), (l1, g1, s1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-10, atol=1e-10)
+    assert g0.keys() == g1.keys() and ("embed.weight" if tie else "lm_head.weight") in g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-10, msg=name)
+    torch.testing.assert_close(s1[0], s0[0], rtol=1e-10, atol=1e-10)
+    assert torch.equal(s1[1], s0[1]) and torch.equal(s1[2], s0[2])
+
+
+def test_loss_chunk_tokens_defaults_on_for_large_vocabularies_only():
+    cfg = BackboneConfig(d_model=8, n_layers=1, n_heads=1, mixer="nope")
+    assert CausalLM(vocab_size=5, backbone=cfg).loss_chunk_tokens == 0
+    assert CausalLM(vocab_size=50304, backbone=cfg).loss_chunk_tokens == AUTO_CHUNK_TOKENS
+    assert CausalLM(vocab_size=50304, backbone=cfg, loss_chunk_tokens=0).loss_chunk_tokens == 0
+    with pytest.raises(ValueError, match="loss_chunk_tokens must be >= 0"):
+        CausalLM(vocab_size=5, backbone=cfg, loss_chunk_tokens=-1)
