@@ -213,8 +213,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--warmup", type=int, default=5, help="batches before timing")
     p.add_argument("--batches", type=int, default=30, help="timed batches")
     p.add_argument("--model", default="vit_small_patch16_224",
-                   help="timm model name, mixlab-<preset> (mixlab's ViT-S/16: mixlab-goat2d, mixlab-ape, mixlab-rope2d, "
-                        "mixlab-nope) or 'tiny'")
+                   help="timm model name, mixlab-<preset> (mixlab's ViT-S/16: mixlab-goat2d, mixlab-ape, "
+                        "mixlab-rope2d, mixlab-nope) or 'tiny'")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
