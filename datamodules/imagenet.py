@@ -119,19 +119,18 @@ def decode_sample(sample: dict, num_classes: int, transform=None):
     Raises:
         ValueError: missing ``jpg``/``cls`` entry, a non-integer or out-of-range label (names key and shard).
     """
-    key, url = sample.get("__key__", "?"), sample.get("__url__", "?")
-    data, label = sample_image_and_label(sample, num_classes)
+    where, data, label = sample_image_and_label(sample, num_classes)
     try:
-        img = Image.open(io.BytesIO(data))
-        img = img.convert("RGB")  # forces the full decode: truncated/corrupt data raises here
+        img = Image.open(io.BytesIO(data)).convert("RGB")  # a full decode: truncated/corrupt data raises here
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for bad files
-        _skip_corrupt(f"{key!r} in {url}", exc)
+        _skip_corrupt(where, exc)
         return None
     return (transform(img) if transform is not None else img), label
 
 
-def sample_image_and_label(sample: dict, num_classes: int) -> tuple[bytes, int]:
-    """``{"__key__", "jpg", "cls"}`` -> (encoded image bytes, label in ``[0, num_classes)``).
+def sample_image_and_label(sample: dict, num_classes: int) -> tuple[str, bytes, int]:
+    """``{"__key__", "jpg", "cls"}`` -> (``"'key' in shard"`` for messages, encoded image bytes, label in
+    ``[0, num_classes)``).
 
     Raises:
         ValueError: missing ``jpg``/``cls`` entry, a non-integer or out-of-range label (names key and shard).
@@ -149,7 +148,7 @@ def sample_image_and_label(sample: dict, num_classes: int) -> tuple[bytes, int]:
     if not 0 <= label < num_classes:
         raise ValueError(f"sample {key!r} in {url}: label {label} is out of range [0, {num_classes}) "
                          f"(num_classes={num_classes})")
-    return sample[img_key], label
+    return f"{key!r} in {url}", sample[img_key], label
 
 
 def _skip_corrupt(what: str, exc: BaseException, then: str = "") -> None:

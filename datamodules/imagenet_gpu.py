@@ -206,8 +206,7 @@ def encode_sample(sample: dict, num_classes: int, params: TrainParams | None = N
     """
     from mixlab.datamodules.imagenet import _skip_corrupt, sample_image_and_label
 
-    key, url = sample.get("__key__", "?"), sample.get("__url__", "?")
-    data, label = sample_image_and_label(sample, num_classes)
+    where, data, label = sample_image_and_label(sample, num_classes)
     try:
         img = Image.open(io.BytesIO(data))
         fmt, mode = img.format, img.mode
@@ -218,10 +217,10 @@ def encode_sample(sample: dict, num_classes: int, params: TrainParams | None = N
                 full.save(buf, format="JPEG", quality=95)
                 data = buf.getvalue()
     except Exception as exc:  # PIL raises OSError, SyntaxError, ValueError ... for bad files
-        _skip_corrupt(f"{key!r} in {url}", exc)
+        _skip_corrupt(where, exc)
         return None
     out: dict[str, Any] = {"jpeg": torch.frombuffer(bytearray(data), dtype=torch.uint8), "label": label,
-                           "key": f"{key!r} in {url}"}
+                           "key": where}
     if params is not None:
         out.update(params(img))
     return out
