@@ -168,6 +168,16 @@ def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
     assert sorted(p.name for p in runs.rglob("*")) == []
 
 
+def test_failed_resume_leaves_no_version_folder(capsys, monkeypatch, tmp_path, trained):
+    """A resume that fails while restoring (other data settings: the sampler's state does not fit)
+    restores global_step > 0 first; it trained nothing in this process, so its new folder goes."""
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=32",
+                "--trainer.max_steps=3", "--run_root", str(runs), "--ckpt_path", str(trained["text"]))
+    assert err[-2].startswith("error: data: ") and "data settings changed since the checkpoint" in err[-2]
+    assert sorted(p.name for p in runs.rglob("*")) == []
+
+
 def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkeypatch, tmp_path):
     """Ctrl-C at step 3 of 4 before any validation: ``last.ckpt`` at step 3, exit status 1; resuming logs
     into the same ``version_0`` (``v_num=0``), keeps its ``config.yaml`` and trains the last step."""

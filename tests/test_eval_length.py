@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from mixlab.backbone import BackboneConfig
 from mixlab.datamodules.text import TextDataModule
 from mixlab.eval import length as L
+from mixlab.eval.common import chunked_logits
 from mixlab.heads.lm import CausalLM
 from mixlab.optim import OptimConfig
 
@@ -68,3 +70,21 @@ def test_length_extrapolation_cli_on_trained_checkpoint(tmp_path):
     assert math.isclose(res["tiny"][32], math.exp(nll.sum() / (n * 32)), rel_tol=1e-4)
     rows = list(csv.reader(open(out / "length_extrapolation.csv")))
     assert rows[0] == ["model", "train_len", "16", "32"] and rows[1][0] == "tiny"
+
+
+def test_bad_arguments_and_non_text_runs_are_one_line_errors(tmp_path, capsys):
+    fixtures = Path(__file__).parent / "fixtures"
+    for argv, msg in ((["--chunk", "-3"], "--chunk must be >= 0 (0: no chunking); got -3"),
+                      (["--lengths", "0"], "--lengths must be positive; got [0.0]"),
+                      (["--max-windows", "0"], "--max-windows must be positive; got 0")):
+        with pytest.raises(SystemExit):
+            L.main(["--ckpt", str(fixtures / "genome_fg2gdn_goat.ckpt"), "--out", str(tmp_path / "x"), *argv])
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # nothing written on bad input
+    # a genome run (with or without --data-path): one line, no TypeError from the datamodule's constructor
+    for extra in ([], ["--data-path", str(tmp_path / "p.fa")]):
+        with pytest.raises(ValueError, match="a GenomeDataModule run; length extrapolation evaluates decoder LMs "
+                                             "trained on text"):
+            L.main(["--ckpt", str(fixtures / "genome_fg2gdn_goat.ckpt"), "--out", str(tmp_path / "y"), *extra])
+    with pytest.raises(ValueError, match="chunk must be >= 0 tokens"):
+        next(chunked_logits(tiny_lm("rope"), torch.zeros(1, 4).long(), -1))

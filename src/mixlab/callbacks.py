@@ -91,6 +91,11 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(filename="last", save_top_k=1, enable_version_counter=False, **kwargs)
+        #: the global step training started from in this process (after a resume's restore); None before
+        self.start_step: int | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start_step = trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):  # steps after the last save

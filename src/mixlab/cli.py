@@ -229,7 +229,10 @@ class MixlabCLI(LightningCLI):
         except BaseException:
             run_dir = self._fresh_run_dir
             trainer = getattr(self, "trainer", None)
-            trained = subcommand == "fit" and trainer is not None and trainer.global_step > 0
+            # trained = a step done in THIS process (a resume restores global_step before it can fail)
+            last = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, LastCheckpoint)), None)
+            start = last.start_step if last is not None else 0
+            trained = subcommand == "fit" and trainer is not None and start is not None and trainer.global_step > start
             if (run_dir is not None and run_dir.is_dir() and not trained and not any(run_dir.rglob("*.ckpt"))
                     and (trainer is None or trainer.is_global_zero)):
                 shutil.rmtree(run_dir, ignore_errors=True)

@@ -140,7 +140,12 @@ def chunked_logits(model, tokens: Tensor, chunk: int | None = None):
     With ``chunk`` (and ``chunk < T``) the sequence is fed chunk by chunk through the
     per-layer caches (``caches=[{} for each layer]``), which for attention is exact and
     keeps the logits memory at ``B * chunk * V``; otherwise one plain forward.
+
+    Raises:
+        ValueError: ``chunk < 0``.
     """
+    if chunk is not None and chunk < 0:
+        raise ValueError(f"chunk must be >= 0 tokens (0 or None: one plain forward); got {chunk}")
     t = tokens.shape[1]
     if not chunk or chunk >= t:
         yield 0, model(tokens)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.eval.common import Run, chunked_logits, load_run, pyplot
+from mixlab.eval.common import Run, chunked_logits, import_class, load_run, pyplot
 
 __all__ = ["position_nll", "length_table", "plot_position_nll", "main"]
 
@@ -100,16 +100,17 @@ def plot_position_nll(curves: dict[str, np.ndarray], train_length: dict[str, int
 
 
 def _datamodule(run: Run, args):
+    cls = import_class(run.data or "mixlab.datamodules.text.TextDataModule")
+    if not hasattr(cls, "windows"):  # checked on the class: --data-path/--tokenizer are text options
+        raise ValueError(f"--ckpt {run.path}: a {cls.__name__} run; length extrapolation evaluates decoder LMs "
+                         "trained on text (TextDataModule or a datamodule with a windows(split, length) method)")
     over = {}
     if args.data_path is not None:
         over["path"], over["tokens_dir"] = args.data_path, None
     if args.tokenizer is not None:
         over["tokenizer"] = args.tokenizer
-    dm = run.datamodule(default="mixlab.datamodules.text.TextDataModule", **over)
-    if not hasattr(dm, "windows"):
-        raise ValueError(f"{run.path}: datamodule {type(dm).__name__} has no windows(split, length) method; "
-                         "length extrapolation needs a text-like datamodule (--data-path)")
-    return dm, int(run.data_args.get("context_length", 0))
+    return run.datamodule(default="mixlab.datamodules.text.TextDataModule", **over), \
+        int(run.data_args.get("context_length", 0))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -131,6 +132,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default=None, help="output folder (default: <ckpt dir>/../length_extrapolation)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
+    for name, bad in (("--chunk", args.chunk is not None and args.chunk < 0),
+                      ("--lengths", any(m <= 0 for m in args.lengths)), ("--max-windows", args.max_windows < 1),
+                      ("--batch-size", args.batch_size < 1), ("--train-length", (args.train_length or 2) < 2)):
+        if bad:
+            value = {"--chunk": args.chunk, "--lengths": args.lengths, "--max-windows": args.max_windows,
+                     "--batch-size": args.batch_size, "--train-length": args.train_length}[name]
+            p.error(f"{name} must be {'>= 0 (0: no chunking)' if name == '--chunk' else 'positive'}"
+                    f"{' (>= 2 tokens)' if name == '--train-length' else ''}; got {value}")
     if args.labels and len(args.labels) != len(args.ckpt):
         p.error(f"--labels has {len(args.labels)} entries for {len(args.ckpt)} --ckpt")
     out = Path(args.out) if args.out else Path(args.ckpt[0]).resolve().parent.parent / "length_extrapolation"
