@@ -214,6 +214,31 @@ def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkey
     assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]
 
 
+def test_sigterm_saves_last_checkpoint_and_exits_non_zero(capsys, monkeypatch, tmp_path):
+    """SIGTERM (``kill``, preemption) during step 3 of 6: like Ctrl-C, ``last.ckpt`` holds the steps
+    done, one line says where, and the status is 143 (128 + SIGTERM), not 0."""
+    import os
+    import signal
+
+    from mixlab.heads.lm import CausalLM
+
+    runs = tmp_path / "runs"
+    step = CausalLM.training_step
+
+    def killed(self, batch, batch_idx):
+        if self.global_step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # Lightning's handler notes it; the loop stops after this batch
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLM, "training_step", killed)
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16",
+                "--trainer.max_steps=6", "--trainer.val_check_interval=100", "--run_root", str(runs), code=143)
+    ckpt = torch.load(runs / "text/goat/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] in (3, 4)  # the batch in flight may finish
+    assert f"mixlab: SIGTERM at step {ckpt['global_step']}; " in "\n".join(err)
+    assert "last.ckpt holds step" in "\n".join(err)
+
+
 # ---------------------------------------------------------------------- data files
 def test_text_file_in_another_encoding_is_one_line_naming_file_offset_and_option(capsys, monkeypatch, tmp_path):
     latin = tmp_path / "latin.txt"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import resource
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -102,8 +103,17 @@ class LastCheckpoint(ModelCheckpoint):
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """On Ctrl-C during ``fit``, save the steps done since the last save (none done: nothing
-        to save). Other exceptions save nothing: the state may be the cause."""
-        if (isinstance(exception, KeyboardInterrupt) and self.dirpath is not None and trainer.global_step > 0
-                and self._last_global_step_saved != trainer.global_step and trainer.state.fn == "fit"):
+        """On Ctrl-C (KeyboardInterrupt) or SIGTERM (``kill``, a cluster's preemption: Lightning
+        raises ``SIGTERMException`` at the next batch boundary) during ``fit``, save the steps done
+        since the last save (none done: nothing to save) and say where on stderr. Other exceptions
+        save nothing: the state may be the cause."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or trainer.state.fn != "fit":
+            return
+        if self.dirpath is not None and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
+        if trainer.is_global_zero and self.dirpath is not None and self._last_global_step_saved > 0:
+            what = "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted"
+            print(f"mixlab: {what} at step {trainer.global_step}; {self.dirpath}/last.ckpt holds step "
+                  f"{self._last_global_step_saved} (resume: the same command with --ckpt_path last)", file=sys.stderr)

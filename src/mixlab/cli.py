@@ -48,6 +48,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import traceback
 import warnings
@@ -59,7 +60,7 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from mixlab import overrides
 from mixlab.callbacks import LastCheckpoint, MixerMetrics, ThroughputMemory
@@ -693,6 +694,8 @@ def main(argv: list[str] | None = None) -> None:
             _resolve(COMMANDS[words[0]])(words[1:])
             return
         MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
+        raise SystemExit(128 + signal.SIGTERM) from None
     except Exception as err:
         found = None if os.environ.get("MIXLAB_TRACEBACK") else bad_input_error(err)
         if found is None:
