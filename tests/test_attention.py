@@ -156,8 +156,8 @@ def test_key_positions_past_the_exact_bf16_range_are_refused_not_silently_wrong(
         p = build_mixer(name, d_model=64, n_heads=1, causal=True,
                         position_args=dict(n_modes=1, key_mlp_hidden=0) if name == "goat" else None).pos
         long = Coords.seq(32769)
-        with pytest.raises(ValueError, match=r"key position 32768 or later .* exact in bfloat16 only for positions "
-                                             r"< 32768 .* --trainer.precision 32"):
+        with pytest.raises(ValueError, match=r"key positions reach 32768\.\.32895 .* exact in bfloat16 only for "
+                                             r"positions < 32768 .* --trainer.precision 32"):
             p.lanes(long.slice(0, 1), long, torch.bfloat16)
         ql, kl = p.lanes(long.slice(32768, 32769), long, torch.float32)
         assert float(kl[0, 0, -1, -2]) == 256.0  # j_hi of the last key, exact

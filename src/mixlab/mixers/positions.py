@@ -398,10 +398,10 @@ class GoatPrior(PositionScheme):
         if "j_hi_max" not in f:
             f["j_hi_max"] = int(f["j_hi"].max()) if f["j_hi"].numel() else 0
         if f["j_hi_max"] >= limit:
-            j_max = limit * G.KEY_LINEAR_BLOCK
+            j_max, block = limit * G.KEY_LINEAR_BLOCK, f["j_hi_max"] * G.KEY_LINEAR_BLOCK
             raise ValueError(
-                f"goat: key position {f['j_hi_max'] * G.KEY_LINEAR_BLOCK} or later reaches the key-linear lane, which "
-                f"is exact in {str(dtype).replace('torch.', '')} only for positions < {j_max} (j // "
+                f"goat: key positions reach {block}..{block + G.KEY_LINEAR_BLOCK - 1} (the last key's block); the "
+                f"key-linear lane is exact in {str(dtype).replace('torch.', '')} only for positions < {j_max} (j // "
                 f"{G.KEY_LINEAR_BLOCK} < {limit}); use --trainer.precision 32, sequences shorter than {j_max}, or "
                 "position_args: {key_linear: false}")
 
