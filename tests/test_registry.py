@@ -180,3 +180,34 @@ def test_a_mixer_registered_outside_mixlab_gets_its_own_reset_parameters(tmp_pat
     assert torch.equal(mixer.proj.weight, torch.eye(8))  # not the generic N(0, 0.02) init
     x = torch.randn(1, 3, 8)
     torch.testing.assert_close(mixer(x), x @ torch.eye(8).T * 0.25 + mixer.proj.bias * 0.25)
+
+
+def test_the_cli_imports_a_users_mixer_package_named_in_mixlab_import(tmp_path):
+    """``MIXLAB_IMPORT=my_lab_mixers python -m mixlab fit ... --model.init_args.backbone.mixer user_gate``
+    trains with the user's mixer (its gate, initialised to 0.5, is in the checkpoint); a module that does not import
+    is one line naming the variable, exit 2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_lab_mixers.py").write_text(USER_PACKAGE)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "MIXLAB_IMPORT": "my_lab_mixers"}
+    argv = [sys.executable, "-m", "mixlab", "fit", "--config", str(root / "configs/genome/goat.yaml"),
+            "--model.init_args.backbone.mixer", "user_gate", "--model.init_args.backbone.d_model", "16",
+            "--model.init_args.backbone.n_layers", "1", "--data.init_args.context_length", "32",
+            "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false",
+            "--run_root", str(tmp_path / "runs")]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = torch.load(next((tmp_path / "runs").rglob("last.ckpt")), weights_only=False)
+    gate = ckpt["state_dict"]["backbone.blocks.0.mixer.gate"]  # its own init (0.5), moved by 2 training steps
+    torch.testing.assert_close(gate, torch.full((16,), 0.5), atol=2e-3, rtol=0)
+    assert not torch.equal(gate, torch.full((16,), 0.5))
+    bad = subprocess.run(argv, env={**env, "MIXLAB_IMPORT": "my_lab_mixers, no_such_pkg"}, capture_output=True,
+                         text=True, cwd=tmp_path, timeout=600)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[0] == ("error: MIXLAB_IMPORT=my_lab_mixers, no_such_pkg: cannot import "
+                                          "'no_such_pkg': ModuleNotFoundError: No module named 'no_such_pkg'")

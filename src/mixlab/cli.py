@@ -64,6 +64,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from mixlab import overrides
 from mixlab.callbacks import LastCheckpoint, MixerMetrics, ThroughputMemory
+from mixlab.registry import load_plugins
 from mixlab.tb import HParams
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
@@ -689,6 +690,13 @@ def main(argv: list[str] | None = None) -> None:
         print("mixlab: python -m mixlab {fit,validate,test,predict} --config configs/<task>/<name>.yaml [...]\n"
               f"extra commands: {', '.join(sorted(COMMANDS))} (python -m mixlab <command> --help)\n"
               "model options: python -m mixlab fit --model.help mixlab.heads.CausalLM\n")
+    try:
+        load_plugins()  # the user's own mixers and position schemes ($MIXLAB_IMPORT, entry points)
+    except ImportError as err:
+        if os.environ.get("MIXLAB_TRACEBACK"):
+            raise
+        print(f"error: {err}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         if words and words[0] in COMMANDS:
             _resolve(COMMANDS[words[0]])(words[1:])

@@ -18,11 +18,46 @@ scheme is one class decorated ``@register_position("name")``, built as
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+from importlib.metadata import entry_points
 from typing import Any, Callable
 
 __all__ = ["Registry", "MIXERS", "POSITIONS", "register_mixer", "register_position", "get_mixer_cls",
-           "list_mixers", "build_mixer"]
+           "list_mixers", "build_mixer", "load_plugins", "PLUGIN_GROUP", "PLUGIN_ENV"]
+
+PLUGIN_GROUP = "mixlab.plugins"
+"""Entry-point group whose modules the CLI imports first (your package's mixers and schemes register)."""
+PLUGIN_ENV = "MIXLAB_IMPORT"
+"""Environment variable: comma-separated modules the CLI imports first (no packaging needed)."""
+
+
+def load_plugins(env: str | None = None) -> list[str]:
+    """Import the modules that register a user's own mixers and position schemes, so that the CLI
+    (``python -m mixlab fit ... --model.init_args.backbone.mixer my_mixer``) and every command that
+    rebuilds a model from a checkpoint finds them: the entry points of group :data:`PLUGIN_GROUP`
+    (``[project.entry-points."mixlab.plugins"] my_pkg = "my_pkg.mixers"`` in your pyproject.toml),
+    then the modules named in ``$MIXLAB_IMPORT`` (``env`` overrides it; comma-separated, imported
+    from ``sys.path``, which includes the working directory under ``python -m``).
+
+    Returns:
+        the module names imported, in order.
+
+    Raises:
+        ImportError: a module that cannot be imported, naming its source (the variable or the entry
+            point) and the cause, in one line.
+    """
+    names = [(f"entry point {ep.name!r} of {PLUGIN_GROUP}", ep.value.split(":")[0])
+             for ep in entry_points(group=PLUGIN_GROUP)]
+    names += [(f"{PLUGIN_ENV}={os.environ.get(PLUGIN_ENV, '') if env is None else env}", n.strip())
+              for n in (os.environ.get(PLUGIN_ENV, "") if env is None else env).split(",") if n.strip()]
+    for source, name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - any failure of the user's module is reported in one line
+            raise ImportError(f"{source}: cannot import {name!r}: {type(err).__name__}: {err}") from err
+    return [n for _, n in names]
 
 
 class Registry:
