@@ -214,6 +214,24 @@ def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkey
     assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]
 
 
+def test_testing_another_runs_checkpoint_logs_into_that_run(capsys, monkeypatch, tmp_path, trained):
+    """``test --config X --run_root OTHER --ckpt_path <a run's checkpoint>``: the metrics go to the
+    checkpoint's own run (where ``compare`` reads them), not to a new run of X under OTHER."""
+    import shutil
+
+    from mixlab.eval.compare import load_scalars
+
+    shutil.copytree(trained["root"] / "text", tmp_path / "a" / "text")
+    ckpt = tmp_path / "a" / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt"
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["test", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16",
+              "--run_root", str(tmp_path / "other"), "--ckpt_path", str(ckpt)])
+    assert not (tmp_path / "other").exists()
+    run = tmp_path / "a" / "text" / "goat"
+    assert sorted(p.name for p in run.iterdir()) == ["version_0"]
+    assert (run / "version_0" / "config_test.yaml").is_file() and "test/loss" in load_scalars(run)
+
+
 def test_sigterm_saves_last_checkpoint_and_exits_non_zero(capsys, monkeypatch, tmp_path):
     """SIGTERM (``kill``, preemption) during step 3 of 6: like Ctrl-C, ``last.ckpt`` holds the steps
     done, one line says where, and the status is 143 (128 + SIGTERM), not 0."""

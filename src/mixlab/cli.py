@@ -192,6 +192,13 @@ class MixlabCLI(LightningCLI):
             cfg["ckpt_path"] = _latest_checkpoint(root / name)
         if _own_checkpoint_file(cfg.get("ckpt_path")):
             check_state_dict(cfg["ckpt_path"], read_checkpoint(cfg["ckpt_path"]), self.model)
+            home = _checkpoint_run(cfg["ckpt_path"], task)
+            if self.subcommand in ("validate", "test") and not cfg.get("run_name") and home \
+                    and home != (root.resolve(), name):
+                # evaluating another run's checkpoint: its metrics belong to that run (where `compare` reads them)
+                root, name = home
+                logging.getLogger("mixlab.cli").info("%s: logging into the checkpoint's run %s", self.subcommand,
+                                                     root / name)
         if logger is None or logger is True:
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
@@ -259,6 +266,15 @@ def _latest_checkpoint(run_dir: Path) -> str:
         raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train first "
                                 f"(fit) or pass the checkpoint file")
     return str(found[-1])
+
+
+def _checkpoint_run(ckpt_path: str, task: str) -> tuple[Path, str] | None:
+    """``(run_root, "<task>/<run>")`` of a checkpoint in mixlab's layout
+    ``<run_root>/<task>/<run>/version_N/checkpoints/x.ckpt`` for this ``task``, else None."""
+    parts = Path(ckpt_path).resolve().parts
+    if len(parts) >= 6 and parts[-2] == "checkpoints" and parts[-5] == task:
+        return Path(*parts[:-5]), f"{task}/{parts[-4]}"
+    return None
 
 
 def _run_version(ckpt_path: str | None, run_dir: Path) -> int | str | None:
