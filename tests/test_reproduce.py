@@ -61,3 +61,10 @@ def test_runs_filter_and_wall_time_cap():
     assert argv[argv.index("--trainer.max_steps") + 1] == "4000"
     assert argv[argv.index("--trainer.max_time") + 1] == "00:00:07:30"
     assert argv[argv.index("--model.init_args.backbone.mixer_args.goat.position_args.bos_bias") + 1] == "false"
+
+
+def test_a_tie_is_not_a_direction():
+    tie = {"eval": {"goat": {"24": 50.0, "48": 12.5}, "ape": {"24": 50.0, "48": 12.5}}}
+    assert [r[3] for r in reproduce._resolution_rows(tie)] == ["not reproduced", "not reproduced"]
+    ahead = {"eval": {"goat": {"24": 50.0, "48": 40.0}, "ape": {"24": 50.0, "48": 30.0}}}
+    assert [r[3] for r in reproduce._resolution_rows(ahead)] == ["reproduced", "same direction"]

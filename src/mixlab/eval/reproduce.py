@@ -189,10 +189,10 @@ def _resolution_rows(res: dict) -> list[tuple[str, str, str, str]]:
     g1, a1 = goat.get("24"), ape.get("24")
     ok = g2 is not None and a2 is not None
     return [("top-1 (%) at 16 / 24 / 32 / 40 / 48 px, trained at 24", "GOAT-2D 76.6 vs APE 72.8 at 2.3x (512 from 224)",
-             cells, _verdict(ok and g2 >= a2 + 1.0, ok and g2 >= a2)),
+             cells, _verdict(ok and g2 >= a2 + 1.0, ok and g2 > a2)),  # a tie shows no direction
             ("drop from 1x to 2x (points)", "GOAT-2D loses less than APE",
              f"GOAT-2D {_fmt(g1 - g2, 1) if ok and g1 else 'n/a'}, APE {_fmt(a1 - a2, 1) if ok and a1 else 'n/a'}",
-             _verdict(False, ok and g1 is not None and a1 is not None and g1 - g2 <= a1 - a2))]
+             _verdict(False, ok and g1 is not None and a1 is not None and g1 - g2 < a1 - a2))]
 
 
 def _vqa_rows(res: dict) -> list[tuple[str, str, str, str]]:
@@ -201,7 +201,7 @@ def _vqa_rows(res: dict) -> list[tuple[str, str, str, str]]:
     cells = ", ".join(f"{n} {_fmt(seen[n])} / {_fmt(held[n])}" for n in seen)
     ok = all(v is not None for v in held.values())
     order = ok and held["goat"] > held["nope"] > held["rope"]
-    best = ok and held["goat"] >= max(held["nope"], held["rope"])
+    best = ok and held["goat"] > max(held["nope"], held["rope"])
     learned = all(v is not None and v > 0.6 for v in seen.values())
     return [("answer accuracy, seen / held-out scan orders",
              "held-out: GOAT 20.3% > NoPE 17.2% > RoPE 16.5% (CIFAR-10 scenes); Tables 9-10", cells,
