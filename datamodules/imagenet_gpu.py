@@ -135,7 +135,7 @@ class TrainParams:
             elif name == "RandomErasing":
                 self.eraser = copy.copy(t)
                 self.eraser.mode, self.eraser.per_pixel, self.eraser.rand_color = "const", False, False
-                self.eraser.device, self.erase_mode = "cpu", t.mode
+                self.eraser.device = "cpu"
                 if t.mode != "pixel" or t.num_splits > 1:
                     raise NotImplementedError("decode='gpu': RandomErasing implements mode='pixel' only")
             elif name == "Normalize":
@@ -440,7 +440,13 @@ class GpuPipeline:
             self.resize, self.crop = steps[0], steps[1]
             norm = next(t for t in steps if type(t).__name__ == "Normalize")
             mean, std = tuple(float(v) for v in norm.mean), tuple(float(v) for v in norm.std)
-        self.mean, self.std = torch.tensor(mean), torch.tensor(std)
+        self.mean, self.std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+        if train:
+            from torchvision.transforms import InterpolationMode
+
+            interp = self.params.rrc.interpolation  # timm's RandomResizedCrop: an InterpolationMode
+            self.interp = InterpolationMode(interp.value) if hasattr(interp, "value") else InterpolationMode.BICUBIC
+            self.fill = torch.tensor(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device
@@ -453,8 +459,7 @@ class GpuPipeline:
             params = {k: v[keep] for k, v in params.items()}
             imgs = [imgs[k] for k in keep]
         x = self._train(imgs, params, dev) if self.train else self._eval(imgs)
-        mean, std = self.mean.to(dev).view(1, 3, 1, 1), self.std.to(dev).view(1, 3, 1, 1)
-        x = (x / 255 - mean) / std
+        x = (x / 255 - self.mean.to(dev)) / self.std.to(dev)
         if self.train and "erase" in params:
             x = self._erase(x, params["erase"], params["seed"])
         return x, labels
@@ -463,13 +468,10 @@ class GpuPipeline:
         return torch.stack([self.crop(self.resize(im)) for im in imgs]).float()
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device) -> Tensor:
-        from torchvision.transforms import InterpolationMode
         from torchvision.transforms.functional import resized_crop
 
-        interp = InterpolationMode(self.params.rrc.interpolation.value) if hasattr(
-            self.params.rrc.interpolation, "value") else InterpolationMode.BICUBIC
         crops = p["crop"].tolist()
-        x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=interp, antialias=True)
+        x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
                          for im, (i, j, h, w) in zip(imgs, crops)])
         flip = p["flip"].to(dev).view(-1, 1, 1, 1)
         x = torch.where(flip, x.flip(-1), x).float()
@@ -479,11 +481,11 @@ class GpuPipeline:
                 for f in range(3):
                     idx = (fn == f).nonzero().flatten()
                     factor = p["cj_factor"][idx, f]
-                    idx = idx[factor != 1.0]
+                    idx, factor = idx[factor != 1.0], factor[factor != 1.0]
                     if len(idx):
-                        x[idx.to(dev)] = apply_ra_op(_JITTER[f], x[idx.to(dev)], p["cj_factor"][idx, f])
+                        di = idx.to(dev)
+                        x[di] = apply_ra_op(_JITTER[f], x[di], factor)
         if "ra_op" in p:
-            fill = torch.tensor(self.params.fill)
             for layer in range(p["ra_op"].shape[1]):
                 ops, args, interps = p["ra_op"][:, layer], p["ra_arg"][:, layer], p["ra_interp"][:, layer]
                 for op_id, interp_code in torch.unique(torch.stack([ops, interps], 1), dim=0).tolist():
@@ -491,14 +493,15 @@ class GpuPipeline:
                         continue
                     idx = ((ops == op_id) & (interps == interp_code)).nonzero().flatten()
                     di = idx.to(dev)
-                    x[di] = apply_ra_op(RA_OPS[op_id], x[di], args[idx], interp_code, fill)
+                    x[di] = apply_ra_op(RA_OPS[op_id], x[di], args[idx], interp_code, self.fill)
         return x
 
     @staticmethod
     def _erase(x: Tensor, boxes: Tensor, seeds: Tensor) -> Tensor:
         """timm RandomErasing ``mode='pixel'`` with the sampled ``boxes`` int64 ``[B, C, 4]`` (top, left,
         height, width; height 0 = none): N(0, 1) noise (normalised units) from a generator seeded by the
-        batch's ``seeds``, so a batch is erased the same way again (exact resume)."""
+        batch's ``seeds``, so a batch is erased the same way again (exact resume). Writes into ``x`` (the
+        pipeline's own freshly normalised batch) and returns it."""
         any_box = (boxes[..., 2] > 0).any(1)
         if not bool(any_box.any()):
             return x
@@ -512,7 +515,6 @@ class GpuPipeline:
         xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
         top, left, bh, bw = (b[..., k].view(len(idx), -1, 1, 1) for k in range(4))
         mask = ((ys >= top) & (ys < top + bh) & (xs >= left) & (xs < left + bw)).any(1, keepdim=True)
-        x = x.clone()
         di = idx.to(x.device)
         x[di] = torch.where(mask, noise, x[di])
         return x

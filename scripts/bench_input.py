@@ -124,10 +124,13 @@ def build_model(name: str, image_size: int, num_classes: int, device: torch.devi
 
 def make_step(model, device: torch.device, num_classes: int):
     """A training step as ImageClassifier's: timm Mixup/CutMix (DeiT), soft-target CE, AdamW; bf16 on CUDA."""
+    from dataclasses import asdict
+
     from timm.data import Mixup
 
-    mix = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5, mode="batch", label_smoothing=0.1,
-                num_classes=num_classes)
+    from mixlab.heads.vit import MixupConfig
+
+    mix = Mixup(**asdict(MixupConfig()), label_smoothing=0.1, num_classes=num_classes)  # the head's DeiT defaults
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
 
     def step(x, y):

@@ -48,10 +48,10 @@ def load_plugins(env: str | None = None) -> list[str]:
         ImportError: a module that cannot be imported, naming its source (the variable or the entry
             point) and the cause, in one line.
     """
+    env = os.environ.get(PLUGIN_ENV, "") if env is None else env
     names = [(f"entry point {ep.name!r} of {PLUGIN_GROUP}", ep.value.split(":")[0])
              for ep in entry_points(group=PLUGIN_GROUP)]
-    names += [(f"{PLUGIN_ENV}={os.environ.get(PLUGIN_ENV, '') if env is None else env}", n.strip())
-              for n in (os.environ.get(PLUGIN_ENV, "") if env is None else env).split(",") if n.strip()]
+    names += [(f"{PLUGIN_ENV}={env}", n.strip()) for n in env.split(",") if n.strip()]
     for source, name in names:
         try:
             importlib.import_module(name)

@@ -508,8 +508,9 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = Path(a.ckpt)
     run = load_run(ckpt, a.device)
     model, step = run.model, run.step
-    a.out = a.out or str(_default_tb(ckpt) or Path("runs") / "figures" / ckpt.stem)
-    tb = Path(a.tb) if a.tb else (_default_tb(ckpt) or Path(a.out) / "tb")
+    run_tb = _default_tb(ckpt)
+    a.out = a.out or str(run_tb or Path("runs") / "figures" / ckpt.stem)
+    tb = Path(a.tb) if a.tb else (run_tb or Path(a.out) / "tb")
     writer = SummaryWriter(str(tb))
     try:
         if a.name == "goat-prior":

@@ -5,14 +5,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
-from mixlab.heads.loss import linear_cross_entropy
+from mixlab.heads.loss import linear_cross_entropy, token_nll
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
@@ -21,16 +20,6 @@ AUTO_CHUNK_TOKENS = 4096
 """Tokens per loss chunk when ``loss_chunk_tokens`` is left at None and the vocabulary is large."""
 AUTO_CHUNK_MIN_VOCAB = 8192
 """Smallest vocabulary for which ``loss_chunk_tokens=None`` chunks the loss (GPT-2's 50257 does, DNA's 5 not)."""
-
-
-def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-token next-token scores: ``logits [B, T, V]`` float, ``targets [B, T]`` int64 ->
-    ``(nll [B*T] float32 nats (0 where ignored), valid [B*T] bool, hits [B*T] bool)``; targets
-    equal to ``ignore_index`` are not scored."""
-    nll = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none", ignore_index=ignore_index)
-    valid = targets.flatten() != ignore_index
-    hits = (logits.argmax(-1).flatten() == targets.flatten()) & valid
-    return nll, valid, hits
 
 
 class CausalLM(Head):

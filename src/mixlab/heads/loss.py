@@ -18,14 +18,23 @@ from torch.utils.checkpoint import checkpoint
 
 from mixlab.heads.common import float_logits
 
-__all__ = ["linear_cross_entropy"]
+__all__ = ["linear_cross_entropy", "token_nll"]
 
 
-def _chunk_scores(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
-    logits = float_logits(F.linear(hidden, weight))  # [n, V]: bf16 matmul under autocast, scored in float32
+def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token next-token scores: ``logits [..., V]`` float, ``targets [...]`` int64 (e.g. ``[B, T, V]``
+    and ``[B, T]``) -> ``(nll [N] nats in the logits' dtype (0 where ignored), valid [N] bool, hits [N]
+    bool)`` over the ``N`` flattened positions; targets equal to ``ignore_index`` are not scored."""
+    logits, targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     nll = F.cross_entropy(logits, targets, reduction="none", ignore_index=ignore_index)
-    hits = (logits.argmax(-1) == targets) & (targets != ignore_index)
-    return nll, hits
+    valid = targets != ignore_index
+    hits = (logits.argmax(-1) == targets) & valid
+    return nll, valid, hits
+
+
+def _chunk_scores(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int) -> tuple[Tensor, ...]:
+    # [n, V] logits: bf16 matmul under autocast, scored in float32
+    return token_nll(float_logits(F.linear(hidden, weight)), targets, ignore_index)
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
@@ -59,15 +68,13 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy: expected hidden [N, D] and targets [N]; got "
                          f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
-    valid = targets != ignore_index
     n = hidden.shape[0]
     if chunk is None or chunk >= n:
-        nll, hits = _chunk_scores(hidden, weight, targets, ignore_index)
-        return nll, valid, hits
+        return _chunk_scores(hidden, weight, targets, ignore_index)
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
     for s in range(0, n, chunk):
         args = (hidden[s:s + chunk], weight, targets[s:s + chunk], ignore_index)
         parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if recompute else _chunk_scores(*args))
-    nll, hits = (torch.cat(p) for p in zip(*parts))
+    nll, valid, hits = (torch.cat(p) for p in zip(*parts))
     return nll, valid, hits
