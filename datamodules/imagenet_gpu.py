@@ -46,17 +46,20 @@ the batch then has one image less.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import queue
 import random
-from typing import Any
+import threading
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from PIL import Image
 from torch import Tensor
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "GpuPipeline", "RA_OPS",
-           "apply_ra_op", "decode_jpegs"]
+           "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -304,6 +307,91 @@ def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list
             out.append(None)
     return out
 
+def _cubic_aa(x: Tensor) -> Tensor:
+    """The bicubic filter of antialiased resampling (Keys, ``a = -0.5``: PIL's and torch's ``antialias=True``)."""
+    a = -0.5
+    x = x.abs()
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int) -> Tensor:
+    """Resampling matrices of ``interpolate(mode="bicubic", antialias=True, align_corners=False)`` along one
+    axis: ``[n, out_size, n_max]`` (row ``o`` of matrix ``b`` holds the weights of input pixels ``0 ..
+    in_sizes[b] - 1`` for output pixel ``o``; zero beyond ``in_sizes[b]``), on ``in_sizes``' device and in
+    float32.
+
+    The filter support, window and normalisation follow ATen's ``_compute_indices_min_size_weights_aa``
+    (PIL's ``ImagingResample``): scale ``s = in / out``, centre ``c = s (o + 1/2)``, support ``2 max(s, 1)``,
+    window ``[trunc(c - support + 1/2), trunc(c + support + 1/2))`` clipped to the image, weights
+    ``cubic((j - c + 1/2) / max(s, 1))`` normalised to sum 1.
+    """
+    dev = in_sizes.device
+    size = in_sizes.to(torch.float64).view(-1, 1, 1)
+    scale = size / out_size
+    stretch = scale.clamp_min(1.0)  # support / 2 and the filter's stretch: max(s, 1)
+    centre = scale * (torch.arange(out_size, device=dev, dtype=torch.float64).view(1, -1, 1) + 0.5)
+    lo = (centre - 2 * stretch + 0.5).trunc().clamp_min(0)
+    hi = torch.minimum((centre + 2 * stretch + 0.5).trunc(), size)
+    j = torch.arange(n_max, device=dev, dtype=torch.float64).view(1, 1, -1)
+    w = _cubic_aa((j - centre + 0.5) / stretch) * ((j >= lo) & (j < hi))
+    return (w / w.sum(-1, keepdim=True)).to(torch.float32)
+
+
+def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
+                  max_bytes: int = 1 << 30) -> Tensor:
+    """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
+    where ``flip[b]``, for a whole batch in a few batched matrix products instead of one resize per image.
+
+    Equals ``torchvision.transforms.functional.resized_crop(img, *box, size, BICUBIC, antialias=True)`` on
+    uint8 images (rounded and clamped to 0..255) up to float32 summation order (and TF32 where the matmul
+    precision allows it): antialiased resampling is separable, ``out = Wy @ crop @ Wx^T`` with the
+    :func:`aa_resample_weights` matrices; a flip reverses ``Wx``'s rows. Images are processed in groups of
+    similar crop size, each padded to its largest crop, at most ``max_bytes`` of float32 per group.
+
+    Args:
+        imgs: ``B`` uint8 ``[3, H_b, W_b]`` tensors on one device.
+        boxes: int64 ``[B, 4]``: top, left, height, width of each crop in its image's pixels.
+        size: output (height, width).
+        flip: bool ``[B]`` or None.
+
+    Returns:
+        float32 ``[B, 3, size[0], size[1]]`` with integer values 0..255.
+    """
+    n = len(imgs)
+    dev = imgs[0].device if n else torch.device("cpu")
+    oh, ow = size
+    out = torch.empty(n, 3, oh, ow, device=dev, dtype=torch.float32)
+    if n == 0:
+        return out
+    bx = boxes.tolist()
+    order = sorted(range(n), key=lambda b: bx[b][2] * bx[b][3])
+    start = 0
+    while start < n:
+        end, hm, wm = start, 0, 0
+        while end < n:  # grow the group while its padded float32 copy fits max_bytes
+            _, _, h, w = bx[order[end]]
+            h2, w2 = max(hm, h), max(wm, w)
+            if end > start and (end - start + 1) * 3 * h2 * w2 * 4 > max_bytes:
+                break
+            hm, wm, end = h2, w2, end + 1
+        idx = order[start:end]
+        x = torch.zeros(len(idx), 3, hm, wm, device=dev, dtype=torch.uint8)
+        for k, b in enumerate(idx):
+            t, le, h, w = bx[b]
+            x[k, :, :h, :w] = imgs[b][:, t:t + h, le:le + w]
+        sizes = torch.tensor([[bx[b][2], bx[b][3]] for b in idx], dtype=torch.int64).to(dev, non_blocking=True)
+        wy = aa_resample_weights(sizes[:, 0], oh, hm)  # [g, oh, hm]
+        wx = aa_resample_weights(sizes[:, 1], ow, wm)  # [g, ow, wm]
+        if flip is not None:
+            f = flip[idx].to(dev).view(-1, 1, 1)
+            wx = torch.where(f, wx.flip(1), wx)
+        y = torch.matmul(torch.matmul(wy.unsqueeze(1), x.float()), wx.transpose(1, 2).unsqueeze(1))
+        out[torch.tensor(idx).to(dev, non_blocking=True)] = y.round_().clamp_(0, 255)
+        start = end
+    return out
+
 
 def _gray(x: Tensor) -> Tensor:
     """PIL's ``convert('L')``: ``(19595 R + 38470 G + 7471 B + 2^15) >> 16``; x float ``[n, 3, H, W]`` in
@@ -447,6 +535,7 @@ class GpuPipeline:
             interp = self.params.rrc.interpolation  # timm's RandomResizedCrop: an InterpolationMode
             self.interp = InterpolationMode(interp.value) if hasattr(interp, "value") else InterpolationMode.BICUBIC
             self.fill = torch.tensor(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
+        self._fill_dev: Tensor | None = None
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device
@@ -468,13 +557,16 @@ class GpuPipeline:
         return torch.stack([self.crop(self.resize(im)) for im in imgs]).float()
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device) -> Tensor:
-        from torchvision.transforms.functional import resized_crop
+        from torchvision.transforms import InterpolationMode
 
-        crops = p["crop"].tolist()
-        x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
-                         for im, (i, j, h, w) in zip(imgs, crops)])
-        flip = p["flip"].to(dev).view(-1, 1, 1, 1)
-        x = torch.where(flip, x.flip(-1), x).float()
+        if self.interp == InterpolationMode.BICUBIC:  # crop + resize + flip, batched
+            x = resized_crops(imgs, p["crop"], tuple(self.size), p["flip"])
+        else:
+            from torchvision.transforms.functional import resized_crop
+
+            x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
+                             for im, (i, j, h, w) in zip(imgs, p["crop"].tolist())])
+            x = torch.where(p["flip"].to(dev).view(-1, 1, 1, 1), x.flip(-1), x).float()
         if "cj_order" in p:
             for step in range(p["cj_order"].shape[1]):
                 fn = p["cj_order"][:, step]
@@ -486,14 +578,34 @@ class GpuPipeline:
                         di = idx.to(dev)
                         x[di] = apply_ra_op(_JITTER[f], x[di], factor)
         if "ra_op" in p:
-            for layer in range(p["ra_op"].shape[1]):
-                ops, args, interps = p["ra_op"][:, layer], p["ra_arg"][:, layer], p["ra_interp"][:, layer]
-                for op_id, interp_code in torch.unique(torch.stack([ops, interps], 1), dim=0).tolist():
-                    if op_id < 0:
-                        continue
-                    idx = ((ops == op_id) & (interps == interp_code)).nonzero().flatten()
-                    di = idx.to(dev)
-                    x[di] = apply_ra_op(RA_OPS[op_id], x[di], args[idx], interp_code, self.fill)
+            x = self._rand_augment(x, p["ra_op"], p["ra_arg"], p["ra_interp"], dev)
+        return x
+
+    def _rand_augment(self, x: Tensor, ops: Tensor, args: Tensor, interps: Tensor, dev: torch.device) -> Tensor:
+        """timm RandAugment with per-image ops: layer by layer, each (op, interpolation) group of images in
+        one call. The groups are formed on the host from the ``[B, L]`` draws and their image indices and
+        arguments reach the device in one copy each (no per-group transfer or synchronisation)."""
+        groups: list[tuple[int, int, list[int], int]] = []  # (op, interp, images, layer)
+        ops_l, interp_l = ops.tolist(), interps.tolist()
+        for layer in range(ops.shape[1]):
+            by_op: dict[tuple[int, int], list[int]] = {}
+            for b, (row, irow) in enumerate(zip(ops_l, interp_l)):
+                if row[layer] >= 0:
+                    by_op.setdefault((row[layer], irow[layer]), []).append(b)
+            groups += [(op, ip, imgs, layer) for (op, ip), imgs in sorted(by_op.items())]
+        if not groups:
+            return x
+        flat = torch.tensor([b for _, _, imgs, _ in groups for b in imgs], dtype=torch.int64)
+        layers = torch.tensor([layer for _, _, imgs, layer in groups for _ in imgs], dtype=torch.int64)
+        idx_dev = flat.to(dev, non_blocking=True)
+        arg_dev = args[flat, layers].to(dev, non_blocking=True)
+        if self._fill_dev is None or self._fill_dev.device != x.device:
+            self._fill_dev = self.fill.to(x.device, x.dtype)
+        pos = 0
+        for op, ip, imgs, _ in groups:
+            di, a = idx_dev[pos:pos + len(imgs)], arg_dev[pos:pos + len(imgs)]
+            pos += len(imgs)
+            x[di] = apply_ra_op(RA_OPS[op], x[di], a, ip, self._fill_dev)
         return x
 
     @staticmethod
@@ -518,3 +630,94 @@ class GpuPipeline:
         di = idx.to(x.device)
         x[di] = torch.where(mask, noise, x[di])
         return x
+
+
+_END = object()
+
+
+class DevicePrefetcher:
+    """Runs the accelerator stage ``depth`` batches ahead of training, in a background thread.
+
+    Wraps a loader of :class:`EncodedBatch` es: a thread takes each batch, calls ``stage(batch.to(device))``
+    (a :class:`GpuPipeline`) on its own CUDA stream, and queues the ``(images, labels)`` with an event; the
+    iterator makes the consumer's current stream wait for that event before handing the tensors out
+    (``record_stream`` keeps the caching allocator from reusing their memory early). The stage's host work
+    (kernel launches, JPEG parsing) then overlaps the model's step instead of adding to it, and Lightning
+    sees ready ``(images, labels)`` tensors on the device. Same batches in the same order as without it:
+    resume positions count the batches the trainer processed, not the ones prefetched.
+
+    Args:
+        loader: iterable of :class:`EncodedBatch` (a DataLoader with :func:`collate_encoded`); ``len()``
+            is forwarded.
+        stage: ``EncodedBatch -> (images, labels)`` on ``device``.
+        device: the training device (CUDA: side stream + events; CPU: the thread alone, for tests).
+        depth: batches held ready (each costs one batch of float32 images in device memory).
+
+    An exception in the thread (a corrupt shard, a decode error) is re-raised by the iterator.
+    """
+
+    def __init__(self, loader: Iterable[EncodedBatch], stage: Callable[[EncodedBatch], tuple[Tensor, Tensor]],
+                 device: torch.device | str, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"DevicePrefetcher: depth must be >= 1; got {depth}")
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # the thread must select the same device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.loader, self.stage, self.device, self.depth = loader, stage, device, depth
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def _work(self, it: Iterator[EncodedBatch], out: queue.Queue, stop: threading.Event) -> None:
+        cuda = self.device.type == "cuda"
+        try:
+            if cuda:
+                torch.cuda.set_device(self.device)
+            stream = torch.cuda.Stream(self.device) if cuda else None
+            with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                for batch in it:
+                    if stop.is_set():
+                        return
+                    x, y = self.stage(batch.to(self.device))
+                    event = torch.cuda.Event() if cuda else None
+                    if event is not None:
+                        event.record(stream)
+                    while not stop.is_set():
+                        try:
+                            out.put((x, y, event), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+        except BaseException as exc:  # handed to the consumer
+            out.put(exc)
+        finally:
+            out.put(_END)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        out: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._work, args=(iter(self.loader), out, stop), daemon=True,
+                                  name="mixlab-device-prefetch")
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                x, y, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    x.record_stream(current)
+                    y.record_stream(current)
+                yield x, y
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    out.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()

@@ -59,9 +59,15 @@ def to_device(dm, batch, device: torch.device):
 
 
 def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int, stage: bool,
-                step=None) -> tuple[float, int]:
-    """(images/s, images timed) of ``split``'s loader, optionally followed by the device stage and ``step``."""
+                step=None, prefetch: int = 0) -> tuple[float, int]:
+    """(images/s, images timed) of ``split``'s loader, optionally followed by the device stage and ``step``;
+    ``prefetch > 0`` (``decode: gpu``) runs the stage that many batches ahead in the datamodule's
+    :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`, as training does."""
     loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+    if prefetch:
+        from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
+
+        loader = DevicePrefetcher(loader, dm.gpu_pipeline(split == "train"), device, prefetch)
     it = iter(loader)
     n = 0
     t0 = None
@@ -160,6 +166,22 @@ def time_model(step, batch: int, image_size: int, num_classes: int, device: torc
     return batch * iters / (time.perf_counter() - t0)
 
 
+def time_model_eval(model, batch: int, image_size: int, device: torch.device, warmup: int, iters: int) -> float:
+    """Images/s of the model's evaluation forward (no grad, bf16 autocast on CUDA) on random tensors."""
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for _ in range(warmup):
+            model(x)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            model(x)
+        sync(device)
+    model.train()
+    return batch * iters / (time.perf_counter() - t0)
+
+
 def draft_fractions(pattern: str, image_size: int, crop_pct: float, limit: int) -> tuple[float, float, int]:
     """Fractions of images (first ``limit`` of the shards; JPEG headers only) where PIL's ``draft`` could
     decode at 1/2 size or less: (train: a timm RandomResizedCrop draw has both sides >= 2 x image_size;
@@ -218,6 +240,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--model", default="vit_small_patch16_224",
                    help="timm model name, mixlab-<preset> (mixlab's ViT-S/16: mixlab-goat2d, mixlab-ape, "
                         "mixlab-rope2d, mixlab-nope) or 'tiny'")
+    p.add_argument("--prefetch", type=int, default=2,
+                   help="decode gpu: also time the device stage run this many batches ahead in a background "
+                        "thread (the datamodule's prefetch_batches; 0: only the synchronous stage)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -265,6 +290,10 @@ def main(argv: list[str] | None = None) -> str:
                            max(3, a.batches // 2))
     row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
         f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
+    if not a.no_eval:
+        eval_ips = time_model_eval(model, a.batch_size, a.image_size, device, 2, max(3, a.batches // 2))
+        row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
+            f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
     splits = ["train"] + ([] if a.no_eval else ["val"])
     for split in splits:
         for mode in a.decode:
@@ -277,12 +306,21 @@ def main(argv: list[str] | None = None) -> str:
                 row(split, mode, "loader (bytes + parameters)", ips, note=f"{n} images")
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True)
                 row(split, mode, "loader + device stage", ips, note=f"{n} images")
+                if a.prefetch:
+                    ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, prefetch=a.prefetch)
+                    row(split, mode, f"loader + device stage, prefetched ({a.prefetch} ahead)", ips,
+                        note=f"{n} images")
                 ips, ms = time_stage(dm, split, device, max(3, a.batches // 3))
                 row(split, mode, "device stage alone", ips, f"{ms:.1f}", f"on {device.type}")
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,
                     f"{1000 * a.batch_size / ips:.1f}", f"{ips / model_ips:.0%} of the model alone")
+                if mode == "gpu" and a.prefetch:
+                    ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step,
+                                         prefetch=a.prefetch)
+                    row(split, mode, f"end to end, device stage prefetched ({a.prefetch} ahead)", ips,
+                        f"{1000 * a.batch_size / ips:.1f}", f"{ips / model_ips:.0%} of the model alone")
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])

@@ -33,7 +33,10 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
     measured = {(p, d, m) for p, d, _, m in rows}
     for split in ("train", "val"):
         assert (split, "cpu", "loader (decoded, augmented)") in measured
-        for m in ("loader (bytes + parameters)", "loader + device stage", "device stage alone"):
+        for m in ("loader (bytes + parameters)", "loader + device stage", "device stage alone",
+                  "loader + device stage, prefetched (2 ahead)"):
             assert (split, "gpu", m) in measured
     assert {("train", d, "end to end (loader + device stage + model step)") for d in ("cpu", "gpu")} <= measured
-    assert len(rows) == 11 and "PIL `draft`" in text
+    assert ("train", "gpu", "end to end, device stage prefetched (2 ahead)") in measured
+    assert rows[1][:2] == ("model", "-") and rows[1][3].startswith("tiny evaluation forward")
+    assert len(rows) == 15 and "PIL `draft`" in text

@@ -28,8 +28,11 @@ from mixlab.datamodules.imagenet import (
 )
 from mixlab.datamodules.imagenet_gpu import (
     RA_OPS,
+    DevicePrefetcher,
     EncodedBatch,
     GpuPipeline,
+    aa_resample_weights,
+    resized_crops,
     TrainParams,
     apply_ra_op,
     collate_encoded,
@@ -207,3 +210,81 @@ def test_datamodule_gpu_mode_loaders_and_rank_split(shards, monkeypatch):
             assert x.shape == (len(b), 3, 24, 24)
             keys += b.keys
     assert len(keys) == len(set(keys)) == 24
+
+
+# ---------------------------------------------------------------------- batched crop + resize, prefetch
+def test_aa_resample_weights_equal_torch_interpolate_float64():
+    """Row o of the matrix = the weights torch's antialiased bicubic gives output pixel o (read off by resizing
+    the identity), down- and upsampling, odd sizes, and zero beyond each input's size."""
+    import torch.nn.functional as F
+
+    for n_in, out in [(375, 224), (97, 224), (224, 224), (5, 3), (1, 7), (500, 31)]:
+        eye = torch.eye(n_in, dtype=torch.float64).view(n_in, 1, 1, n_in)
+        ref = F.interpolate(eye, size=(1, out), mode="bicubic", antialias=True, align_corners=False)
+        ref = ref.view(n_in, out).T  # [out, n_in]
+        w = aa_resample_weights(torch.tensor([n_in]), out, n_in + 3)[0].double()
+        torch.testing.assert_close(w[:, :n_in], ref, rtol=0, atol=2e-7)  # float32 weights
+        assert bool((w[:, n_in:] == 0).all())
+
+
+def test_resized_crops_equal_torchvision_per_image():
+    """The batched crop + resize + flip equals torchvision's resized_crop image by image (uint8 result, both
+    resampling directions, crops of 1 pixel, several size groups under a small memory cap)."""
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.functional import resized_crop
+
+    g = torch.Generator().manual_seed(0)
+    imgs, boxes = [], []
+    for k in range(14):
+        h, w = (int(v) for v in torch.randint(20, 160, (2,), generator=g))
+        imgs.append(torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g))
+        bh, bw = (1, 1) if k == 0 else (int(torch.randint(1, h + 1, (), generator=g)),
+                                        int(torch.randint(1, w + 1, (), generator=g)))
+        boxes.append([int(torch.randint(0, h - bh + 1, (), generator=g)),
+                      int(torch.randint(0, w - bw + 1, (), generator=g)), bh, bw])
+    boxes = torch.tensor(boxes)
+    flip = torch.rand(14, generator=g) < 0.5
+    out = resized_crops(imgs, boxes, (40, 56), flip, max_bytes=3 * 100 * 100 * 4 * 2)
+    assert out.shape == (14, 3, 40, 56) and out.dtype == torch.float32
+    diffs = []
+    for b, (im, (t, le, h, w)) in enumerate(zip(imgs, boxes.tolist())):
+        ref = resized_crop(im.float(), t, le, h, w, [40, 56], interpolation=InterpolationMode.BICUBIC,
+                           antialias=True).round().clamp(0, 255)
+        diffs.append((out[b] - (ref.flip(-1) if flip[b] else ref)).abs())
+    d = torch.stack(diffs)
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3  # float32 sums: a rare tie rounds the other way
+    assert resized_crops([], torch.zeros(0, 4, dtype=torch.int64), (8, 8)).shape == (0, 3, 8, 8)
+
+
+def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(samples):
+    """The prefetcher hands out exactly what the stage gives batch by batch; an error in the thread reaches
+    the consumer; leaving the loop early ends the thread."""
+    tf = train_transform(32)
+    params = TrainParams(tf)
+    batches = []
+    for k in range(4):
+        enc = []
+        for i, s in enumerate(samples[6 * k: 6 * k + 6]):
+            with seeded_rngs(100 * k + i):
+                enc.append(encode_sample(s, 3, params))
+        batches.append(collate_encoded(enc))
+    pipe = GpuPipeline(tf, train=True)
+    direct = [pipe(b) for b in batches]
+    got = list(DevicePrefetcher(batches, pipe, "cpu", depth=2))
+    assert len(got) == 4 and len(DevicePrefetcher(batches, pipe, "cpu")) == 4
+    for (x, y), (xr, yr) in zip(got, direct):
+        assert torch.equal(x, xr) and torch.equal(y, yr)
+
+    def bad_stage(b):
+        raise ValueError("broken shard")
+
+    with pytest.raises(ValueError, match="broken shard"):
+        list(DevicePrefetcher(batches, bad_stage, "cpu"))
+    import threading
+
+    it = iter(DevicePrefetcher(batches, pipe, "cpu", depth=1))
+    next(it)
+    it.close()
+    assert not any(t.name == "mixlab-device-prefetch" for t in threading.enumerate())
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        DevicePrefetcher(batches, pipe, "cpu", depth=0)

@@ -263,10 +263,10 @@ def _reorder(item: dict, new_scan: np.ndarray) -> dict:
     return out
 
 
-def _tiny_model(mixer: str, coordinates: str, **pos_args) -> SpatialVQA:
+def _tiny_model(mixer: str, coordinates: str, causal: bool = False, **pos_args) -> SpatialVQA:
     bb = BackboneConfig(d_model=48, n_layers=2, n_heads=2, mixer=mixer,
                         mixer_args={mixer: {"position_args": pos_args}} if pos_args else {})
-    return SpatialVQA(backbone=bb, coordinates=coordinates).double().eval()
+    return SpatialVQA(backbone=bb, coordinates=coordinates, causal=causal).double().eval()
 
 
 def test_goat_answers_do_not_depend_on_scan_order_rope_1d_does():
@@ -282,6 +282,27 @@ def test_goat_answers_do_not_depend_on_scan_order_rope_1d_does():
     assert (rope(a) - rope(b)).abs().max() > 1e-4
     with pytest.raises(ValueError, match="position_args.axes: 3"):
         _tiny_model("goat", "mixed", n_modes=2, axes=1)
+
+
+def test_causal_option_gives_nope_positions():
+    """Bidirectional NoPE reads the patches as a set (a reordered scene gives the same answer logits, so
+    "what is at the top-left" has no answer it could compute); the causal decoder's mask breaks that
+    symmetry, which is why the shipped VQA configs are causal."""
+    torch.manual_seed(0)
+    dm = _dm()
+    items = [dm.datasets["test"][i] for i in range(4)]
+    a = torch.utils.data.default_collate(items)
+    b = torch.utils.data.default_collate([_reorder(it, scan_order("spiral", 2)) for it in items])
+    a["patches"], b["patches"] = a["patches"].double(), b["patches"].double()
+    torch.manual_seed(1)
+    enc = _tiny_model("nope", "sequence")
+    torch.testing.assert_close(enc(a), enc(b), rtol=1e-9, atol=1e-9)
+    torch.manual_seed(1)
+    dec = _tiny_model("nope", "sequence", causal=True)
+    assert all(blk.mixer.causal for blk in dec.backbone.blocks) and not any(blk.mixer.causal for blk in enc.backbone.blocks)
+    assert (dec(a) - dec(b)).abs().max() > 1e-4
+    # same weights, only the mask differs: the last token's answer differs from the bidirectional one
+    assert (dec(a) - enc(a)).abs().max() > 1e-4
 
 
 # ---------------------------------------------------------------------------- head + trainer
@@ -327,6 +348,8 @@ def test_shipped_configs_build_and_answer(name, tmp_path):
     assert (model.vocab_size, model.n_answers, model.patch_dim) == (dm.vocab_size, dm.n_answers, dm.patch_dim)
     assert model.coordinates == ("mixed" if name.startswith("goat") else "sequence")
     assert (dm.n_train, dm.n_test) == (50_000, 10_000)
+    assert dm.train_orders == ["row_major"] and len(dm.heldout_orders) == 10  # the paper's protocol
+    assert all(blk.mixer.causal for blk in model.backbone.blocks)
     with torch.no_grad():
         logits = model.eval()(next(iter(dm.test_dataloader())))
     assert logits.shape == (2, dm.n_answers) and bool(torch.isfinite(logits).all())

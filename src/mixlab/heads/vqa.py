@@ -1,4 +1,4 @@
-"""Spatial VQA head: image patches + question words in one bidirectional sequence -> answer.
+"""Spatial VQA head: image patches + question words in one sequence -> answer.
 
 Reproduces the GOAT paper's four-image spatial VQA (Litman & Guo 2026, Sec. 6 and
 Tables 9-10): a model reads a 2x2 scene in some scan order and answers a spatial
@@ -6,6 +6,9 @@ question; test scan orders never appear in training. With ``coordinates="mixed"`
 tokens carry canonical 2D coordinates and text tokens 1D positions (GOAT: ``position_args:
 {axes: 3}``), so the answer cannot depend on the scan order; ``coordinates="sequence"``
 gives every token its index in the flattened sequence (RoPE over the scan order, NoPE).
+``causal=True`` reads the scene and the question left to right, as the paper's decoder VLM
+does; a causal mask is also what lets NoPE tell positions apart at all (a bidirectional NoPE
+model sees the patches as a set and cannot answer "what is at the top-left").
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class GroupedSums(Metric):
 
 
 class SpatialVQA(Head):
-    """Patch + word embeddings -> :class:`~mixlab.backbone.Backbone` (bidirectional) -> answer.
+    """Patch + word embeddings -> :class:`~mixlab.backbone.Backbone` -> answer.
 
     Sequence: ``N`` image patches in the batch's scan order, then ``L`` text tokens ending
     with ``<ans>``; the answer logits come from the final hidden state of ``<ans>``.
@@ -74,11 +77,13 @@ class SpatialVQA(Head):
         vocab_size: word ids (checked against the datamodule).
         n_answers: answer classes (checked against the datamodule).
         patch_dim: flattened patch size ``C p p`` (digits 4x4 grey: 16; CIFAR-10 8x8 RGB: 192).
-        backbone: :class:`BackboneConfig` (``causal`` is forced to False).
+        backbone: :class:`BackboneConfig` (its ``causal`` is replaced by this head's ``causal``).
         optim: :class:`OptimConfig`.
         coordinates: ``"mixed"`` (the batch's 3-axis coordinates: needs position schemes
             with ``axes: 3``) or ``"sequence"`` (``Coords.seq(T)``: the scan index).
         max_orders / max_qtypes: sizes of the per-group metric tables.
+        causal: decoder (causal mask; the answer is read at the last token, which sees the
+            whole sequence) instead of the default bidirectional encoder.
 
     Raises:
         ValueError: unknown ``coordinates``; ``coordinates="mixed"`` with a position
@@ -95,12 +100,13 @@ class SpatialVQA(Head):
         coordinates: Literal["mixed", "sequence"] = "mixed",
         max_orders: int = 64,
         max_qtypes: int = 8,
+        causal: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         plain_hparams(self)  # checkpoints reload with weights_only=True
         backbone, optim = as_config(BackboneConfig, backbone), as_config(OptimConfig, optim)
-        backbone.causal = False
+        backbone.causal = bool(causal)
         if coordinates not in ("mixed", "sequence"):
             raise ValueError(f"model.init_args.coordinates must be 'mixed' or 'sequence'; got {coordinates!r}")
         self.vocab_size, self.n_answers, self.patch_dim = vocab_size, n_answers, patch_dim
