@@ -316,11 +316,14 @@ def _cubic_aa(x: Tensor) -> Tensor:
     return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
 
 
-def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int) -> Tensor:
+def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Tensor | None = None,
+                        offsets: Tensor | None = None) -> Tensor:
     """Resampling matrices of ``interpolate(mode="bicubic", antialias=True, align_corners=False)`` along one
     axis: ``[n, out_size, n_max]`` (row ``o`` of matrix ``b`` holds the weights of input pixels ``0 ..
     in_sizes[b] - 1`` for output pixel ``o``; zero beyond ``in_sizes[b]``), on ``in_sizes``' device and in
-    float32.
+    float32. With ``resized`` (int ``[n]``) and ``offsets`` (int ``[n]``) the input is resized to
+    ``resized[b]`` pixels and rows ``offsets[b] .. offsets[b] + out_size - 1`` of that are returned (a resize
+    followed by a crop, as ``Resize`` + ``CenterCrop``).
 
     The filter support, window and normalisation follow ATen's ``_compute_indices_min_size_weights_aa``
     (PIL's ``ImagingResample``): scale ``s = in / out``, centre ``c = s (o + 1/2)``, support ``2 max(s, 1)``,
@@ -329,9 +332,12 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int) -> Tensor:
     """
     dev = in_sizes.device
     size = in_sizes.to(torch.float64).view(-1, 1, 1)
-    scale = size / out_size
+    scale = size / (out_size if resized is None else resized.to(dev, torch.float64).view(-1, 1, 1))
     stretch = scale.clamp_min(1.0)  # support / 2 and the filter's stretch: max(s, 1)
-    centre = scale * (torch.arange(out_size, device=dev, dtype=torch.float64).view(1, -1, 1) + 0.5)
+    o = torch.arange(out_size, device=dev, dtype=torch.float64).view(1, -1, 1)
+    if offsets is not None:
+        o = o + offsets.to(dev, torch.float64).view(-1, 1, 1)
+    centre = scale * (o + 0.5)
     lo = (centre - 2 * stretch + 0.5).trunc().clamp_min(0)
     hi = torch.minimum((centre + 2 * stretch + 0.5).trunc(), size)
     j = torch.arange(n_max, device=dev, dtype=torch.float64).view(1, 1, -1)
@@ -340,7 +346,7 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int) -> Tensor:
 
 
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
-                  max_bytes: int = 1 << 30) -> Tensor:
+                  max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None) -> Tensor:
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
     where ``flip[b]``, for a whole batch in a few batched matrix products instead of one resize per image.
 
@@ -355,6 +361,9 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
         boxes: int64 ``[B, 4]``: top, left, height, width of each crop in its image's pixels.
         size: output (height, width).
         flip: bool ``[B]`` or None.
+        resized, offsets: int64 ``[B, 2]`` or None: resize each crop to ``resized[b]`` (height, width) and
+            keep the ``size`` window at ``offsets[b]`` (top, left) of it (evaluation: ``Resize`` then
+            ``CenterCrop``); default: resize to ``size`` itself.
 
     Returns:
         float32 ``[B, 3, size[0], size[1]]`` with integer values 0..255.
@@ -382,8 +391,12 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
             t, le, h, w = bx[b]
             x[k, :, :h, :w] = imgs[b][:, t:t + h, le:le + w]
         sizes = torch.tensor([[bx[b][2], bx[b][3]] for b in idx], dtype=torch.int64).to(dev, non_blocking=True)
-        wy = aa_resample_weights(sizes[:, 0], oh, hm)  # [g, oh, hm]
-        wx = aa_resample_weights(sizes[:, 1], ow, wm)  # [g, ow, wm]
+        rs = None if resized is None else resized[idx].to(dev, non_blocking=True)
+        off = None if offsets is None else offsets[idx].to(dev, non_blocking=True)
+        wy = aa_resample_weights(sizes[:, 0], oh, hm, None if rs is None else rs[:, 0],
+                                 None if off is None else off[:, 0])  # [g, oh, hm]
+        wx = aa_resample_weights(sizes[:, 1], ow, wm, None if rs is None else rs[:, 1],
+                                 None if off is None else off[:, 1])  # [g, ow, wm]
         if flip is not None:
             f = flip[idx].to(dev).view(-1, 1, 1)
             wx = torch.where(f, wx.flip(1), wx)
@@ -554,7 +567,27 @@ class GpuPipeline:
         return x, labels
 
     def _eval(self, imgs: list[Tensor]) -> Tensor:
-        return torch.stack([self.crop(self.resize(im)) for im in imgs]).float()
+        """``Resize`` (short side, bicubic, antialiased) then ``CenterCrop``, batched through
+        :func:`resized_crops` (a full-image box, a per-image resized size and the crop's window in it);
+        another resize or an image smaller than the crop (CenterCrop pads) runs the transforms per image."""
+        from torchvision.transforms import CenterCrop, InterpolationMode, Resize
+        from torchvision.transforms.v2.functional._geometry import _compute_resized_output_size
+
+        ch, cw = self.crop.size if isinstance(self.crop, CenterCrop) else (None, None)
+        r = self.resize
+        batched = (type(r) is Resize and r.interpolation == InterpolationMode.BICUBIC and r.antialias is not False
+                   and r.max_size is None and ch is not None)
+        if batched:
+            size = [r.size] if isinstance(r.size, int) else list(r.size)
+            hw = [tuple(im.shape[-2:]) for im in imgs]
+            rs = [tuple(_compute_resized_output_size(s, size=size, max_size=None)) for s in hw]
+            batched = all(rh >= ch and rw >= cw for rh, rw in rs)
+        if not batched:
+            return torch.stack([self.crop(self.resize(im)) for im in imgs]).float()
+        boxes = torch.tensor([[0, 0, h, w] for h, w in hw], dtype=torch.int64)
+        offsets = torch.tensor([[int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))] for rh, rw in rs],
+                               dtype=torch.int64)
+        return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets)
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device) -> Tensor:
         from torchvision.transforms import InterpolationMode

@@ -288,3 +288,20 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
     assert not any(t.name == "mixlab-device-prefetch" for t in threading.enumerate())
     with pytest.raises(ValueError, match="depth must be >= 1"):
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
+
+
+@pytest.mark.parametrize("size", [24, 40])
+def test_batched_eval_equals_per_image_resize_and_center_crop(size):
+    """The eval stage (Resize short side + CenterCrop through resized_crops) equals timm's transforms run
+    image by image on the decoded tensors (also for a thin image the resize enlarges); another
+    interpolation takes the per-image path and matches exactly."""
+    g = torch.Generator().manual_seed(size)
+    pipe = GpuPipeline(eval_transform(size), train=False)
+    hws = [(int(h), int(w)) for h, w in torch.randint(30, 130, (9, 2), generator=g)] + [(12, 200)]
+    imgs = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in hws]
+    ref = torch.stack([pipe.crop(pipe.resize(im.float()).round().clamp(0, 255)) for im in imgs])
+    d = (pipe._eval(imgs) - ref).abs()
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
+    bilinear = GpuPipeline(eval_transform(size, interpolation="bilinear"), train=False)
+    ref = torch.stack([bilinear.crop(bilinear.resize(im)) for im in imgs]).float()
+    torch.testing.assert_close(bilinear._eval(imgs), ref, rtol=0, atol=0)
