@@ -31,13 +31,13 @@ from mixlab.datamodules.imagenet_gpu import (
     DevicePrefetcher,
     EncodedBatch,
     GpuPipeline,
-    aa_resample_weights,
-    resized_crops,
     TrainParams,
+    aa_resample_weights,
     apply_ra_op,
     collate_encoded,
     decode_jpegs,
     encode_sample,
+    resized_crops,
 )
 
 MEAN, STD = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)

@@ -299,7 +299,8 @@ def test_causal_option_gives_nope_positions():
     torch.testing.assert_close(enc(a), enc(b), rtol=1e-9, atol=1e-9)
     torch.manual_seed(1)
     dec = _tiny_model("nope", "sequence", causal=True)
-    assert all(blk.mixer.causal for blk in dec.backbone.blocks) and not any(blk.mixer.causal for blk in enc.backbone.blocks)
+    assert all(blk.mixer.causal for blk in dec.backbone.blocks)
+    assert not any(blk.mixer.causal for blk in enc.backbone.blocks)
     assert (dec(a) - dec(b)).abs().max() > 1e-4
     # same weights, only the mask differs: the last token's answer differs from the bidirectional one
     assert (dec(a) - enc(a)).abs().max() > 1e-4
