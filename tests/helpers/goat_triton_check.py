@@ -138,7 +138,51 @@ def split_case(B, T, H, d_h, seed):
     return max((outs[0][0] - outs[1][0]).abs().max().item(), (outs[0][1] - outs[1][1]).abs().max().item())
 
 
+def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
+    """The torch.compile path (``fullgraph=True``; the lanes through the custom op ``mixlab::goat_qkv``
+    and its registered backward) against the eager layer with torch lanes: output, input gradient and
+    parameter gradients; plus ``torch.library.opcheck`` of the op (schema, fake tensor, autograd)."""
+    from mixlab.coords import Coords
+    from mixlab.mixers.attention import Attention
+    from mixlab.ops.goat_triton import goat_qkv, meta_key, pack_features
+
+    backend = "inductor" if DEV.type == "cuda" else "aot_eager"
+    torch.manual_seed(seed)
+    args = dict(d_model=H * d_h, n_heads=H, causal=causal, position="goat")
+    pa = dict(n_modes=n_modes, axes=axes, init="random", key_mlp_hidden=8, key_mlp_freqs=2)
+    ref = Attention(**args, position_args=dict(pa, lane_impl="torch"))
+    ref.reset_parameters()
+    fast = Attention(**args, position_args=dict(pa, lane_impl="triton"))
+    fast.load_state_dict(ref.state_dict())
+    ref, fast = ref.to(DEV), fast.to(DEV)
+    c = Coords.seq(T, device=DEV) if axes == 1 else Coords(torch.randint(0, 9, (1, T, axes)).to(DEV))
+    x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
+    outs = []
+    for m, fn in ((ref, ref), (fast, torch.compile(fast, backend=backend, fullgraph=True))):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = fn(xx, c)
+        (y * gy).sum().backward()
+        outs.append((y.detach(), xx.grad, {n: q.grad for n, q in m.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = outs
+    err = max((y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
+    for n in g0:
+        err = max(err, ((g0[n] - g1[n]).abs().max() / (g0[n].abs().max() + 1e-6)).item())
+    # the op itself: opcheck runs its schema, fake-tensor and autograd-registration tests
+    pos = fast.pos
+    f = pos._features(c, torch.float32)
+    feat = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"], f["is_bos"],
+                         f["is_none"])
+    qkv = torch.randn(B * T, 3 * H * d_h, device=DEV, requires_grad=True)
+    params = pos._flat_params().detach().clone().requires_grad_()
+    torch.library.opcheck(goat_qkv, (qkv, feat, params, meta_key(pos._kernel_meta()), B, d_h),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    return err
+
+
 res = {
+    "compiled_layer_causal_T37": compiled_case(2, 37, 2, 16, 2, 1, True, 23),
+    "compiled_layer_2d": compiled_case(3, 20, 2, 16, 2, 2, False, 24),
     "split_plain_T37": split_case(3, 37, 2, 24, 20),
     "split_plain_T1": split_case(1, 1, 3, 16, 21),
     "layer_causal_T70": layer_case(3, 70, 2, 16, 2, 1, True, False, False, 10),

@@ -450,7 +450,7 @@ class GoatPrior(PositionScheme):
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
         self._check_key_range(f, qkv.dtype)
-        if (not G.use_triton(self.lane_impl, f["present"], calc, self.log_freqs is not None)
+        if (not G.use_triton(self.lane_impl, f["present"], calc, self.log_freqs is not None, compiled_ok=True)
                 or f["present"].shape[0] not in (1, batch)):
             return super().pack(qkv, coords, batch)
         return G.triton_pack_qkv(qkv, G.packed_features(f), self._flat_params(), self._kernel_meta(), batch,

@@ -311,13 +311,14 @@ def param_layout(n_heads: int, n_modes: int, n_feat: int, hidden: int, *, slope:
 
 
 # ---------------------------------------------------------------------- dispatch: torch lanes or Triton kernels
-def use_triton(impl: str, present: Tensor, calc: torch.dtype, learned_freqs: bool) -> bool:
+def use_triton(impl: str, present: Tensor, calc: torch.dtype, learned_freqs: bool, compiled_ok: bool = False) -> bool:
     """Whether the lanes go through the Triton kernels.
 
     Forced by ``impl="triton"``; with ``impl="auto"``: CUDA tensors (``present`` is any feature
     tensor of the coordinates), fp32 lane math (``calc``) and fixed frequencies (learned
-    frequencies need gradients into cos/sin), outside ``torch.compile`` (which compiles the
-    torch lanes instead, for inductor). ``"torch"``: never.
+    frequencies need gradients into cos/sin), and outside ``torch.compile`` unless the caller has
+    a compile-safe path (``compiled_ok``: :func:`triton_pack_qkv`'s custom op); otherwise
+    ``torch.compile`` compiles the torch lanes. ``"torch"``: never.
 
     Raises:
         ValueError: ``impl="triton"`` with learned frequencies.
@@ -327,7 +328,7 @@ def use_triton(impl: str, present: Tensor, calc: torch.dtype, learned_freqs: boo
             raise ValueError("GOAT lane_impl='triton' does not support learned_freqs=True; use 'auto' or 'torch'")
         return True
     return (impl == "auto" and present.is_cuda and calc == torch.float32 and not learned_freqs
-            and not torch.compiler.is_compiling())
+            and (compiled_ok or not torch.compiler.is_compiling()))
 
 
 def packed_features(f: dict[str, Tensor]) -> Tensor:
@@ -362,7 +363,12 @@ def triton_lanes(feat_q: Tensor, feat_k: Tensor, params: Tensor, meta: dict,
 def triton_pack_qkv(qkv: Tensor, feat: Tensor, params: Tensor, meta: dict, batch: int,
                     head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """Write the lanes into the packed projection ``qkv [B * T, 3 * H * d_h]`` in place and return
-    ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`)."""
-    from mixlab.ops.goat_triton import GoatQKV
+    ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`). Under
+    ``torch.compile`` the same kernels run as the custom op ``mixlab::goat_qkv`` (out of place: the
+    compiler must see a functional op) and q, k, v are views of its output."""
+    from mixlab.ops.goat_triton import GoatQKV, goat_qkv, meta_key
 
+    if torch.compiler.is_compiling():
+        out = goat_qkv(qkv, feat, params, meta_key(meta), batch, head_dim)
+        return out.view(batch, feat.shape[1], 3, meta["H"], head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return GoatQKV.apply(qkv, feat, params, meta, batch, head_dim)

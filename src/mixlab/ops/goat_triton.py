@@ -53,7 +53,8 @@ import triton.language as tl
 
 from mixlab.ops.goat import KEY_LINEAR_BLOCK, param_layout
 
-__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params"]
+__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params", "goat_qkv",
+           "goat_qkv_backward", "meta_key"]
 
 # Launch configuration; defaults from scripts/bench_goat_lanes.py on an H200 (BENCHMARKS.md).
 _BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
@@ -620,6 +621,82 @@ def _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat=No
             dict(HD=head_dim, HDP=_pow2(head_dim), DC=head_dim - (const["L"] if lanes else 0),
                  PB=min(256, _pow2(const["PT"])), LANES=lanes, **const))
     return out, d_params
+
+
+# ---------------------------------------------------------------------- torch.compile path: custom ops
+_META_BY_KEY: dict[str, dict] = {}
+
+
+def meta_key(meta: dict) -> str:
+    """A :func:`kernel_meta` dict as a string (custom ops take plain values, not dicts; a string, not an
+    index into a registry, because ``torch.compile`` traces the op's fake implementation before any side
+    effect of the traced code on a registry would have happened)."""
+    return repr(sorted((k, v) for k, v in meta.items() if not k.startswith("_")))
+
+
+def _meta(key: str) -> dict:
+    m = _META_BY_KEY.get(key)
+    if m is None:
+        import ast
+
+        m = _META_BY_KEY[key] = dict(ast.literal_eval(key))
+    return m
+
+
+@torch.library.custom_op("mixlab::goat_qkv", mutates_args=())
+def goat_qkv(qkv: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
+             head_dim: int) -> torch.Tensor:
+    """``qkv [B * T, 3 * H * d_h]`` with the GOAT lanes written into a copy of it (the functional twin of
+    :class:`GoatQKV` for ``torch.compile``: Inductor sees an opaque op with a fake implementation and a
+    registered backward, :func:`goat_qkv_backward`, so the compiled model keeps the Triton kernels; one
+    copy of ``qkv`` more than the eager path). ``meta`` from :func:`meta_key`."""
+    m = _meta(meta)
+    H, L = m["H"], m["L"]
+    T = feat.shape[1]
+    out = qkv.contiguous().clone()
+    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
+    layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=head_dim - L, KOFF=H * head_dim + head_dim - L)
+    _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
+            (feat, feat, params, out, out, batch, batch, T, T, BB), dict(**layout, **const))
+    return out
+
+
+@goat_qkv.register_fake
+def _goat_qkv_fake(qkv, feat, params, meta, batch, head_dim):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mixlab::goat_qkv_backward", mutates_args=())
+def goat_qkv_backward(grad: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
+                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d qkv, d params)`` of :func:`goat_qkv` from the gradient of its output (one :func:`_qkv_grad`
+    launch and the parameter reduction, as :class:`GoatQKV`'s backward)."""
+    m = _meta(meta)
+    H, T = m["H"], feat.shape[1]
+    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
+    dq, dk, dv = grad.contiguous().view(batch, T, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat, params)
+
+
+@goat_qkv_backward.register_fake
+def _goat_qkv_backward_fake(grad, feat, params, meta, batch, head_dim):
+    return (torch.empty(grad.shape, dtype=grad.dtype, device=grad.device),
+            torch.empty(_meta(meta)["PT"], dtype=torch.float32, device=grad.device))  # shapes may be symbolic
+
+
+def _goat_qkv_setup(ctx, inputs, output):
+    _, feat, params, meta, batch, head_dim = inputs
+    ctx.save_for_backward(feat, params)
+    ctx.args = (meta, batch, head_dim)
+
+
+def _goat_qkv_grad(ctx, grad):
+    feat, params = ctx.saved_tensors
+    d_qkv, d_params = goat_qkv_backward(grad, feat, params, *ctx.args)
+    return d_qkv, None, d_params, None, None, None
+
+
+goat_qkv.register_autograd(_goat_qkv_grad, setup_context=_goat_qkv_setup)
 
 
 _PLAIN_META: dict[int, dict] = {}
