@@ -10,6 +10,7 @@ are padded with 0 after the bits (causal models never see the padding before the
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from mixlab.datamodules.synthetic import SyntheticDataModule
 
@@ -59,3 +60,22 @@ class ParityDataModule(SyntheticDataModule):
     def sample(self, rng, split):
         lo, hi = self.train_len if split == "train" else self.test_len
         return parity_example(rng, lo, hi, hi - 1)
+
+    def length_buckets(self) -> list[tuple[int, int]]:
+        """Four equal ranges of the val/test string lengths ``n`` (inclusive), shortest first."""
+        lo, hi = self.test_len
+        edges = [lo + round(i * (hi - lo + 1) / 4) for i in range(5)]
+        return [(a, b - 1) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+    def task_metrics(self, logits: torch.Tensor, batch: dict) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Answer accuracy per quarter of the test length range, ``acc_len_<lo>_<hi>`` (hits, count): the
+        longest quarter is the length-generalisation number (e.g. lengths 202..256 of 40..256)."""
+        tgt = batch.get("eval_targets", batch["targets"])
+        pos = (tgt != -100).int().argmax(-1)  # the answer's position: n - 2 for a string of length n
+        n = pos + 2
+        hit = logits.argmax(-1).gather(1, pos[:, None]).squeeze(1) == tgt.gather(1, pos[:, None]).squeeze(1)
+        out = {}
+        for a, b in self.length_buckets():
+            sel = (n >= a) & (n <= b)
+            out[f"acc_len_{a}_{b}"] = ((hit & sel).sum().double(), sel.sum().double())
+        return out

@@ -232,6 +232,35 @@ def test_testing_another_runs_checkpoint_logs_into_that_run(capsys, monkeypatch,
     assert (run / "version_0" / "config_test.yaml").is_file() and "test/loss" in load_scalars(run)
 
 
+def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog, monkeypatch, trained):
+    """``--ckpt_path last`` with a model option that differs from the checkpoint: the model is built from
+    the checkpoint's hyperparameters with the same warning as for the file itself (it used to keep the
+    config's model: a silent mismatch, or a shape error)."""
+    import logging
+
+    from mixlab.heads.lm import CausalLM
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    root = trained["text"].parents[4]
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(root),
+            "--model.init_args.backbone.d_model=48"]
+    widths = []
+    validate = CausalLM.validation_step
+
+    def record(self, batch, batch_idx):
+        widths.append(self.backbone.cfg.d_model)
+        return validate(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLM, "validation_step", record)
+    for ckpt in ("last", str(trained["text"])):
+        with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
+            caplog.clear()
+            cli.main(["validate", *argv, "--ckpt_path", ckpt])
+        assert f"--ckpt_path {trained['text']}: the model is built from the checkpoint" in caplog.text
+        assert "backbone.d_model: 48 -> 32" in caplog.text
+    assert widths == [32, 32]
+
+
 def test_sigterm_saves_last_checkpoint_and_exits_non_zero(capsys, monkeypatch, tmp_path):
     """SIGTERM (``kill``, preemption) during step 3 of 6: like Ctrl-C, ``last.ckpt`` holds the steps
     done, one line says where, and the status is 143 (128 + SIGTERM), not 0."""

@@ -176,6 +176,30 @@ def test_parity_labels():
     assert b["inputs"].shape == (4, 255) and ((b["targets"] != IGN).sum(1) == 1).all()
 
 
+def test_parity_accuracy_per_length_quarter():
+    """``task_metrics`` counts each answer in the quarter of the test range its string length falls in:
+    logits right on strings of length >= 150 only give 0 in the two short quarters, 1 in the longest, and
+    the boundary quarter's exact fraction."""
+    dm = ParityDataModule(batch_size=64, n_train=8, n_val=4, n_test=64)
+    assert dm.length_buckets() == [(40, 93), (94, 147), (148, 202), (203, 256)]
+    b = next(iter(dm.test_dataloader()))
+    tgt = b["targets"]
+    pos = (tgt != IGN).int().argmax(-1)
+    n = pos + 2
+    logits = torch.zeros(*tgt.shape, 3)
+    right = n >= 150
+    answer = tgt.gather(1, pos[:, None]).squeeze(1)
+    pred = torch.where(right, answer, 3 - answer)  # the wrong bit for short strings
+    logits[torch.arange(64), pos, pred] = 1.0
+    m = dm.task_metrics(logits, b)
+    assert set(m) == {"acc_len_40_93", "acc_len_94_147", "acc_len_148_202", "acc_len_203_256"}
+    assert sum(int(c) for _, c in m.values()) == 64
+    assert m["acc_len_40_93"][0] == 0 and m["acc_len_94_147"][0] == 0
+    assert m["acc_len_203_256"][0] == m["acc_len_203_256"][1]
+    sel = (n >= 148) & (n <= 202)
+    assert int(m["acc_len_148_202"][0]) == int((sel & right).sum())
+
+
 def test_copy_mixture_optimal_nll_hand_values():
     d = CM.copy_mixture_example(np.random.default_rng(0), 64, 16, 0.3, 0.3)
     x = np.concatenate([d["inputs"], d["targets"][-1:]])

@@ -163,6 +163,9 @@ class MixlabCLI(LightningCLI):
         ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
+        if path == "last":  # resolve it now, so the model is built from that checkpoint as for an explicit path
+            path = self._resolve_last(sub) or path
+            self.config[sub]["ckpt_path"] = path
         if _own_checkpoint_file(path):
             check_checkpoint_config(str(path), read_checkpoint(str(path)), self.config[sub])
         before = self.config[sub].get("model") if sub else None
@@ -173,6 +176,23 @@ class MixlabCLI(LightningCLI):
             logging.getLogger("mixlab.cli").warning(
                 "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
                 "the config: %s", path, "; ".join(changed))
+
+    def _resolve_last(self, sub: str) -> str | None:
+        """The file ``--ckpt_path last`` names: the newest ``last.ckpt`` of the run this config would
+        write (its task and run name come from the datamodule and model, built once here and dropped).
+        None when the config does not build (its error comes later, as without ``last``).
+
+        Raises:
+            FileNotFoundError: that run has no ``last.ckpt`` yet.
+        """
+        try:
+            init = self.parser.instantiate_classes(self.config)[sub]
+        except Exception:  # reported by the real instantiation
+            return None
+        cfg, model, data = self.config[sub], init.get("model"), init.get("data")
+        task = getattr(data, "task_name", type(data).__name__.lower())
+        run = cfg.get("run_name") or getattr(model, "run_name", type(model).__name__.lower())
+        return _latest_checkpoint(Path(cfg.get("run_root") or "runs") / f"{task}/{run}")
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
