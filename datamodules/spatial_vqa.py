@@ -500,12 +500,19 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
             raise ValueError("data.init_args.train_orders is empty")
         both = sorted(set(self.train_orders) & set(self.heldout_orders))
         if both:
-            raise ValueError(f"scan orders {both} are in both train_orders and heldout_orders")
+            raise ValueError(f"scan orders {both} are in both data.init_args.train_orders and heldout_orders")
         self.order_names = self.train_orders + self.heldout_orders
         if len(set(self.order_names)) != len(self.order_names):
             raise ValueError(f"repeated scan order names in {self.order_names}")
         self.n_seen = len(self.train_orders)
-        self.orders = np.stack([scan_order(n, self.patches_per_side) for n in self.order_names])
+        orders = []
+        for i, n in enumerate(self.order_names):
+            field = "train_orders" if i < self.n_seen else "heldout_orders"
+            try:
+                orders.append(scan_order(n, self.patches_per_side))
+            except ValueError as err:
+                raise ValueError(f"data.init_args.{field}: {err}") from None
+        self.orders = np.stack(orders)
         seen = {tuple(o): n for n, o in zip(self.train_orders, self.orders[: self.n_seen])}
         for name, o in zip(self.heldout_orders, self.orders[self.n_seen:]):
             if tuple(o) in seen:

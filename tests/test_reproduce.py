@@ -47,10 +47,41 @@ def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkey
     with pytest.raises(SystemExit):
         reproduce.main(["mesa", "--runs", "goat_key_lin", "--out", str(tmp_path)])
     assert "--runs 'goat_key_lin' is no run of the chosen experiments; they have" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        reproduce.main(["mesa", "--max-minutes", "0", "--out", str(tmp_path)])
-    assert "--max-minutes must be > 0; got 0.0" in capsys.readouterr().err
+    for bad, msg in [(["--max-minutes", "0"], "--max-minutes must be a finite number of at least 1/60"),
+                     (["--max-minutes", "inf"], "--max-minutes must be a finite number"),
+                     (["--max-minutes", "nan"], "--max-minutes must be a finite number"),
+                     (["--max-minutes", "0.001"], "at least 1/60 (one second); got 0.001"),
+                     (["--workers", "0"], "--workers must be >= 1; got 0"),
+                     (["--timeout", "-5"], "--timeout must be a finite number of seconds > 0; got -5.0"),
+                     (["--scale", "inf"], "--scale must be a finite number > 0; got inf")]:
+        with pytest.raises(SystemExit) as info:
+            reproduce.main(["mesa", *bad, "--out", str(tmp_path)])
+        assert info.value.code == 2 and msg in capsys.readouterr().err, bad
     assert not any(tmp_path.iterdir())  # nothing written on bad input
+
+
+def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypatch, capsys):
+    """A run whose test fails (fit fine) counts as failed; each row shows its own runs' command and
+    failures (the Mesa parity row is not labelled with DeltaNet's command); the command exits 1."""
+    exp = next(e for e in reproduce.SUITES["mesa"]() if e.name == "parity")
+    res = {n: {"command": f"python -m mixlab fit {n}", "fit_rc": 0, "test_rc": 0, "test": {"test/acc": 0.5}}
+           for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")}
+    res["mesa_neg"]["test_rc"] = 1
+    res["deltanet_neg"]["test"].update({"test/acc": 0.97, "test/acc_len_40_93": 1.0, "test/acc_len_203_256": 0.96})
+    assert reproduce.failed_runs(exp, res) == ["mesa_neg"]
+    rows = reproduce._rows(exp, res)
+    assert rows[0]["commands"][0] == "python -m mixlab fit deltanet_neg" and "failed" not in rows[0]["mixlab"]
+    assert "lengths 203..256: 0.960" in rows[0]["mixlab"] and rows[0]["verdict"] == "reproduced"
+    assert rows[1]["commands"][0] == "python -m mixlab fit mesa_neg" and "runs that failed: mesa_neg" in rows[1]["mixlab"]
+
+    def fake_run_suites(suites, *a, **k):
+        reproduce._FAILED["mesa"] = ["parity/mesa_neg"]
+        return []
+
+    monkeypatch.setattr(reproduce, "run_suites", fake_run_suites)
+    with pytest.raises(SystemExit) as info:
+        reproduce.main(["mesa", "--out", str(tmp_path)])
+    assert info.value.code == 1 and "1 run(s) failed (parity/mesa_neg)" in capsys.readouterr().err
 
 
 def test_runs_filter_and_wall_time_cap():

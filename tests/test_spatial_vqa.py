@@ -63,6 +63,10 @@ def test_scan_orders_values_and_split():
         SpatialVQADataModule(patch_size=8)
     with pytest.raises(ValueError, match=r"\['spiral'\] are in both"):
         SpatialVQADataModule(train_orders=["row_major", "spiral"], heldout_orders=["spiral"])
+    with pytest.raises(ValueError, match="data.init_args.heldout_orders: unknown scan order 'zigzag'"):
+        SpatialVQADataModule(train_orders=["row_major"], heldout_orders=["spiral", "zigzag"])
+    with pytest.raises(ValueError, match="data.init_args.train_orders: unknown scan order 'zigzag'"):
+        SpatialVQADataModule(train_orders=["zigzag"])
 
 
 # ---------------------------------------------------------------------------- generator
