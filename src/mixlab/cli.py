@@ -171,11 +171,27 @@ class MixlabCLI(LightningCLI):
         before = self.config[sub].get("model") if sub else None
         with overrides.replacing_dicts():
             super()._parse_ckpt_path()
+        if _own_checkpoint_file(path):
+            self._apply_legacy_defaults(sub, read_checkpoint(str(path)))
         changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
         if changed:
             logging.getLogger("mixlab.cli").warning(
                 "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
                 "the config: %s", path, "; ".join(changed))
+
+    def _apply_legacy_defaults(self, sub: str, checkpoint: dict) -> None:
+        """Options a head added after a checkpoint was written take the value that checkpoint was trained
+        with (the head's ``legacy_defaults``, e.g. the VQA head's ``causal: False``), not the config's:
+        LightningCLI's hyperparameter step only replaces the options the checkpoint records."""
+        hparams = checkpoint.get("hyper_parameters") or {}
+        model = self.config[sub].get("model")
+        cls = _import(_get(model, "class_path"))
+        if cls is None or not hparams:
+            return
+        init = _get(model, "init_args")
+        for key, value in getattr(cls, "legacy_defaults", {}).items():
+            if key not in hparams and init is not None:
+                init[key] = value
 
     def _resolve_last(self, sub: str) -> str | None:
         """The file ``--ckpt_path last`` names: the newest ``last.ckpt`` of the run this config would

@@ -90,6 +90,10 @@ class SpatialVQA(Head):
             scheme that does not read 3 axes; sizes that do not match the datamodule.
     """
 
+    legacy_defaults = {"causal": False}
+    """Options absent from checkpoints written before they existed, with the value those were trained with
+    (read by the CLI when a checkpoint's hyperparameters replace the config's)."""
+
     def __init__(
         self,
         vocab_size: int = 26,
