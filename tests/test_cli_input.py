@@ -232,7 +232,7 @@ def test_testing_another_runs_checkpoint_logs_into_that_run(capsys, monkeypatch,
     assert (run / "version_0" / "config_test.yaml").is_file() and "test/loss" in load_scalars(run)
 
 
-def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog, monkeypatch, trained):
+def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog, monkeypatch, tmp_path, trained):
     """``--ckpt_path last`` with a model option that differs from the checkpoint: the model is built from
     the checkpoint's hyperparameters with the same warning as for the file itself (it used to keep the
     config's model: a silent mismatch, or a shape error)."""
@@ -240,8 +240,12 @@ def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog,
 
     from mixlab.heads.lm import CausalLM
 
+    import shutil
+
     monkeypatch.setattr(sys, "argv", ["mixlab"])
-    root = trained["text"].parents[4]
+    root = tmp_path / "runs"  # a copy: validate logs into the checkpoint's run
+    shutil.copytree(trained["text"].parents[4] / "text", root / "text")
+    ckpt_file = root / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt"
     argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(root),
             "--model.init_args.backbone.d_model=48"]
     widths = []
@@ -252,11 +256,11 @@ def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog,
         return validate(self, batch, batch_idx)
 
     monkeypatch.setattr(CausalLM, "validation_step", record)
-    for ckpt in ("last", str(trained["text"])):
+    for ckpt in ("last", str(ckpt_file)):
         with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
             caplog.clear()
             cli.main(["validate", *argv, "--ckpt_path", ckpt])
-        assert f"--ckpt_path {trained['text']}: the model is built from the checkpoint" in caplog.text
+        assert f"--ckpt_path {ckpt_file}: the model is built from the checkpoint" in caplog.text
         assert "backbone.d_model: 48 -> 32" in caplog.text
     assert widths == [32, 32]
 
