@@ -237,10 +237,9 @@ def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog,
     the checkpoint's hyperparameters with the same warning as for the file itself (it used to keep the
     config's model: a silent mismatch, or a shape error)."""
     import logging
+    import shutil
 
     from mixlab.heads.lm import CausalLM
-
-    import shutil
 
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     root = tmp_path / "runs"  # a copy: validate logs into the checkpoint's run
