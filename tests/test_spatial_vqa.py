@@ -273,13 +273,18 @@ def _tiny_model(mixer: str, coordinates: str, causal: bool = False, **pos_args) 
     return SpatialVQA(backbone=bb, coordinates=coordinates, causal=causal).double().eval()
 
 
-def test_goat_answers_do_not_depend_on_scan_order_rope_1d_does():
+def _scene_in_two_orders() -> tuple[dict, dict]:
+    """Four test scenes as a float64 batch in their scan order and read in spiral order."""
     torch.manual_seed(0)
-    dm = _dm()
-    items = [dm.datasets["test"][i] for i in range(4)]
+    items = [_dm().datasets["test"][i] for i in range(4)]
     a = torch.utils.data.default_collate(items)
     b = torch.utils.data.default_collate([_reorder(it, scan_order("spiral", 2)) for it in items])
     a["patches"], b["patches"] = a["patches"].double(), b["patches"].double()
+    return a, b
+
+
+def test_goat_answers_do_not_depend_on_scan_order_rope_1d_does():
+    a, b = _scene_in_two_orders()
     goat = _tiny_model("goat", "mixed", n_modes=6, axes=3, init="random")
     torch.testing.assert_close(goat(a), goat(b), rtol=1e-9, atol=1e-9)
     rope = _tiny_model("rope", "sequence")
@@ -292,12 +297,7 @@ def test_causal_option_gives_nope_positions():
     """Bidirectional NoPE reads the patches as a set (a reordered scene gives the same answer logits, so
     "what is at the top-left" has no answer it could compute); the causal decoder's mask breaks that
     symmetry, which is why the shipped VQA configs are causal."""
-    torch.manual_seed(0)
-    dm = _dm()
-    items = [dm.datasets["test"][i] for i in range(4)]
-    a = torch.utils.data.default_collate(items)
-    b = torch.utils.data.default_collate([_reorder(it, scan_order("spiral", 2)) for it in items])
-    a["patches"], b["patches"] = a["patches"].double(), b["patches"].double()
+    a, b = _scene_in_two_orders()
     torch.manual_seed(1)
     enc = _tiny_model("nope", "sequence")
     torch.testing.assert_close(enc(a), enc(b), rtol=1e-9, atol=1e-9)
