@@ -121,14 +121,16 @@ def layer_bench(args) -> list[tuple[str, float, float]]:
         rows.append(("plain, torch.compile", *time_fwd_bwd(torch.compile(plain), x)))
     del plain
     for name, pa in [("goat", dict(n_modes=4)), ("goat", dict(n_modes=4, lane_impl="torch")),
-                     ("rope", None), ("alibi", None), ("nope", None), ("goat", dict(n_modes=4))]:
+                     ("rope", None), ("rope", dict(rotary_impl="triton")), ("alibi", None), ("nope", None),
+                     ("goat", dict(n_modes=4))]:
         m = Autocast(build_mixer(name, d_model=D, n_heads=H, causal=True, position_args=pa)).to(dev)
         label = (f"mixlab {name}" + (" R=4" if name == "goat" else "")
-                 + (" (torch lanes)" if pa and "lane_impl" in pa else ""))
+                 + (" (torch lanes)" if pa and "lane_impl" in pa else "")
+                 + (" (in-place Triton rotation)" if pa and "rotary_impl" in pa else ""))
         if any(r[0] == label for r in rows):
             label += " (again, end of run)"
         rows.append((label, *time_fwd_bwd(m, x)))
-        if (pa and "lane_impl" in pa) or label.endswith("end of run)"):
+        if (pa and ("lane_impl" in pa or "rotary_impl" in pa)) or label.endswith("end of run)"):
             continue
         if name == "goat":
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -8,8 +8,8 @@ Run on a CUDA device from the project root::
 
 Models: ``plain`` (the anchor, written below in ~60 lines: token embedding, pre-norm blocks of RMSNorm,
 fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) and
-:class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa`` and
-the hybrid ``--hybrid`` (default ``kda*3,goat``), all at the same shape (default GPT-2 small:
+:class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa``,
+the hybrid ``--hybrid`` (default ``kda*3,goat``) and ``rope_triton`` (RoPE with ``rotary_impl: triton``), all at the same shape (default GPT-2 small:
 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8) with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
 (:meth:`CausalLM.scores`: output layer and cross entropy in chunks of ``loss_chunk_tokens`` tokens,
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid"]
+MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_triton"]
 _T0 = time.perf_counter()
 
 
@@ -112,8 +112,11 @@ def build(name: str, args) -> nn.Module:
     from mixlab.backbone import BackboneConfig
     from mixlab.heads.lm import CausalLM
 
-    cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads,
-                         mixer=args.hybrid if name == "hybrid" else name)
+    mixer, mixer_args = (args.hybrid if name == "hybrid" else name), {}
+    if name == "rope_triton":  # RoPE rotated in place in the packed qkv (position_args.rotary_impl)
+        mixer, mixer_args = "rope", {"rope": {"position_args": {"rotary_impl": "triton"}}}
+    cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, mixer=mixer,
+                         mixer_args=mixer_args)
     return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=args.loss_chunk_tokens))
 
 

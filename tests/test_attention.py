@@ -284,3 +284,17 @@ def test_goat_prior_loads_checkpoints_from_before_the_flat_prior():
     sd["pos.slope"] = torch.tensor([0.5, 0.25])
     alibi.load_state_dict(sd)
     assert torch.equal(alibi.pos.slope, torch.tensor([0.5, 0.25]))
+
+
+def test_rope_rotary_impl_option():
+    """``rotary_impl``: a typo is a one-line error naming the option; ``auto`` on CPU tensors keeps the torch
+    rotation (equal outputs to ``torch``); the Triton path itself is checked under the interpreter
+    (tests/test_goat_triton.py)."""
+    with pytest.raises(ValueError, match="position_args.rotary_impl must be 'torch', 'triton' or 'auto'; got 'cuda'"):
+        build_mixer("rope", d_model=32, n_heads=2, causal=True, position_args={"rotary_impl": "cuda"})
+    torch.manual_seed(0)
+    a = build_mixer("rope", d_model=32, n_heads=2, causal=True, position_args={"rotary_impl": "torch"}).double()
+    b = build_mixer("rope", d_model=32, n_heads=2, causal=True, position_args={"rotary_impl": "auto"}).double()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)

@@ -505,15 +505,24 @@ class RotaryPositions(PositionScheme):
     layout). Missing axes rotate by angle 0 (identity). A
     :attr:`~mixlab.coords.Coords.scale` multiplies each axis' angles (position interpolation).
 
+    ``rotary_impl``: ``"torch"`` (default: :class:`~mixlab.ops.goat_triton.QKVSplit` views, then a
+    compiled rotation per tensor), ``"triton"`` (q and k rotated in place in the packed projection by
+    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way) or ``"auto"`` (``triton`` on CUDA
+    outside ``torch.compile``, else ``torch``). Same values up to rounding (the kernel rotates in fp32).
+
     Raises:
-        ValueError: if ``head_dim`` is not divisible into even parts per axis.
+        ValueError: if ``head_dim`` is not divisible into even parts per axis; an unknown ``rotary_impl``.
     """
 
-    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0) -> None:
+    def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0,
+                 rotary_impl: str = "torch") -> None:
         super().__init__(n_heads, head_dim, causal)
         if head_dim % (2 * axes):
             raise ValueError(f"RoPE needs head_dim divisible by 2*axes; got head_dim={head_dim}, axes={axes}")
-        self.axes, self.base = axes, base
+        if rotary_impl not in ("torch", "triton", "auto"):
+            raise ValueError("rope: position_args.rotary_impl must be 'torch', 'triton' or 'auto'; "
+                             f"got {rotary_impl!r}")
+        self.axes, self.base, self.rotary_impl = axes, base, rotary_impl
         d_a = head_dim // axes
         inv = base ** (-torch.arange(0, d_a, 2, dtype=torch.float64) / d_a)
         self._inv_freq = inv  # float64, not a buffer: module.to(bfloat16) must not round it
@@ -540,6 +549,20 @@ class RotaryPositions(PositionScheme):
     def rotate(self, x: Tensor, coords: Coords) -> Tensor:
         cos, sin = self._cos_sin(coords, x.dtype)
         return _rope_rotate(x, cos, sin, self.axes)
+
+    def pack(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`PositionScheme.pack`; with the Triton path (``rotary_impl``) q and k are rotated in
+        place in ``qkv`` and returned as views of it (:class:`~mixlab.ops.rope_triton.RopeQKV`)."""
+        impl = self.rotary_impl
+        fast = impl == "triton" or (impl == "auto" and qkv.is_cuda and not torch.compiler.is_compiling())
+        if fast and qkv.dtype != torch.float64:
+            cos, sin = self._cos_sin(coords, torch.float32)  # [B|1, 1, T, d/2]
+            if cos.shape[0] in (1, batch):
+                from mixlab.ops.rope_triton import RopeQKV
+
+                return RopeQKV.apply(qkv, cos.squeeze(1), sin.squeeze(1), batch, self.n_heads, self.head_dim,
+                                     self.axes)
+        return super().pack(qkv, coords, batch)
 
 
 @cuda_compiled

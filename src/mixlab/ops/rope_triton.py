@@ -1,0 +1,141 @@
+"""Triton kernels of RoPE on the packed projection: rotate q and k in place, one pass back.
+
+Same math as :func:`mixlab.mixers.positions._rope_rotate` (GPT-NeoX half rotation per axis block:
+in block ``a`` of ``d_a = d_h / A`` dims, the pair ``(x_i, x_{i + d_a/2})`` rotates by the angle
+``theta_{a, i}(t)``), applied the way :class:`mixlab.ops.goat_triton.GoatQKV` writes GOAT's lanes:
+
+* forward: ONE kernel rotates the q and k heads of the attention layer's packed projection output
+  ``qkv [B * T, 3 * H * d_h]`` in place (fp32 math, stored in ``qkv``'s dtype) and ``q, k, v
+  [B, H, T, d_h]`` are strided views of it: no new q/k tensors, nothing saved but the cos/sin table;
+* backward: ONE kernel builds ``d qkv`` as contiguous rows from ``dq, dk, dv`` (any strides, unit
+  last stride), rotating ``dq``/``dk`` back by ``-theta``; it replaces the rotation's backward and the
+  copies autograd makes to undo ``view -> permute -> unbind``.
+
+The plain path rotates q and k into new tensors (a compiled elementwise kernel each way per tensor)
+after :class:`~mixlab.ops.goat_triton.QKVSplit`; issue 17 measured that RoPE layer at 1.50x a plain
+layer. Selected by ``position_args: {rotary_impl: triton}`` (``auto``: CUDA, eager); tests run the
+kernels on CPU under ``TRITON_INTERPRET=1`` against the torch rotation.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["RopeQKV"]
+
+_BLOCK_T = 16
+
+
+@triton.jit
+def _pairs(j, HALF: tl.constexpr):
+    """Flat pair index ``j = a * HALF + i`` -> the two head dims it rotates (``a * 2 HALF + i``, ``+ HALF``)."""
+    p1 = (j // HALF) * (2 * HALF) + j % HALF
+    return p1, p1 + HALF
+
+
+@triton.jit(do_not_specialize=["N", "T"])
+def _rope_fwd(qkv, cos, sin, N, T, H: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, NJ: tl.constexpr,
+              JP: tl.constexpr, BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (row block, head): rotate that head's q and k in rows ``r = b T + t`` of ``qkv [N, 3 H HD]``
+    in place by ``cos/sin [B|1, T, NJ]`` (NJ = HD / 2 pairs)."""
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    r = (rb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    j = tl.arange(0, JP)
+    m = (r < N)[:, None] & (j < NJ)[None, :]
+    crow = r if BATCHED else r % T
+    c = tl.load(cos + crow[:, None] * NJ + j[None, :], mask=m, other=1.0)
+    s = tl.load(sin + crow[:, None] * NJ + j[None, :], mask=m, other=0.0)
+    p1, p2 = _pairs(j, HALF)
+    for part in range(2):  # q, then k
+        base = (qkv + r * (3 * H * HD) + part * H * HD + h * HD)[:, None]
+        x1 = tl.load(base + p1[None, :], mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(base + p2[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(base + p1[None, :], (x1 * c - x2 * s).to(qkv.dtype.element_ty), mask=m)
+        tl.store(base + p2[None, :], (x2 * c + x1 * s).to(qkv.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["N", "T", "sqb", "sqh", "sqt", "skb", "skh", "skt", "svb", "svh", "svt"])
+def _rope_bwd(dq, dk, dv, out, cos, sin, N, T, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+              H: tl.constexpr, HD: tl.constexpr, HDP: tl.constexpr, HALF: tl.constexpr, NJ: tl.constexpr,
+              JP: tl.constexpr, BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (row block, head): ``out [N, 3 H HD]`` rows of that head = ``(R(-theta) dq, R(-theta) dk, dv)``."""
+    rb = tl.program_id(0)
+    h = tl.program_id(1)
+    r = (rb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    b, t = r // T, r % T
+    j = tl.arange(0, JP)
+    rm = r < N
+    m = rm[:, None] & (j < NJ)[None, :]
+    crow = r if BATCHED else t
+    c = tl.load(cos + crow[:, None] * NJ + j[None, :], mask=m, other=1.0)
+    s = tl.load(sin + crow[:, None] * NJ + j[None, :], mask=m, other=0.0)
+    p1, p2 = _pairs(j, HALF)
+    o = (out + r * (3 * H * HD) + h * HD)[:, None]
+    for part in range(2):
+        if part == 0:
+            src = (dq + b * sqb + h * sqh + t * sqt)[:, None]
+        else:
+            src = (dk + b * skb + h * skh + t * skt)[:, None]
+        g1 = tl.load(src + p1[None, :], mask=m, other=0.0).to(tl.float32)
+        g2 = tl.load(src + p2[None, :], mask=m, other=0.0).to(tl.float32)
+        tl.store(o + part * H * HD + p1[None, :], (g1 * c + g2 * s).to(out.dtype.element_ty), mask=m)
+        tl.store(o + part * H * HD + p2[None, :], (g2 * c - g1 * s).to(out.dtype.element_ty), mask=m)
+    d = tl.arange(0, HDP)
+    mv = rm[:, None] & (d < HD)[None, :]
+    pv = (dv + b * svb + h * svh + t * svt)[:, None] + d[None, :]
+    tl.store(o + 2 * H * HD + d[None, :], tl.load(pv, mask=mv, other=0.0), mask=mv)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+class RopeQKV(torch.autograd.Function):
+    """Packed projection output -> RoPE-rotated SDPA inputs, rotated in place.
+
+    ``qkv [B * T, 3 * H * d_h]`` (per token ``[q | k | v]``, each ``[H, d_h]``; the projection's own
+    output, used by nothing else: its q and k entries are overwritten, exact because a linear layer does
+    not save its output) -> ``q, k, v [B, H, T, d_h]``, strided views of it with q and k rotated.
+    ``cos, sin``: float32 ``[B|1, T, d_h / 2]`` (the scheme's angles, axis blocks flattened);
+    ``axes``: number of axis blocks ``A`` (``d_h / A`` dims each).
+
+    Raises:
+        ValueError: ``qkv`` not a contiguous ``[B*T, 3*H*d_h]`` matrix, a leaf that requires grad,
+            cos/sin of the wrong shape, or ``d_h`` not divisible into ``2 A`` parts.
+    """
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, batch, n_heads, head_dim, axes):
+        H, HD = n_heads, head_dim
+        T = cos.shape[1]
+        if qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape != (batch * T, 3 * H * HD):
+            raise ValueError(f"RopeQKV: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{T}, {3 * H * HD}] "
+                             f"matrix; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
+        if qkv.is_leaf and qkv.requires_grad:
+            raise ValueError("RopeQKV: qkv must be a projection output, not a leaf tensor that requires grad")
+        if HD % (2 * axes) or cos.shape != sin.shape or cos.shape[0] not in (1, batch) or cos.shape[2] != HD // 2:
+            raise ValueError(f"RopeQKV: cos/sin must be [1|{batch}, {T}, {HD // 2}] for head_dim {HD} and {axes} "
+                             f"axes; got {tuple(cos.shape)}")
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        N = batch * T
+        meta = dict(H=H, HD=HD, HALF=HD // (2 * axes), NJ=HD // 2, JP=_pow2(HD // 2), BATCHED=cos.shape[0] > 1,
+                    BLOCK_T=_BLOCK_T)
+        _rope_fwd[(triton.cdiv(N, _BLOCK_T), H)](qkv, cos, sin, N, T, **meta)
+        ctx.save_for_backward(cos, sin)
+        ctx.args = (batch, T, meta)
+        return qkv.view(batch, T, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        batch, T, meta = ctx.args
+        H, HD = meta["H"], meta["HD"]
+        dq, dk, dv = (x if x.stride(-1) == 1 else x.contiguous() for x in (dq, dk, dv))
+        N = batch * T
+        out = torch.empty(N, 3 * H * HD, device=dq.device, dtype=dq.dtype)
+        _rope_bwd[(triton.cdiv(N, _BLOCK_T), H)](dq, dk, dv, out, cos, sin, N, T, *dq.stride()[:3],
+                                                  *dk.stride()[:3], *dv.stride()[:3], HDP=_pow2(HD), **meta)
+        return out, None, None, None, None, None, None
