@@ -290,7 +290,7 @@ def test_rope_rotary_impl_option():
     """``rotary_impl``: a typo is a one-line error naming the option; ``auto`` on CPU tensors keeps the torch
     rotation (equal outputs to ``torch``); the Triton path itself is checked under the interpreter
     (tests/test_goat_triton.py)."""
-    with pytest.raises(ValueError, match="position_args.rotary_impl must be 'torch', 'triton' or 'auto'; got 'cuda'"):
+    with pytest.raises(ValueError, match="rotary_impl must be 'torch', 'triton' or 'auto'; got 'cuda'"):
         build_mixer("rope", d_model=32, n_heads=2, causal=True, position_args={"rotary_impl": "cuda"})
     torch.manual_seed(0)
     a = build_mixer("rope", d_model=32, n_heads=2, causal=True, position_args={"rotary_impl": "torch"}).double()
