@@ -10,7 +10,8 @@ Models: ``plain`` (the anchor, written below in ~60 lines: token embedding, pre-
 fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) and
 :class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa``,
 the hybrid ``--hybrid`` (default ``kda*3,goat``) and ``rope_triton`` (RoPE with ``rotary_impl: triton``),
-all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8) with bf16 autocast over float32 parameters
+all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
+with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
 (:meth:`CausalLM.scores`: output layer and cross entropy in chunks of ``loss_chunk_tokens`` tokens,
 automatic at this vocabulary); the anchor's is the plain full-logits one.
