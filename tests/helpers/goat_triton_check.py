@@ -138,6 +138,25 @@ def split_case(B, T, H, d_h, seed):
     return max((outs[0][0] - outs[1][0]).abs().max().item(), (outs[0][1] - outs[1][1]).abs().max().item())
 
 
+def _compare_layers(ref, fast, x, gy, c, backward_node=None):
+    """Max difference of output, input gradient and (relative) parameter gradients between the layer
+    ``ref`` and ``fast = (module, callable)``; ``backward_node`` must appear in the fast path's graph."""
+    outs = []
+    for m, fn in ((ref, ref), fast):
+        m.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_()
+        y = fn(xx, c)
+        if backward_node and m is fast[0]:
+            assert backward_node in _graph_names(y.grad_fn)
+        (y * gy).sum().backward()
+        outs.append((y.detach(), xx.grad, {n: q.grad for n, q in m.named_parameters()}))
+    (y0, gx0, g0), (y1, gx1, g1) = outs
+    err = max((y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
+    for n in g0:
+        err = max(err, ((g0[n] - g1[n]).abs().max() / (g0[n].abs().max() + 1e-6)).item())
+    return err
+
+
 def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
     """The torch.compile path (``fullgraph=True``; the lanes through the custom op ``mixlab::goat_qkv``
     and its registered backward) against the eager layer with torch lanes: output, input gradient and
@@ -157,17 +176,7 @@ def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
     ref, fast = ref.to(DEV), fast.to(DEV)
     c = Coords.seq(T, device=DEV) if axes == 1 else Coords(torch.randint(0, 9, (1, T, axes)).to(DEV))
     x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
-    outs = []
-    for m, fn in ((ref, ref), (fast, torch.compile(fast, backend=backend, fullgraph=True))):
-        m.zero_grad(set_to_none=True)
-        xx = x.clone().requires_grad_()
-        y = fn(xx, c)
-        (y * gy).sum().backward()
-        outs.append((y.detach(), xx.grad, {n: q.grad for n, q in m.named_parameters()}))
-    (y0, gx0, g0), (y1, gx1, g1) = outs
-    err = max((y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
-    for n in g0:
-        err = max(err, ((g0[n] - g1[n]).abs().max() / (g0[n].abs().max() + 1e-6)).item())
+    err = _compare_layers(ref, (fast, torch.compile(fast, backend=backend, fullgraph=True)), x, gy, c)
     # the op itself: opcheck runs its schema, fake-tensor and autograd-registration tests
     pos = fast.pos
     f = pos._features(c, torch.float32)
@@ -198,19 +207,7 @@ def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False):
         pos = torch.randint(0, 9, (B if per_sample else 1, T, axes))
         c = Coords(pos.to(DEV), (torch.rand(B if per_sample else 1, T, axes) > 0.2).to(DEV))
     x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
-    outs = []
-    for m in (ref, fast):
-        xx = x.clone().requires_grad_()
-        y = m(xx, c)
-        if m is fast:
-            assert "RopeQKVBackward" in _graph_names(y.grad_fn)
-        (y * gy).sum().backward()
-        outs.append((y.detach(), xx.grad, {n: q.grad for n, q in m.named_parameters()}))
-    (y0, gx0, g0), (y1, gx1, g1) = outs
-    err = max((y0 - y1).abs().max().item(), (gx0 - gx1).abs().max().item())
-    for n in g0:
-        err = max(err, ((g0[n] - g1[n]).abs().max() / (g0[n].abs().max() + 1e-6)).item())
-    return err
+    return _compare_layers(ref, (fast, fast), x, gy, c, backward_node="RopeQKVBackward")
 
 
 res = {
