@@ -548,7 +548,6 @@ class GpuPipeline:
             interp = self.params.rrc.interpolation  # timm's RandomResizedCrop: an InterpolationMode
             self.interp = InterpolationMode(interp.value) if hasattr(interp, "value") else InterpolationMode.BICUBIC
             self.fill = torch.tensor(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
-        self._fill_dev: Tensor | None = None
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device
@@ -632,13 +631,12 @@ class GpuPipeline:
         layers = torch.tensor([layer for _, _, imgs, layer in groups for _ in imgs], dtype=torch.int64)
         idx_dev = flat.to(dev, non_blocking=True)
         arg_dev = args[flat, layers].to(dev, non_blocking=True)
-        if self._fill_dev is None or self._fill_dev.device != x.device:
-            self._fill_dev = self.fill.to(x.device, x.dtype)
+        fill = self.fill.to(x.device, x.dtype)
         pos = 0
         for op, ip, imgs, _ in groups:
             di, a = idx_dev[pos:pos + len(imgs)], arg_dev[pos:pos + len(imgs)]
             pos += len(imgs)
-            x[di] = apply_ra_op(RA_OPS[op], x[di], a, ip, self._fill_dev)
+            x[di] = apply_ra_op(RA_OPS[op], x[di], a, ip, fill)
         return x
 
     @staticmethod
@@ -687,6 +685,9 @@ class DevicePrefetcher:
         depth: batches held ready (each costs one batch of float32 images in device memory).
 
     An exception in the thread (a corrupt shard, a decode error) is re-raised by the iterator.
+
+    Raises:
+        ValueError: ``depth < 1``.
     """
 
     def __init__(self, loader: Iterable[EncodedBatch], stage: Callable[[EncodedBatch], tuple[Tensor, Tensor]],

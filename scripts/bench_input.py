@@ -166,20 +166,12 @@ def time_model(step, batch: int, image_size: int, num_classes: int, device: torc
     return batch * iters / (time.perf_counter() - t0)
 
 
-def time_model_eval(model, batch: int, image_size: int, device: torch.device, warmup: int, iters: int) -> float:
-    """Images/s of the model's evaluation forward (no grad, bf16 autocast on CUDA) on random tensors."""
-    x = torch.randn(batch, 3, image_size, image_size, device=device)
-    model.eval()
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        for _ in range(warmup):
+def make_eval_step(model, device: torch.device):
+    """The model's evaluation forward (no grad, bf16 autocast on CUDA) as a ``step(x, y)`` for :func:`time_model`."""
+    def step(x, y):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             model(x)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            model(x)
-        sync(device)
-    model.train()
-    return batch * iters / (time.perf_counter() - t0)
+    return step
 
 
 def draft_fractions(pattern: str, image_size: int, crop_pct: float, limit: int) -> tuple[float, float, int]:
@@ -291,7 +283,10 @@ def main(argv: list[str] | None = None) -> str:
     row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
         f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
     if not a.no_eval:
-        eval_ips = time_model_eval(model, a.batch_size, a.image_size, device, 2, max(3, a.batches // 2))
+        model.eval()
+        eval_ips = time_model(make_eval_step(model, device), a.batch_size, a.image_size, num_classes, device, 2,
+                              max(3, a.batches // 2))
+        model.train()
         row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
     splits = ["train"] + ([] if a.no_eval else ["val"])

@@ -166,13 +166,14 @@ class MixlabCLI(LightningCLI):
         if path == "last":  # resolve it now, so the model is built from that checkpoint as for an explicit path
             path = self._resolve_last(sub) or path
             self.config[sub]["ckpt_path"] = path
-        if _own_checkpoint_file(path):
-            check_checkpoint_config(str(path), read_checkpoint(str(path)), self.config[sub])
+        checkpoint = read_checkpoint(str(path)) if _own_checkpoint_file(path) else None
+        if checkpoint is not None:
+            check_checkpoint_config(str(path), checkpoint, self.config[sub])
         before = self.config[sub].get("model") if sub else None
         with overrides.replacing_dicts():
             super()._parse_ckpt_path()
-        if _own_checkpoint_file(path):
-            self._apply_legacy_defaults(sub, read_checkpoint(str(path)))
+        if checkpoint is not None:
+            self._apply_legacy_defaults(sub, checkpoint)
         changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
         if changed:
             logging.getLogger("mixlab.cli").warning(

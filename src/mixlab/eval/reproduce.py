@@ -295,16 +295,16 @@ def _longest_bucket(res: dict, run: str) -> tuple[str, float | None]:
 def _parity_rows(res: dict) -> list[tuple]:
     acc = {n: _get(res, n, "test", "test/acc") for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")}
     d_neg, d_pos, m_neg, m_pos = acc.values()
-    span, d_long = _longest_bucket(res, "deltanet_neg")
-    _, m_long = _longest_bucket(res, "mesa_neg")
+    d_span, d_long = _longest_bucket(res, "deltanet_neg")
+    m_span, m_long = _longest_bucket(res, "mesa_neg")
     rows = [("DeltaNet parity accuracy at lengths 40..256 (and its longest quarter), beta in [0, 2) vs (0, 1)",
              "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
-             f"with {_fmt(d_neg)} (lengths {span}: {_fmt(d_long)}), without {_fmt(d_pos)}",
+             f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}), without {_fmt(d_pos)}",
              _verdict(None not in (d_neg, d_pos, d_long) and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6,
                       d_neg is not None and d_pos is not None and d_neg > d_pos), ["deltanet_neg", "deltanet"]),
             ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
              "negative forget gates enable parity; Fig. 8 (right)",
-             f"with {_fmt(m_neg)} (lengths {span}: {_fmt(m_long)}), without {_fmt(m_pos)}",
+             f"with {_fmt(m_neg)} (lengths {m_span}: {_fmt(m_long)}), without {_fmt(m_pos)}",
              _verdict(m_neg is not None and m_pos is not None and m_neg >= 0.95 and m_pos < 0.6,
                       m_neg is not None and m_pos is not None and m_neg > m_pos), ["mesa_neg", "mesa"])]
     return rows
@@ -516,7 +516,8 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
         if bad:
             value += f" (runs that failed: {', '.join(bad)}; see logs/)"
         rows.append({"experiment": exp.title, "measure": measure, "paper": paper, "mixlab": value, "verdict": verdict,
-                     "commands": commands[:1] + ([f"... ({len(commands)} runs)"] if len(commands) > 1 else [])})
+                     "commands": commands[:1] + ([f"... ({len(commands)} runs)"] if len(commands) > 1 else []),
+                     "failed": [f"{exp.name}/{n}" for n in bad]})
     return rows
 
 
@@ -554,10 +555,6 @@ def select(suites: list[str], only: list[str] | None, runs: list[str] | None = N
     return chosen
 
 
-_FAILED: dict[str, list[str]] = {}
-"""Failed runs per suite of the last :func:`run_suites` call (``experiment/run``), for the exit status."""
-
-
 def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float = 1.0, workers: int = 12,
                only: list[str] | None = None, timeout: float = 3600, runs: list[str] | None = None,
                max_minutes: float | None = None) -> list[dict]:
@@ -574,7 +571,6 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     from mixlab.eval.runner import Launcher
 
     chosen = select(suites, only, runs)
-    _FAILED.clear()
     if not Path("configs/reproduce").is_dir():
         raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
     out.mkdir(parents=True, exist_ok=True)
@@ -602,7 +598,6 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
         for fut in as_completed(futures):
             suite, exp = futures[fut]
             done[suite][exp.name] = fut.result()
-            _FAILED.setdefault(suite, []).extend(f"{exp.name}/{n}" for n in failed_runs(exp, done[suite][exp.name]))
             write(suite)
             print(f"[reproduce {time.perf_counter() - t0:6.0f}s] {suite}/{exp.name} done", flush=True)
     launch.close()
@@ -641,7 +636,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           args.runs, args.max_minutes)
     except ValueError as e:
         p.error(str(e))
-    bad = sorted({r for suite in suites for r in _FAILED.get(suite, [])})
+    bad = sorted({name for row in rows for name in row.get("failed", [])})
     if bad:
         print(f"reproduce: {len(bad)} run(s) failed ({', '.join(bad)}); the tables mark them, logs in "
               f"{Path(args.out) / 'logs'}", file=sys.stderr)

@@ -540,6 +540,18 @@ def _params_backward(g, grid, const, kernels, feat_q, feat_k, params) -> torch.T
     return part.sum(0)  # [PT] == params.shape
 
 
+def _write_lanes(qkv, feat, params, meta, batch, head_dim) -> tuple:
+    """Write the lanes into the q/k heads' last ``L`` dims of ``qkv [B * T, 3 * H * d_h]`` in place (one
+    :func:`_lanes_fwd` launch); returns the launch arguments ``(grid, BB, constexprs, kernels)``."""
+    H, L, T = meta["H"], meta["L"], feat.shape[1]
+    grid, BB, const, kernels = _launch_args(meta, feat.shape, feat.shape, batch, batch)
+    d_c = head_dim - L
+    layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
+    _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
+            (feat, feat, params, qkv, qkv, batch, batch, T, T, BB), dict(**layout, **const))
+    return grid, BB, const, kernels
+
+
 class GoatQKV(torch.autograd.Function):
     """Packed projection output -> SDPA inputs, with the GOAT lanes written in place.
 
@@ -568,21 +580,15 @@ class GoatQKV(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, feat, params, meta, batch, head_dim):
-        H, L = meta["H"], meta["L"]
-        T = feat.shape[1]
+        H, T = meta["H"], feat.shape[1]
         if qkv.dim() != 2 or not qkv.is_contiguous() or qkv.shape[0] != batch * T or qkv.shape[1] != 3 * H * head_dim:
             raise ValueError(f"GoatQKV: qkv must be a contiguous [B*T, 3*H*d_h] = [{batch}*{T}, "
                              f"{3 * H * head_dim}] matrix; got shape {tuple(qkv.shape)}, strides {qkv.stride()}")
         if qkv.is_leaf and qkv.requires_grad:
             raise ValueError("GoatQKV: qkv must be a projection output, not a leaf tensor that requires grad "
                              "(its lane entries are overwritten in place)")
-        grid, BB, const, kernels = _launch_args(meta, feat.shape, feat.shape, batch, batch)
-        d_c = head_dim - L
-        layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
-        _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
-                (feat, feat, params, qkv, qkv, batch, batch, T, T, BB), dict(**layout, **const))
         ctx.save_for_backward(feat, params)
-        ctx.args = (grid, BB, const, kernels, batch, head_dim)
+        ctx.args = (*_write_lanes(qkv, feat, params, meta, batch, head_dim), batch, head_dim)
         return qkv.view(batch, T, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
@@ -646,18 +652,13 @@ def _meta(key: str) -> dict:
 @torch.library.custom_op("mixlab::goat_qkv", mutates_args=())
 def goat_qkv(qkv: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
              head_dim: int) -> torch.Tensor:
-    """``qkv [B * T, 3 * H * d_h]`` with the GOAT lanes written into a copy of it (the functional twin of
+    """``qkv [B * T, 3 * H * d_h]`` (any float dtype) -> a new tensor of the same shape and dtype: a copy with
+    the GOAT lanes written into the last ``L`` dims of every q and k head (the functional twin of
     :class:`GoatQKV` for ``torch.compile``: Inductor sees an opaque op with a fake implementation and a
     registered backward, :func:`goat_qkv_backward`, so the compiled model keeps the Triton kernels; one
     copy of ``qkv`` more than the eager path). ``meta`` from :func:`meta_key`."""
-    m = _meta(meta)
-    H, L = m["H"], m["L"]
-    T = feat.shape[1]
     out = qkv.contiguous().clone()
-    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
-    layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=head_dim - L, KOFF=H * head_dim + head_dim - L)
-    _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
-            (feat, feat, params, out, out, batch, batch, T, T, BB), dict(**layout, **const))
+    _write_lanes(out, feat, params, _meta(meta), batch, head_dim)
     return out
 
 
