@@ -4,14 +4,18 @@
     python scripts/bench_mesa.py --out out/bench_mesa --quick    # small shapes, smoke test
     python scripts/bench_mesa.py --out /tmp/b --quick --device cpu   # CPU smoke test (no fla rows)
 
-Sections (Markdown tables printed and written to ``<out>/bench_mesa.md``; decode plot to
-``<out>/decode_tokens_per_s.png``):
+Sections (``--sections``, comma-separated; Markdown tables printed and written to ``<out>/bench_mesa.md``;
+decode plot to ``<out>/decode_tokens_per_s.png``):
 
+0. ``breakdown``: the adaptive Triton prefill's pieces (chunk statistics, the CG kernel per launch
+   configuration of ``MIXLAB_MESA_CG``, the read-out) against fla's whole fixed-30 call.
 1. Training op: ``mixlab.ops.mesa.mesa_net`` at 30 CG, fwd+bwd, B4 T4096 H16 K=V=128 bf16,
    against the raw fla-core ``chunk_mesa_net`` call (anchor; goal ratio <= 1.05). The torch
-   chunkwise path is listed for information.
-2. Inference (no grad), two gate regimes: fla at 30 fixed CG (anchor), torch chunk at 30
-   fixed, torch chunk adaptive eps = 1e-4 (cap 30): mean/max CG iterations, prefill time and
+   chunkwise path and the Triton CG path (fixed 30 and adaptive; goal: adaptive no slower than
+   fixed 30) are listed beside it.
+2. Inference (no grad), two gate regimes: fla at 30 fixed CG (anchor), torch chunk and the
+   Triton CG kernel (``impl="triton"``, CUDA only) at 30 fixed and adaptive eps = 1e-4 (cap 30):
+   mean/max CG iterations, prefill time and
    speed-up (goal >= 2x), output relative error vs the exact solve (float64
    ``torch.linalg.solve`` on batch 0, first heads; goal <= 1e-3) on the solver's float32
    output (same rounded inputs cast to float32), beside the error of the timed bf16 output
@@ -95,6 +99,60 @@ def md_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- 0. prefill pieces
+CG_CONFIGS = ["bc=32,warps=8,hold=1,prec=tf32x3", "bc=16,warps=4,hold=1,prec=tf32x3",
+              "bc=64,warps=8,hold=1,prec=tf32x3", "bc=32,warps=4,hold=0,prec=tf32x3",
+              "bc=16,warps=4,hold=0,prec=tf32x3", "bc=32,warps=8,hold=1,prec=ieee"]
+
+
+@torch.no_grad()
+def bench_breakdown(dev, shape, reps) -> str:
+    """Where the adaptive Triton prefill's time goes: chunk statistics (torch), the CG kernel per
+    launch configuration (``MIXLAB_MESA_CG``), the read-out; fla's whole fixed-30 call as anchor."""
+    from mixlab.ops import mesa as mo
+    from mixlab.ops.mesa_triton import launch_config, mesa_cg_triton
+
+    b, t, h, d = shape
+    q, k, v, g, beta, lamb = make_inputs(b, t, h, d, dev, torch.float32, "standard")
+    rows = []
+    try:
+        anchor = timed(lambda: mesa_net(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, lamb, cg_iters=30,
+                                        impl="fla"), dev, reps=reps)
+        rows.append(["fla chunk_mesa_net, 30 fixed, bf16 (anchor)", "", anchor, 1.0])
+    except Exception as e:  # noqa: BLE001
+        anchor = float("nan")
+        rows.append([f"fla failed: {type(e).__name__}: {str(e)[:80]}", "", anchor, anchor])
+    ch = mo._Chunks(k, v, g, beta, None, 64)
+    t_prep = timed(lambda: mo._Chunks(k, v, g, beta, None, 64), dev, reps=reps)
+    rows.append(["chunk statistics (`_Chunks`, torch)", "", t_prep, t_prep / anchor])
+    lam = mo._lamb_per_chunk(lamb, ch)
+    rhs = ch.chunk_view(q)
+    x_ref, it_ref = mo._chunk_cg(ch, lam, rhs, 30, 1e-4)
+    saved = os.environ.get("MIXLAB_MESA_CG")
+    for cfg in CG_CONFIGS:
+        os.environ["MIXLAB_MESA_CG"] = cfg
+        try:
+            x, it = mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, rhs, 30, 1e-4)
+            tc = timed(lambda: mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, rhs, 30, 1e-4), dev, reps=reps)
+            t30 = timed(lambda: mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, rhs, 30, None), dev, reps=reps)
+            note = (f"mean iters {float(it.float().mean()):.2f}; x vs torch CG {rel_err(x, x_ref):.1e}; "
+                    f"fixed 30: {t30:.3f} ms")
+            rows.append([f"Triton CG adaptive 1e-4, {cfg}", note, tc, tc / anchor])
+        except Exception as e:  # noqa: BLE001
+            rows.append([f"Triton CG {cfg} failed: {type(e).__name__}: {str(e)[:80]}", "", float("nan"), float("nan")])
+    if saved is None:
+        os.environ.pop("MIXLAB_MESA_CG", None)
+    else:
+        os.environ["MIXLAB_MESA_CG"] = saved
+    t_read = timed(lambda: mo._readout_kv(x_ref, ch.G, ch.k, ch.v, ch.D, ch.dq), dev, reps=reps)
+    rows.append(["read-out (`_readout_kv`, torch)", "", t_read, t_read / anchor])
+    t_all = timed(lambda: mesa_net(q, k, v, g, beta, lamb, cg_iters=30, cg_eps=1e-4, impl="triton"), dev, reps=reps)
+    rows.append([f"whole prefill impl=triton adaptive (default config {launch_config(64, d)})", "", t_all,
+                 t_all / anchor])
+    title = f"### 0. Prefill pieces, B{b} T{t} H{h} K=V={d}, float32 inputs, chunk 64\n\n"
+    return title + md_table(["piece", "note", "ms (median)", "x fla 30"], rows)
+
+
 # ---------------------------------------------------------------------------- 1. training op
 def bench_train(dev, shape, reps) -> str:
     b, t, h, d = shape
@@ -124,6 +182,14 @@ def bench_train(dev, shape, reps) -> str:
         rows.append(["mixlab mesa_net impl=chunk (torch)", tc, tc / anchor if anchor else float("nan")])
     except Exception as e:  # noqa: BLE001  (e.g. out of memory at full size)
         rows.append([f"mixlab impl=chunk failed: {type(e).__name__}: {str(e)[:80]}", float("nan"), float("nan")])
+    if dev.type == "cuda":
+        for name, eps in (("30 fixed", None), ("adaptive eps=1e-4", 1e-4)):
+            try:
+                tt = timed(step(lambda e=eps: mesa_net(*ins, cg_iters=30, cg_eps=e, impl="triton")[0]), dev, reps=reps)
+                rows.append([f"mixlab mesa_net impl=triton (Triton CG, {name})", tt, tt / anchor])
+            except Exception as e:  # noqa: BLE001
+                rows.append([f"mixlab impl=triton {name} failed: {type(e).__name__}: {str(e)[:80]}", float("nan"),
+                             float("nan")])
     title = f"### 1. Mesa fwd+bwd, 30 CG, B{b} T{t} H{h} K=V={d} ({ins[0].dtype})\n\n"
     return (title + md_table(["implementation", "ms (median)", "ratio vs fla"], rows)
             + "\n\nGoal: mixlab impl=auto <= 1.05x fla.")
@@ -163,11 +229,18 @@ def bench_inference(dev, shape, reps, err_heads: int) -> str:
                 e32 = nan
             rows.append(["fla 30 fixed (anchor)", 30.0, 30, anchor, 1.0, nan, e32, rel_err(sub(run()), o_ex)])
         res = {}
-        for name, eps in (("torch chunk 30 fixed", None), ("torch chunk adaptive eps=1e-4", 1e-4)):
-            o, _, it = mesa_net(*ins, cg_iters=30, cg_eps=eps, impl="chunk")
-            ms = timed(lambda: mesa_net(*ins, cg_iters=30, cg_eps=eps, impl="chunk"), dev, warmup=1, reps=reps)
+        solvers = [("torch chunk 30 fixed", None, "chunk"), ("torch chunk adaptive eps=1e-4", 1e-4, "chunk")]
+        if dev.type == "cuda":
+            solvers += [("Triton CG 30 fixed", None, "triton"), ("Triton CG adaptive eps=1e-4", 1e-4, "triton")]
+        for name, eps, impl in solvers:
+            try:
+                o, _, it = mesa_net(*ins, cg_iters=30, cg_eps=eps, impl=impl)
+            except Exception as e:  # noqa: BLE001  (a kernel that does not build on this device)
+                rows.append([f"{name} failed: {type(e).__name__}: {str(e)[:80]}"] + [nan] * 7)
+                continue
+            ms = timed(lambda: mesa_net(*ins, cg_iters=30, cg_eps=eps, impl=impl), dev, warmup=1, reps=reps)
             res[name] = ms
-            o32 = mesa_net(*f32_in, cg_iters=30, cg_eps=eps, impl="chunk")[0]
+            o32 = mesa_net(*f32_in, cg_iters=30, cg_eps=eps, impl=impl)[0]
             rows.append([name, float(it.float().mean()), int(it.max()), ms,
                          anchor / ms if anchor else nan, res["torch chunk 30 fixed"] / ms,
                          rel_err(o32, o_ex), rel_err(sub(o), o_ex)])
@@ -265,7 +338,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--sections", default="train,inference,decode")
+    ap.add_argument("--sections", default="breakdown,train,inference,decode")
     ap.add_argument("--decode-steps", type=int, default=32, help="decoding steps per length (4 of them untimed)")
     ap.add_argument("--fla-max-configs", type=int, default=3,
                     help="autotune each fla kernel over at most N configs (0: fla's full search; "
@@ -285,7 +358,8 @@ def main() -> None:
     parts = [f"## MesaNet benchmarks ({torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
              f"torch {torch.__version__})"]
     sections = args.sections.split(",")
-    for name, fn in (("train", lambda: bench_train(dev, shape, reps)),
+    for name, fn in (("breakdown", lambda: bench_breakdown(dev, shape, reps)),
+                     ("train", lambda: bench_train(dev, shape, reps)),
                      ("inference", lambda: bench_inference(dev, shape, reps, err_heads)),
                      ("decode", lambda: bench_decode(dev, lengths, 8, dm, nl, nh, args.out,
                                                      steps=min(args.decode_steps, min(lengths) - 1)))):

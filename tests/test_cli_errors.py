@@ -112,7 +112,7 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     ("mamba2", {"expand": 0}, "mamba2 mixer: expand must be an integer >= 1; got 0"),
     ("mesa", {"chunk_size": 0}, "mesa mixer: chunk_size must be an integer >= 1; got 0"),
     ("mesa", {"impl": "fal"},
-     "mesa mixer: impl must be one of ('auto', 'chunk', 'fla', 'recurrent', 'exact'); got 'fal'"),
+     "mesa mixer: impl must be one of ('auto', 'chunk', 'triton', 'fla', 'recurrent', 'exact'); got 'fal'"),
     ("mesa", {"eval_cg_eps": 0.0}, "mesa: eval_cg_eps (adaptive CG tolerance) must be > 0"),
     ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
     ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),

@@ -48,7 +48,7 @@ class Mesa(Mixer):
         eval_cg_eps: evaluation/inference tolerance ``||r|| <= eps ||r_0||`` (paper 1e-4);
             ``None`` = fixed count also at evaluation.
         chunk_size: chunk of the torch path.
-        impl: ``"auto"`` | ``"chunk"`` | ``"fla"`` | ``"recurrent"`` | ``"exact"`` (see
+        impl: ``"auto"`` | ``"chunk"`` | ``"triton"`` | ``"fla"`` | ``"recurrent"`` | ``"exact"`` (see
             :func:`mixlab.ops.mesa.mesa_net`).
         negative_gates: forget gates ``gamma = 2 sigmoid(W_a x) - 1`` in ``(-1, 1)`` instead of
             ``sigmoid(W_a x)`` (MesaNet paper, parity experiments: state tracking needs sign
@@ -95,7 +95,7 @@ class Mesa(Mixer):
         check_solver_args(cg_iters, eval_cg_eps, eps_name="eval_cg_eps")
         check_sizes("mesa", head_dim=head_dim, chunk_size=chunk_size)
         check_sizes("mesa", minimum=0, conv_size=conv_size)
-        check_choice("mesa", "impl", impl, ("auto", "chunk", "fla", "recurrent", "exact"))
+        check_choice("mesa", "impl", impl, ("auto", "chunk", "triton", "fla", "recurrent", "exact"))
         head_dim = resolve_head_dim("mesa", d_model, n_heads, head_dim)
         self.d_model, self.n_heads, self.head_dim, self.layer_idx = d_model, n_heads, head_dim, layer_idx
         self.lambda_floor, self.lambda_init = lambda_floor, lambda_init

@@ -26,12 +26,15 @@ Implementations (all compute in float32, or float64 for float64 inputs):
   matmuls, CG over all tokens at once (paper Appendix D); adaptive CG drops finished
   chunks from the working set. Backward solves the adjoint system
   ``(H_t + Lambda) u_t = G_t do_t`` (not by differentiating CG iterations).
+  ``cg_impl="triton"`` runs both solves in one Triton program per chunk with per-token
+  adaptive stopping (:mod:`mixlab.ops.mesa_triton`).
 * :func:`mesa_net` - dispatch; on CUDA the fixed-count path goes to fla-core's
   ``chunk_mesa_net`` (fp16 q/k, CG denominators floored at 1e-5, K <= 128, K == V).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -317,12 +320,15 @@ class _Chunks:
             last = last * sc[..., -1]
         h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
         h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
+        # every chunk's own contribution in one product, then the scan over chunks is elementwise
+        u_kk = kw.transpose(-1, -2) @ kc  # [B, H, N, K, K]
+        u_kv = kw.transpose(-1, -2) @ vc  # [B, H, N, K, V]
         hk, hv = [], []
         for i in range(n):
             hk.append(h_kk)
             hv.append(h_kv)
-            h_kk = last[:, :, i, None, None] * h_kk + kw[:, :, i].transpose(-1, -2) @ kc[:, :, i]
-            h_kv = last[:, :, i, None, None] * h_kv + kw[:, :, i].transpose(-1, -2) @ vc[:, :, i]
+            h_kk = torch.addcmul(u_kk[:, :, i], last[:, :, i, None, None], h_kk)
+            h_kv = torch.addcmul(u_kv[:, :, i], last[:, :, i, None, None], h_kv)
         self.final = (h_kk, h_kv)
         m = b * h * n
         self.H = torch.stack(hk, 2).reshape(m, dk, dk)
@@ -356,13 +362,18 @@ def _readout_kv(x: Tensor, G: Tensor, k: Tensor, v: Tensor, D: Tensor, dq: Tenso
     return torch.baddbmm(dq.unsqueeze(-1) * torch.bmm(x, G), torch.bmm(x, k.transpose(-1, -2)) * D, v)
 
 
-def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: float | None) -> tuple[Tensor, Tensor]:
+def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: float | None,
+              cg_impl: str = "torch") -> tuple[Tensor, Tensor]:
     """CG on ``(H_t + Lambda) x_t = rhs_t`` for all tokens; adaptive mode shrinks the working
     set to the chunks that still have unconverged tokens once half of them are done.
+    ``cg_impl="triton"``: one Triton program per chunk (:mod:`mixlab.ops.mesa_triton`).
 
     Returns ``x [M, C, K]`` and iterations ``[M, C]`` int32.
     """
     H, k, D, dq = ch.H, ch.k, ch.D, ch.dq
+    if cg_impl == "triton":
+        from mixlab.ops.mesa_triton import mesa_cg_triton
+        return mesa_cg_triton(H, k, D, dq, lamb_m, rhs, cg_iters, cg_eps)
     if cg_eps is None:
         return conjugate_gradient(lambda p: _matvec_kk(p, H, k, D, dq) + lamb_m * p, rhs, cg_iters)
     check_solver_args(cg_iters, cg_eps)
@@ -410,15 +421,15 @@ class _MesaChunkFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign):
+    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign, cg_impl):
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
         ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign)
         lam = _lamb_per_chunk(lamb.to(dt), ch)
-        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps)
+        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, cg_impl)
         o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
         ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
-        ctx.cfg = (cg_iters, cg_eps, chunk_size)
+        ctx.cfg = (cg_iters, cg_eps, chunk_size, cg_impl)
         iters = ch.token_view(iters)
         ctx.mark_non_differentiable(iters)
         return ch.token_view(o).to(v.dtype), ch.final[0], ch.final[1], iters
@@ -426,7 +437,7 @@ class _MesaChunkFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dh_kk, dh_kv, _diters):
         q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign = ctx.saved_tensors
-        cg_iters, cg_eps, chunk_size = ctx.cfg
+        cg_iters, cg_eps, chunk_size, cg_impl = ctx.cfg
         dt = _compute_dtype(q)
         with torch.enable_grad():
             leaves = [z.detach().to(dt).requires_grad_(True) for z in (k, v, g, beta)]
@@ -439,7 +450,7 @@ class _MesaChunkFunction(torch.autograd.Function):
             with torch.no_grad():  # adjoint right-hand side G_t do_t, then the adjoint solve
                 rhs = (ch.dq.unsqueeze(-1) * (do_c @ ch.G.transpose(-1, -2))
                        + ((do_c @ ch.v.transpose(-1, -2)) * ch.D) @ ch.k)
-                u, _ = _chunk_cg(ch, lam, rhs, cg_iters, cg_eps)
+                u, _ = _chunk_cg(ch, lam, rhs, cg_iters, cg_eps, cg_impl)
             surrogate = (do_c * _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)).sum() \
                 - (u * _matvec_kk(x, ch.H, ch.k, ch.D, ch.dq)).sum()
             if dh_kk is not None:
@@ -456,14 +467,14 @@ class _MesaChunkFunction(torch.autograd.Function):
         dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
         cast = lambda gz, ref: None if ref is None or gz is None else gz.to(ref.dtype)
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
-                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None)
+                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None, None)
 
 
 def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
                cg_eps: float | None = None, chunk_size: int = 64, initial_state: State | None = None,
-               output_final_state: bool = False, gate_sign: Tensor | None = None
+               output_final_state: bool = False, gate_sign: Tensor | None = None, cg_impl: str = "torch"
                ) -> tuple[Tensor, State | None, Tensor]:
-    """Chunkwise torch Mesa (CPU and GPU; the adaptive-CG inference path).
+    """Chunkwise Mesa (CPU and GPU; the adaptive-CG inference path).
 
     Args:
         q, k: ``[B, T, H, K]`` (normalised by the caller); v ``[B, T, H, V]``;
@@ -471,7 +482,10 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
         lamb: ``[H, K]`` > 0; cg_iters: fixed count or cap; cg_eps: adaptive tolerance or None;
         chunk_size: tokens per chunk (any T works; the tail is zero-padded);
         initial_state: ``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` or None;
-        gate_sign: ``[B, T, H]`` +-1 signs of the forget gates (negative gates) or None.
+        gate_sign: ``[B, T, H]`` +-1 signs of the forget gates (negative gates) or None;
+        cg_impl: ``"torch"`` (batched torch CG, any device and dtype) or ``"triton"`` (the
+            :mod:`mixlab.ops.mesa_triton` kernel for the forward and adjoint solves: CUDA,
+            float32/bf16/fp16 inputs, ``chunk_size`` and K <= 128).
 
     Returns:
         ``o [B, T, H, V]`` (dtype of v), final state (compute dtype) or None, CG iterations
@@ -479,18 +493,37 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
         through the adjoint solve.
 
     Raises:
-        ValueError: bad shapes, ``cg_iters < 1``, ``cg_eps <= 0``, ``chunk_size < 1``.
+        ValueError: bad shapes, ``cg_iters < 1``, ``cg_eps <= 0``, ``chunk_size < 1``, an
+            unknown ``cg_impl`` or inputs the Triton kernel does not take.
     """
     check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
     check_solver_args(cg_iters, cg_eps)
     if chunk_size < 1:
         raise ValueError(f"mesa: chunk_size must be >= 1; got {chunk_size}")
+    _check_cg_impl(cg_impl, q, chunk_size)
     _check_sign(gate_sign, g)
     h_kk0, h_kv0 = initial_state if initial_state is not None else (None, None)
     sign = None if gate_sign is None else gate_sign.detach()
     o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size,
-                                                    sign)
+                                                    sign, cg_impl)
     return o, ((h_kk, h_kv) if output_final_state else None), iters
+
+
+def _check_cg_impl(cg_impl: str, q: Tensor, chunk_size: int) -> None:
+    """Raises ValueError for an unknown ``cg_impl`` or inputs the Triton CG kernel cannot take."""
+    if cg_impl not in ("torch", "triton"):
+        raise ValueError(f"mesa: cg_impl must be 'torch' or 'triton'; got {cg_impl!r}")
+    if cg_impl == "triton":
+        from mixlab.ops.mesa_triton import MAX_CHUNK, MAX_HEAD_DIM
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+        why = ("inputs are float64 (the kernel solves in float32)" if q.dtype == torch.float64 else
+               "inputs are not on CUDA" if not (q.is_cuda or interpret) else
+               f"head dim {q.shape[-1]} > {MAX_HEAD_DIM}" if q.shape[-1] > MAX_HEAD_DIM else
+               f"chunk_size {min(chunk_size, q.shape[1])} > {MAX_CHUNK}" if min(chunk_size, q.shape[1]) > MAX_CHUNK
+               else None)
+        if why is not None:
+            raise ValueError(f"mesa: impl='triton' (Triton CG kernel) cannot take these inputs: {why}; "
+                             "use impl='chunk'")
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -535,7 +568,8 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     """Mesa layer core with implementation dispatch (arguments as :func:`mesa_chunk`).
 
     ``impl``: ``"auto"`` (fla on CUDA for a fixed count, positive gates, K == V and inputs
-    :func:`mixlab.ops.fla.unserved` allows, else ``"chunk"``), ``"chunk"``, ``"fla"``,
+    :func:`mixlab.ops.fla.unserved` allows, else ``"chunk"``), ``"chunk"``, ``"triton"`` (the chunk
+    path with the Triton adaptive-CG kernel, :mod:`mixlab.ops.mesa_triton`), ``"fla"``,
     ``"recurrent"``, ``"exact"``.
 
     Returns:
@@ -550,9 +584,9 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
         fla_ok = (cg_eps is None and gate_sign is None and q.shape[-1] == v.shape[-1]
                   and fla.unserved("mesa", q, k, v) is None)
         impl = "fla" if fla_ok else "chunk"
-    if impl == "chunk":
+    if impl in ("chunk", "triton"):
         return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state,
-                          gate_sign)
+                          gate_sign, cg_impl="triton" if impl == "triton" else "torch")
     if impl == "fla":
         if cg_eps is not None:
             raise ValueError("mesa: impl='fla' has a fixed CG count; set cg_eps=None or use impl='chunk'")
@@ -566,4 +600,4 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     if impl == "exact":
         o, st = mesa_exact(q, k, v, g, beta, lamb, initial_state, output_final_state, gate_sign)
         return o, st, None
-    raise ValueError(f"mesa: impl must be 'auto', 'chunk', 'fla', 'recurrent' or 'exact'; got {impl!r}")
+    raise ValueError(f"mesa: impl must be 'auto', 'chunk', 'triton', 'fla', 'recurrent' or 'exact'; got {impl!r}")
