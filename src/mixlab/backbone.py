@@ -209,6 +209,12 @@ class Block(nn.Module):
         x = x + self.drop_path(self.mixer(self.norm1(x), coords, cache))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
+    def step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One decoding token ``x [B, D]`` through the mixer's static step
+        (:meth:`~mixlab.mixers.base.Mixer.static_step`, ``state`` updated in place) -> ``[B, D]``."""
+        x = x + self.mixer.static_step(self.norm1(x), state, pos)
+        return x + self.mlp(self.norm2(x))
+
 
 class Backbone(nn.Module):
     """Stack of :class:`Block` with a final norm.
@@ -246,4 +252,13 @@ class Backbone(nn.Module):
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
         for i, blk in enumerate(self.blocks):
             x = blk(x, coords, None if caches is None else caches[i])
+        return self.norm(x)
+
+    def step(self, x: Tensor, states: list[dict[str, Tensor]], pos: Tensor) -> Tensor:
+        """One decoding token ``x [B, D]`` at position ``pos`` (``[1]`` int64 device tensor) through every
+        block's static step (``states``: one :meth:`~mixlab.mixers.base.Mixer.static_cache` per layer,
+        updated in place) and the final norm -> ``[B, D]``; equals :meth:`forward` of the token with dict
+        caches."""
+        for blk, state in zip(self.blocks, states):
+            x = blk.step(x, state, pos)
         return self.norm(x)

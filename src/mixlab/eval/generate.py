@@ -1,13 +1,16 @@
 """Sample a continuation from a trained decoder LM: text, DNA or a character-level synthetic task.
 
 ``python -m mixlab generate --ckpt X.ckpt (--prompt TEXT | --fasta FILE) --max-new-tokens N
-[--temperature T --top-k K --seed S --device D --dtype float32|float64|bfloat16 --ignore-eos]``
+[--temperature T --top-k K --seed S --device D --dtype float32|float64|bfloat16 --ignore-eos --no-cuda-graph]``
 
 The prompt is encoded with the checkpoint's own tokenizer (:func:`codec_for`: the text datamodule's
 GPT-2 BPE or bytes, DNA letters for genome runs, the passkey/NIAH characters, whitespace-separated
 token ids for other tasks), run through the model once in parallel (prefill, filling every layer's
 cache: attention keys/values, recurrent states), then decoded one token per step through the caches
-(the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``).
+(the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``). When every
+layer has a static decoding step (attention goat/rope/alibi/nope, the delta-rule family, Mesa) the
+steps run on fixed buffers of prompt + ``--max-new-tokens`` positions, on CUDA as one replayed CUDA
+graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps); the ids are the same.
 Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature, cut to the
 ``top_k`` largest and sampled with a generator seeded by ``--seed``. Ids the tokenizer cannot decode
 (a model vocabulary padded beyond the tokenizer's) are never sampled; generation stops at the
@@ -135,9 +138,13 @@ def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator
 @torch.no_grad()
 def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None, vocab_limit: int | None = None,
-             eos_id: int | None = None) -> Tensor:
+             eos_id: int | None = None, cuda_graph: bool | None = None, static: bool | None = None) -> Tensor:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens: one parallel forward of the prompt fills
-    the per-layer caches, then one cached forward per new token.
+    the per-layer caches, then one cached step per new token.
+
+    The steps run through static caches (:mod:`mixlab.eval.decode`: fixed buffers of ``P +
+    max_new_tokens`` positions, one step captured in a CUDA graph on CUDA) when every layer supports
+    them, else through the dict caches (``model.hidden(token, None, caches)``). Both give the same ids.
 
     Args:
         model: a :class:`~mixlab.heads.CausalLM` (``hidden(tokens, coords, caches)``, ``lm_head``, ``backbone``).
@@ -148,34 +155,99 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
         generator: random generator for sampling (on the model's device).
         vocab_limit: only ids below it are generated (the tokenizer's vocabulary; None: all).
         eos_id: stop once every sequence has produced this id (it is included in the output).
+        cuda_graph: replay the static step as a CUDA graph; None (default): on CUDA whenever the static
+            path runs; False: eager static steps. True on a model without a static step is ignored (dict loop).
+        static: None (default): static caches when every layer has a static step; False: the dict-cache
+            loop (the reference; what ``cuda_graph`` is compared with); True: static or a ValueError.
 
     Returns:
         ``[B, n]`` int64 new token ids, ``n <= max_new_tokens`` (the prompt not included).
 
     Raises:
-        ValueError: an empty prompt; a negative ``max_new_tokens`` or ``temperature``; ``top_k < 1``.
+        ValueError: an empty prompt; a negative ``max_new_tokens`` or ``temperature``; ``top_k < 1``;
+            prompt + ``max_new_tokens`` beyond the model's learned absolute positions; static caches
+            larger than the free memory; ``static=True`` for a model without static steps.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); give at least one token")
     if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
         raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1; got {max_new_tokens}, "
                          f"{temperature}, {top_k}")
+    from mixlab.eval import decode
+
+    use_static = static is not False and max_new_tokens > 1 and decode.supports_static(model)
+    if static and not use_static and max_new_tokens > 1:
+        raise ValueError(f"generate: static=True, but {type(model).__name__} "
+                         f"({', '.join(b.mixer_name for b in model.backbone.blocks)}) has a layer without a static "
+                         "decoding step; use static=None")
+    b, p = prompt.shape
+    capacity = p + max_new_tokens
+    abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
+    if abs_len is not None and capacity - 1 > abs_len:  # the last new token is never fed back
+        raise ValueError(f"generate: prompt ({p} tokens) + max_new_tokens {max_new_tokens} - 1 exceeds the model's "
+                         f"learned absolute positions (abs_pos_len={abs_len})")
+    decode.check_memory(model, b, capacity, prompt.device, static=use_static)
     caches: list[dict] = [{} for _ in model.backbone.blocks]
-    out: list[Tensor] = []
-    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
-    tokens = prompt
-    for _ in range(max_new_tokens):
-        h = model.hidden(tokens, None, caches)[:, -1]  # [B, D]; the prompt's last position, then each new token
-        logits = model.lm_head(h).float()
-        if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-            logits[:, vocab_limit:] = float("-inf")
-        tokens = _next_token(logits, temperature, top_k, generator)[:, None]
-        out.append(tokens)
+    out = prompt.new_zeros(b, max_new_tokens)
+    if max_new_tokens == 0:
+        return out
+    pick = lambda logits: _next_token(logits, temperature, top_k, generator)  # noqa: E731
+    out[:, 0] = pick(_dict_step(model, prompt, caches, vocab_limit))  # prefill: the prompt's parallel forward
+    states = decode.static_states(model, caches, capacity) if use_static else None
+    if states is None:
+        return _dict_loop(model, caches, out, pick, vocab_limit, eos_id)
+    del caches
+    graph = prompt.is_cuda if cuda_graph is None else (cuda_graph and prompt.is_cuda)
+    dec = decode.StaticDecoder(model, states, p, capacity, vocab_limit, greedy=temperature == 0, cuda_graph=graph)
+    dec.token.copy_(out[:, 0])
+    for n in range(1, max_new_tokens + 1):
+        if eos_id is not None and (n % 16 == 0 or n == max_new_tokens or n == 1):  # a host sync every 16 tokens
+            stop = _all_done_at(out[:, :n], eos_id)
+            if stop is not None:
+                return out[:, :stop]
+        if n == max_new_tokens:
+            break
+        logits = dec.step()  # the token in dec.token at position p + n - 1
+        if dec.greedy:  # the argmax was taken inside the step and is already the next input
+            out[:, n] = dec.token
+        else:
+            tok = pick(logits)
+            out[:, n] = tok
+            dec.token.copy_(tok)
+    return out
+
+
+def _dict_step(model, tokens: Tensor, caches: list[dict], vocab_limit: int | None) -> Tensor:
+    """Logits ``[B, V]`` float32 of the last of ``tokens [B, T]`` through the dict ``caches`` (filled in place)."""
+    h = model.hidden(tokens, None, caches)[:, -1]  # [B, D]; the prompt's last position, then each new token
+    logits = model.lm_head(h).float()
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits[:, vocab_limit:] = float("-inf")
+    return logits
+
+
+def _dict_loop(model, caches: list[dict], out: Tensor, pick, vocab_limit: int | None,
+               eos_id: int | None) -> Tensor:
+    """The dict-cache loop (the reference path): ``out[:, 0]`` holds the first new token; fills the rest."""
+    done = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    for n in range(1, out.shape[1] + 1):
         if eos_id is not None:
-            done |= tokens[:, 0] == eos_id
+            done |= out[:, n - 1] == eos_id
             if bool(done.all()):
-                break
-    return torch.cat(out, 1) if out else prompt.new_zeros(prompt.shape[0], 0)
+                return out[:, :n]
+        if n == out.shape[1]:
+            break
+        out[:, n] = pick(_dict_step(model, out[:, n - 1:n], caches, vocab_limit))
+    return out
+
+
+def _all_done_at(ids: Tensor, eos_id: int) -> int | None:
+    """Length of the output when every row of ``ids [B, n]`` has produced ``eos_id`` (the step of the last
+    row's first EOS, plus one), or None if some row has none yet (one host sync)."""
+    hit = ids == eos_id
+    if not bool(hit.any(1).all()):
+        return None
+    return int(hit.int().argmax(1).max()) + 1
 
 
 def _log(msg: str) -> None:
@@ -205,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32",
                    help="parameter and activation dtype (float64: exact comparisons with a parallel forward)")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="decode with eager static-cache steps instead of a replayed CUDA graph (CUDA only)")
     args = p.parse_args(argv)
 
     from mixlab.heads.lm import CausalLM
@@ -241,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     t1 = time.perf_counter()
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, gen, codec.vocab_size,
-                   None if args.ignore_eos else codec.eos_id)[0].tolist()
+                   None if args.ignore_eos else codec.eos_id,
+                   cuda_graph=False if args.no_cuda_graph else None)[0].tolist()
     dt = time.perf_counter() - t1
     stopped = not args.ignore_eos and codec.eos_id is not None and bool(new) and new[-1] == codec.eos_id
     if stopped:

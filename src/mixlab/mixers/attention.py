@@ -130,6 +130,45 @@ class Attention(AttentionMixer):
                 y = sdpa(qp, kp, v, cache is not None, is_causal=self.causal and not past, dropout_p=drop, scale=scale)
         return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
+    # ------------------------------------------------------------------ static decoding
+    def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
+        """Static decoding buffers (see :meth:`Mixer.static_cache`); ``None`` for ``impl="reference"`` and
+        bidirectional layers.
+
+        ``k, v [B, H, capacity, d_h]`` (dtype of the cached keys; positions ``< P`` copied from the
+        prefill's ``cache``, the rest zero until written), ``slots [capacity]`` int64 (``0 .. capacity - 1``,
+        compared with the position to mask unwritten slots) and the position scheme's
+        :meth:`~mixlab.mixers.positions.PositionScheme.decode_tables`.
+        """
+        if self.impl != "sdpa" or not self.causal or "k" not in cache:
+            return None
+        k, v = cache["k"], cache["v"]
+        b, h, p, d = v.shape
+        out = {"k": k.new_zeros(b, h, capacity, d), "v": v.new_zeros(b, h, capacity, d)}
+        out["k"][:, :, :p] = k
+        out["v"][:, :, :p] = v
+        out["slots"] = torch.arange(capacity, device=v.device)
+        return {**out, **self.pos.decode_tables(capacity, v.dtype, v.device)}
+
+    def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
+        if self.impl != "sdpa" or not self.causal:
+            return 0
+        item = torch.empty(0, dtype=dtype).element_size()
+        lanes = 2 * self.n_heads * capacity * max(self.pos.n_lanes, self.head_dim // 2)
+        return (2 * batch * self.n_heads * capacity * self.head_dim + lanes) * item + 8 * capacity
+
+    def static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One token (see :meth:`Mixer.static_step`): q/k/v of ``x [B, D]`` at ``pos``, the key and value
+        written into slot ``pos`` of ``state["k"], state["v"]`` (``index_copy_``), then one SDPA call of the
+        query over all ``capacity`` slots with the mask ``slots <= pos`` (filled prefix only)."""
+        b = x.shape[0]
+        q, k, v = self.pos.pack_step(self.qkv(x), state, pos)  # [B, H, 1, d_h]
+        state["k"].index_copy_(2, pos, k)
+        state["v"].index_copy_(2, pos, v)
+        mask = (state["slots"] <= pos).view(1, 1, 1, -1)  # [1, 1, 1, capacity] bool: the filled prefix
+        y = sdpa(q, state["k"], state["v"], True, attn_mask=mask, scale=1.0 / math.sqrt(self.d_c))
+        return self.proj(y.reshape(b, -1))
+
     def _probs(self, q: Tensor, k: Tensor, cq: Coords, ck: Coords) -> Tensor:
         """Explicit weights ``softmax(q_c k_c^T / sqrt(d_c) + log-prior)`` ``[B, H, Tq, Tk]``.
 

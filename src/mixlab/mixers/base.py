@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mixlab.registry import POSITIONS
@@ -89,6 +90,10 @@ class Mixer(nn.Module):
     Returns:
         ``[B, T, D]``, same dtype as the mixer's output projection.
 
+    Static decoding (optional, :mod:`mixlab.eval.decode`): :meth:`static_cache` turns a prefilled dict
+    cache into fixed buffers and :meth:`static_step` decodes one token ``[B, D]`` on them in place at a
+    device position (graph-capturable); mixers without it return None and decode with the dict cache.
+
     Constructor keywords shared by all mixers: ``d_model``, ``n_heads``, ``causal``,
     ``layer_idx``, ``n_layers``; the rest are the mixer's own (``mixer_args`` in configs).
     Output projections that write into the residual stream set ``_is_residual = True``
@@ -115,6 +120,39 @@ class Mixer(nn.Module):
     def extra_metrics(self) -> dict[str, Tensor]:
         """Scalars to log after a step (e.g. Mesa CG iterations); empty by default."""
         return {}
+
+    # ------------------------------------------------------------------ static decoding (fixed buffers)
+    def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
+        """Fixed-size decoding buffers filled from a prefill ``cache`` (the dict a cached forward of the
+        prompt filled), for :meth:`static_step`; ``None`` (the default) when the mixer has no static step
+        (the decoder then falls back to the dict-cache loop).
+
+        Args:
+            cache: the layer's dict cache after the prompt's forward (its tensors are copied, not kept).
+            capacity: token positions the buffers hold (prompt plus new tokens); a step at position
+                ``>= capacity`` is an error the decoder raises before it happens.
+
+        Returns:
+            ``name -> Tensor`` buffers that :meth:`static_step` updates in place (never rebinds): shapes
+            and dtypes documented by each mixer. Tensors are allocated once; CUDA graphs replay on them.
+        """
+        return None
+
+    def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
+        """Bytes :meth:`static_cache` allocates for ``batch`` sequences and ``capacity`` positions with
+        activations in ``dtype`` (checked against free memory before allocating); 0 by default."""
+        return 0
+
+    def static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One decoding token through fixed buffers: ``x [B, D]`` (the token's normed input) -> ``[B, D]``,
+        equal to ``forward(x[:, None], cache=...)[:, 0]``.
+
+        ``state`` (from :meth:`static_cache`) is updated in place; ``pos`` is a ``[1]`` int64 tensor on
+        the model's device holding the token's position (tokens before it). No host synchronisation, no
+        Python branch on device values, no new persistent allocation: the step can be captured in a
+        ``torch.cuda.CUDAGraph`` and replayed.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no static decoding step")
 
 
 class AttentionMixer(Mixer):

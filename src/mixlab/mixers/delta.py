@@ -204,8 +204,6 @@ class GatedDeltaMixer(Mixer):
 
     def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None,
                 cu_seqlens: Tensor | None = None) -> Tensor:
-        b, t, _ = x.shape
-        h, K, V = self.n_heads, self.head_dim, self.value_dim
         if cu_seqlens is not None and cache is not None:
             raise ValueError(f"{type(self).__name__}: cu_seqlens (packed training/prefill) cannot be combined with a "
                              "decoding cache; decode packed sequences one batch row each")
@@ -214,6 +212,24 @@ class GatedDeltaMixer(Mixer):
             q = self.q_conv(q, cache, "conv_q", cu_seqlens)
             k = self.k_conv(k, cache, "conv_k", cu_seqlens)
             v = self.v_conv(v, cache, "conv_v", cu_seqlens)
+        q, k, v, g, beta = self._rule_inputs(q, k, v, x)
+        state = None if cache is None else cache.get("state")
+        if state is not None and state.dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{type(self).__name__}: cached recurrent state is {state.dtype}; keep it float32")
+        o, new_state = delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
+                                  cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, impl=self.impl)
+        if cache is not None:
+            cache["state"] = new_state
+        return self._output(o, x)
+
+    def _rule_inputs(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
+        """Kernel-level inputs from the (convolved) projections ``q, k [B, T, H*K]``, ``v [B, T, H*V]`` and
+        the layer input ``x [B, T, D]``: normalised ``q, k [B, T, H, K]``, ``v [B, T, H, V]`` (write rates
+        folded in where they are channel-wise or separate), log-decay ``g`` and scalar rate ``beta``
+        (``[B, T, H]`` or None), as :func:`~mixlab.ops.delta_rule.delta_rule` takes them."""
+        b, t, _ = x.shape
+        h, K, V = self.n_heads, self.head_dim, self.value_dim
         q, k, v = q.view(b, t, h, K), k.view(b, t, h, K), v.view(b, t, h, V)
         g, bk, bv = self.gates(x)
         q = F.normalize(q, dim=-1, eps=1e-6)  # fla: x * rsqrt(sum x^2 + eps) ~ normalize
@@ -227,14 +243,57 @@ class GatedDeltaMixer(Mixer):
                 v = v * sqrt_sigmoid(bv, self.max_rate).unsqueeze(-1).to(v.dtype)
             else:
                 beta = torch.sigmoid(bk) * self.max_rate
-        state = None if cache is None else cache.get("state")
-        if state is not None and state.dtype in (torch.float16, torch.bfloat16):
-            raise ValueError(f"{type(self).__name__}: cached recurrent state is {state.dtype}; keep it float32")
-        o, new_state = delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=cache is not None,
-                                  cu_seqlens=cu_seqlens, chunk_size=self.chunk_size, impl=self.impl)
-        if cache is not None:
-            cache["state"] = new_state
-        gate = self.g_proj(x).view(b, t, h, V)
+        return q, k, v, g, beta
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Head outputs ``o [B, T, H, V]`` -> gated RMSNorm -> output projection ``[B, T, D]``."""
+        b, t, _ = x.shape
+        gate = self.g_proj(x).view(b, t, self.n_heads, self.value_dim)
         o = self.o_norm(o.to(gate.dtype))
         o = o * (F.silu(gate) if self.output_gate == "swish" else torch.sigmoid(gate))
-        return self.o_proj(o.reshape(b, t, h * V))
+        return self.o_proj(o.reshape(b, t, self.n_heads * self.value_dim))
+
+    # ------------------------------------------------------------------ static decoding
+    def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
+        """Static decoding buffers (see :meth:`Mixer.static_cache`; the state does not grow with
+        ``capacity``): ``state [B, H, K, V]`` float32 (float64 for a float64 model), a copy of the
+        prefill's final state, and the short-convolution tails ``conv_q, conv_k [B, W-1, H*K]``,
+        ``conv_v [B, W-1, H*V]`` in the activation dtype."""
+        if "state" not in cache:
+            return None
+        state = cache["state"]
+        calc = torch.float64 if self.v_proj.weight.dtype == torch.float64 else torch.float32
+        out = {"state": state.to(calc).clone()}
+        if self.conv_size > 0:
+            dt, dev, b = self.v_proj.weight.dtype, state.device, state.shape[0]
+            for name, conv in (("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv)):
+                out[name] = conv.static_buffer(cache, name, b, dt, dev)
+        return out
+
+    def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
+        h, K, V, w = self.n_heads, self.head_dim, self.value_dim, max(self.conv_size - 1, 0)
+        return 8 * batch * h * K * V + batch * w * h * (2 * K + V) * torch.empty(0, dtype=dtype).element_size()
+
+    def static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One token (see :meth:`Mixer.static_step`; ``pos`` unused): the recurrence of
+        :func:`~mixlab.ops.delta_rule.delta_rule_recurrent` on ``state["state"]`` in place::
+
+            S <- Diag(exp(g)) S;   S <- S + k (beta (v - S^T k))^T;   o = S^T (q / sqrt(K))
+        """
+        xb = x.unsqueeze(1)  # [B, 1, D]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, H*K], [B, H*K], [B, H*V]
+        if self.conv_size > 0:
+            q, k, v = (conv.step(z, state[name]) for conv, z, name in
+                       ((self.q_conv, q, "conv_q"), (self.k_conv, k, "conv_k"), (self.v_conv, v, "conv_v")))
+        q, k, v, g, beta = self._rule_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
+        S = state["state"]
+        calc = S.dtype
+        qf, kf, vf = q[:, 0].to(calc) * self.head_dim ** -0.5, k[:, 0].to(calc), v[:, 0].to(calc)
+        if g is not None:  # [B, H, K] or [B, H] -> decay of the state's key rows
+            S.mul_(g[:, 0].to(calc).exp().unsqueeze(-1) if g.dim() == 4 else g[:, 0].to(calc).exp()[..., None, None])
+        err = vf - torch.einsum("bhk,bhkv->bhv", kf, S)
+        if beta is not None:
+            err = err * beta[:, 0].to(calc).unsqueeze(-1)
+        S.add_(kf.unsqueeze(-1) * err.unsqueeze(-2))
+        o = torch.einsum("bhk,bhkv->bhv", qf, S).to(v.dtype)  # [B, H, V]
+        return self._output(o.unsqueeze(1), xb)[:, 0]

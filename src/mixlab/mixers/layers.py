@@ -91,6 +91,29 @@ class ShortConv(SubLayer):
             y = y + self.bias.to(x.dtype)
         return F.silu(y) if self.activation == "silu" else y
 
+    def static_buffer(self, cache: dict, key: str, batch: int, dtype: torch.dtype,
+                      device: torch.device) -> Tensor:
+        """The decoding tail ``[B, W-1, C]`` (``dtype``) for :meth:`step`: a copy of ``cache[key]`` (what
+        :meth:`forward` left there), zeros when the cache has none."""
+        w = self.kernel_size - 1
+        if key in cache:
+            return cache[key].to(dtype).clone()
+        return torch.zeros(batch, w, self.dim, dtype=dtype, device=device)
+
+    def step(self, x: Tensor, tail: Tensor) -> Tensor:
+        """One token ``x [B, C]`` with the last ``W - 1`` inputs ``tail [B, W-1, C]`` (dtype of x, updated in
+        place: shifted by one, ``x`` appended) -> ``[B, C]``; the same sums as :meth:`forward`."""
+        full = torch.cat([tail, x.unsqueeze(1)], dim=1)  # [B, W, C] (a temporary, not the state)
+        if self.kernel_size > 1:
+            tail.copy_(full[:, 1:])
+        wt = self.weight.to(x.dtype)[:, 0]  # [C, W]
+        y = full[:, 0] * wt[:, 0]
+        for j in range(1, self.kernel_size):
+            y = y + full[:, j] * wt[:, j]
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return F.silu(y) if self.activation == "silu" else y
+
 
 def _segment_masks(cu_seqlens: Tensor, t: int, kernel_size: int, x: Tensor) -> list[Tensor]:
     """``[1, T, 1]`` masks in x's dtype, one per lag ``s < kernel_size``: 1 where token

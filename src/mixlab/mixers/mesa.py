@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay, resolve_head_dim
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv
-from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step
+from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step, mesa_step_inplace
 from mixlab.registry import register_mixer
 
 __all__ = ["Mesa"]
@@ -138,12 +138,14 @@ class Mesa(Mixer):
         """(iteration count / cap, tolerance) for the current mode (train / eval)."""
         return self.cg_iters, (self.cg_eps if self.training else self.eval_cg_eps)
 
-    def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
+    def _inputs(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor, Tensor]:
+        """Op inputs from the (convolved) projections ``q, k, v [B, T, H*K]`` and the layer input
+        ``x [B, T, D]``: L2-normalised ``q, k`` and ``v [B, T, H, K]`` (dtype of v), log forget gate ``g``,
+        its sign (None without ``negative_gates``) and input gate ``beta`` ``[B, T, H]`` (float32/64),
+        ``lamb [H, K]`` (dtype of g)."""
         b, t, _ = x.shape
         h, d = self.n_heads, self.head_dim
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.q_conv is not None:
-            q, k = self.q_conv(q, cache, "q_conv"), self.k_conv(k, cache, "k_conv")
         q = F.normalize(_up(q.view(b, t, h, d)), dim=-1).to(v.dtype)
         k = F.normalize(_up(k.view(b, t, h, d)), dim=-1).to(v.dtype)
         v = v.view(b, t, h, d)
@@ -154,7 +156,21 @@ class Mesa(Mixer):
         else:
             g, sign = F.logsigmoid(a), None
         beta = torch.sigmoid(_up(self.b_proj(x)))
-        lamb = self.lamb().to(g.dtype)
+        return q, k, v, g, sign, beta, self.lamb().to(g.dtype)
+
+    def _output(self, o: Tensor, x: Tensor) -> Tensor:
+        """Head outputs ``o [B, T, H, K]`` -> RMSNorm gated by ``swish(W_g x)`` -> output projection."""
+        b, t, _ = x.shape
+        h, d = self.n_heads, self.head_dim
+        o = self.norm(o, self.g_proj(x).view(b, t, h, d))
+        return self.o_proj(o.reshape(b, t, h * d).to(x.dtype))
+
+    def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
+        t, h = x.shape[1], self.n_heads
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv is not None:
+            q, k = self.q_conv(q, cache, "q_conv"), self.k_conv(k, cache, "k_conv")
+        q, k, v, g, sign, beta, lamb = self._inputs(q, k, v, x)
         iters_n, eps = self.solver()
         state = cache.get("state") if cache is not None else None
         if cache is not None and t == 1:
@@ -170,8 +186,44 @@ class Mesa(Mixer):
             self._last_iters = torch.full((h,), float(iters_n), device=x.device)
         else:
             self._last_iters = iters.float().mean(dim=(0, 1)).detach()
-        o = self.norm(o, self.g_proj(x).view(b, t, h, d))
-        return self.o_proj(o.reshape(b, t, h * d).to(x.dtype))
+        return self._output(o, x)
+
+    # ------------------------------------------------------------------ static decoding
+    def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
+        """Static decoding buffers (see :meth:`Mixer.static_cache`; the state does not grow with
+        ``capacity``): ``h_kk [B, H, K, K]`` and ``h_kv [B, H, K, K]`` float32 (float64 for a float64 model),
+        copies of the prefill's state, and the short-convolution tails ``q_conv, k_conv [B, W-1, H*K]``."""
+        if "state" not in cache:
+            return None
+        calc = torch.float64 if self.v_proj.weight.dtype == torch.float64 else torch.float32
+        h_kk, h_kv = cache["state"]
+        out = {"h_kk": h_kk.to(calc).clone(), "h_kv": h_kv.to(calc).clone()}
+        if self.q_conv is not None:
+            dt, b = self.v_proj.weight.dtype, h_kk.shape[0]
+            out["q_conv"] = self.q_conv.static_buffer(cache, "q_conv", b, dt, h_kk.device)
+            out["k_conv"] = self.k_conv.static_buffer(cache, "k_conv", b, dt, h_kk.device)
+        return out
+
+    def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
+        h, d = self.n_heads, self.head_dim
+        w = self.q_conv.kernel_size - 1 if self.q_conv is not None else 0
+        return 8 * batch * h * 2 * d * d + batch * w * 2 * h * d * torch.empty(0, dtype=dtype).element_size()
+
+    def static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One token (see :meth:`Mixer.static_step`; ``pos`` unused) by
+        :func:`~mixlab.ops.mesa.mesa_step_inplace`: the state updated in place, then CG for all
+        ``cg_iters`` iterations with the adaptive tolerance applied by masks (a converged system stops
+        changing; no data-dependent early exit, so the step is graph-capturable and its output equals the
+        early-stopping solve of the dict-cache path). Does not update :meth:`extra_metrics`."""
+        xb = x.unsqueeze(1)  # [B, 1, D]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_conv is not None:
+            q, k = self.q_conv.step(q, state["q_conv"]), self.k_conv.step(k, state["k_conv"])
+        q, k, v, g, sign, beta, lamb = self._inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
+        iters_n, eps = self.solver()
+        o = mesa_step_inplace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, (state["h_kk"], state["h_kv"]),
+                              iters_n, eps, None if sign is None else sign[:, 0])
+        return self._output(o.unsqueeze(1).to(v.dtype), xb)[:, 0]
 
     def extra_metrics(self) -> dict[str, Tensor]:
         """Mean CG iterations of the last forward: per head (``cg_iters/h{i}``) and over heads."""

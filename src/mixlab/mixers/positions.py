@@ -92,6 +92,34 @@ class PositionScheme(SubLayer):
         """Explicit additive log-prior ``[B|1, H, Tq, Tk]`` for the reference path, or None."""
         return None
 
+    # ------------------------------------------------------------------ static decoding
+    def decode_tables(self, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+        """Position features of positions ``0 .. capacity - 1``, computed once before static decoding;
+        :meth:`pack_step` picks one row with a device position (no per-step feature math, no host sync).
+
+        Lane schemes (GOAT, ALiBi): ``q_lanes [1, H, capacity, n_lanes]`` and ``k_lanes
+        [1, H|1, capacity, n_lanes]`` in ``dtype`` (the same values :meth:`pack` writes at those
+        positions; GOAT raises here if a bf16 key-linear lane cannot hold ``capacity``). RoPE: ``cos,
+        sin [1, 1, capacity, d_h / 2]`` in ``dtype``. NoPE: none.
+        """
+        if self.n_lanes == 0:
+            return {}
+        c = Coords.seq(capacity, device=device)
+        ql, kl = self.lanes(c, c, dtype)
+        return {"q_lanes": ql.contiguous(), "k_lanes": kl.contiguous()}
+
+    def pack_step(self, qkv: Tensor, tables: dict[str, Tensor], pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoding token: the packed projection ``qkv [B, 3 * H * d_h]`` at position ``pos`` (``[1]``
+        int64 device tensor) -> SDPA inputs ``q, k, v [B, H, 1, d_h]``, from :meth:`decode_tables`' rows."""
+        b = qkv.shape[0]
+        q, k, v = qkv.view(b, 1, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.n_lanes == 0:
+            return q, k, v
+        d_c = self.content_dim
+        ql = tables["q_lanes"].index_select(2, pos).expand(b, self.n_heads, -1, -1)
+        kl = tables["k_lanes"].index_select(2, pos).expand(b, self.n_heads, -1, -1)
+        return torch.cat([q[..., :d_c], ql], dim=-1), torch.cat([k[..., :d_c], kl], dim=-1), v
+
     def describe(self) -> dict[str, int]:
         """Scalars for run tables (e.g. GOAT ``{"n_modes": R}``); empty by default."""
         return {}
@@ -563,6 +591,17 @@ class RotaryPositions(PositionScheme):
                 return RopeQKV.apply(qkv, cos.squeeze(1), sin.squeeze(1), batch, self.n_heads, self.head_dim,
                                      self.axes)
         return super().pack(qkv, coords, batch)
+
+    def decode_tables(self, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:
+        cos, sin = self._cos_sin(Coords.seq(capacity, device=device), dtype)  # [1, 1, capacity, d/2]
+        return {"cos": cos, "sin": sin}
+
+    def pack_step(self, qkv: Tensor, tables: dict[str, Tensor], pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """See :meth:`PositionScheme.pack_step`: q and k rotated by the ``pos`` row of the tables (the
+        eager rotation: graph-capturable, the same math as the CPU path of :meth:`pack`)."""
+        q, k, v = super().pack_step(qkv, tables, pos)
+        cos, sin = tables["cos"].index_select(2, pos), tables["sin"].index_select(2, pos)
+        return _rope_rotate.eager(q, cos, sin, self.axes), _rope_rotate.eager(k, cos, sin, self.axes), v
 
 
 @cuda_compiled

@@ -48,6 +48,7 @@ __all__ = [
     "mesa_states",
     "mesa_exact",
     "mesa_step",
+    "mesa_step_inplace",
     "mesa_recurrent",
     "mesa_chunk",
     "mesa_net",
@@ -124,8 +125,8 @@ def _check_sign(gate_sign: Tensor | None, g: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------- CG
-def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, eps: float | None = None
-                       ) -> tuple[Tensor, Tensor]:
+def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: int, eps: float | None = None,
+                       early_stop: bool = True) -> tuple[Tensor, Tensor]:
     """Batched conjugate gradient for SPD systems ``A x = b`` from ``x_0 = 0`` (paper Alg. 1).
 
     Args:
@@ -133,6 +134,9 @@ def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: 
         b: right-hand sides ``[..., K]`` float.
         max_iter: fixed iteration count (``eps=None``) or cap (adaptive).
         eps: adaptive stopping ``||r_j|| <= eps ||r_0||`` per system; ``None`` = fixed count.
+        early_stop: with ``eps``, end the loop once every system has converged (one host sync per
+            iteration); ``False`` runs all ``max_iter`` iterations with converged systems masked
+            (unchanged), the same result without a sync (CUDA-graph capturable).
 
     Returns:
         ``x [..., K]`` and iteration counts ``[...]`` int32: updates applied per system; in
@@ -154,7 +158,7 @@ def conjugate_gradient(matvec: Callable[[Tensor], Tensor], b: Tensor, max_iter: 
     iters = torch.zeros(delta.shape, dtype=torch.int32, device=b.device)
     for _ in range(max_iter):
         active = delta > thresh
-        if eps is not None and not bool(active.any()):
+        if eps is not None and early_stop and not bool(active.any()):
             break
         x, r, p, delta = _cg_update(x, r, p, delta, matvec(p), active, tiny)
         iters += active.to(torch.int32)
@@ -252,6 +256,28 @@ def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Te
     x, iters = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps)
     o = (x.unsqueeze(-2) @ h_kv).squeeze(-2)
     return o, (h_kk, h_kv), iters
+
+
+def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, state: State,
+                      cg_iters: int = 30, cg_eps: float | None = None, gate_sign: Tensor | None = None) -> Tensor:
+    """:func:`mesa_step` on fixed buffers: ``state = (h_kk [B, H, K, K], h_kv [B, H, K, V])`` (float32 /
+    float64, the compute dtype) is updated in place, and CG always runs ``cg_iters`` iterations (with
+    ``cg_eps`` the tolerance masks converged systems instead of ending the loop: no host sync, so the
+    step can be captured in a CUDA graph; same output as :func:`mesa_step`).
+
+    Returns:
+        ``o [B, H, V]`` in the compute dtype.
+    """
+    h_kk, h_kv = state
+    dt = h_kk.dtype
+    q, k, v, g, beta, lamb = (z.to(dt) for z in (q, k, v, g, beta, lamb))
+    decay = _gamma(g, gate_sign)[..., None, None]
+    kb = k * beta.unsqueeze(-1)
+    h_kk.mul_(decay).add_(kb.unsqueeze(-1) * k.unsqueeze(-2))
+    h_kv.mul_(decay).add_(kb.unsqueeze(-1) * v.unsqueeze(-2))
+    x, _ = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps,
+                              early_stop=False)
+    return (x.unsqueeze(-2) @ h_kv).squeeze(-2)
 
 
 def mesa_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
