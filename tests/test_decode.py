@@ -140,3 +140,48 @@ def test_cli_has_a_no_cuda_graph_switch(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "--no-cuda-graph" in capsys.readouterr().out
+
+
+_TRITON_CHECK = """
+import json, torch
+from mixlab.ops.mesa import mesa_step_inplace
+from tests.test_decode import _model, generate
+g = torch.Generator().manual_seed(0)
+b, h, k = 2, 3, 32
+q, kk, v = (torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1) for _ in range(3))
+gate, beta, lamb = -torch.rand(b, h, generator=g) * 0.1, torch.rand(b, h, generator=g), torch.rand(h, k, generator=g) + 0.25
+base = torch.randn(b, h, k, k, generator=g)
+h_kk = base @ base.transpose(-1, -2) / k
+h_kv = torch.randn(b, h, k, k, generator=g)
+res = {}
+outs = {}
+for impl in ("torch", "triton"):
+    state = (h_kk.clone(), h_kv.clone())
+    outs[impl] = (mesa_step_inplace(q, kk, v, gate, beta, lamb, state, 30, 1e-4, cg_impl=impl), state)
+res["o"] = ((outs["triton"][0] - outs["torch"][0]).abs().max() / outs["torch"][0].abs().max()).item()
+res["state"] = max((a - b).abs().max().item() for a, b in zip(outs["triton"][1], outs["torch"][1]))
+model = _model("mesa").float()
+prompt = torch.randint(0, 50, (2, 5), generator=g)
+res["ids_equal"] = generate(model, prompt, 10, temperature=0).tolist() == generate(
+    model, prompt, 10, temperature=0, static=False).tolist()
+print(json.dumps(res))
+"""
+
+
+def test_mesa_static_step_with_the_triton_cg_under_the_interpreter():
+    """The CUDA choice of the Mesa decode step (one Triton CG launch for all systems) equals the torch CG,
+    run on CPU by Triton's interpreter; a whole static decode with it gives the dict loop's ids."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MIXLAB_MESA_DECODE_CG": "triton", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True, text=True,
+                         timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["o"] < 1e-4 and res["state"] == 0.0 and res["ids_equal"], res

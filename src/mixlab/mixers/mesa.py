@@ -8,6 +8,7 @@ Training", arXiv 2506.05233 (Sec. 2, Eqs. 7-8; Appendix C-E). Math and implement
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -211,18 +212,24 @@ class Mesa(Mixer):
 
     def static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
         """One token (see :meth:`Mixer.static_step`; ``pos`` unused) by
-        :func:`~mixlab.ops.mesa.mesa_step_inplace`: the state updated in place, then CG for all
-        ``cg_iters`` iterations with the adaptive tolerance applied by masks (a converged system stops
-        changing; no data-dependent early exit, so the step is graph-capturable and its output equals the
-        early-stopping solve of the dict-cache path). Does not update :meth:`extra_metrics`."""
+        :func:`~mixlab.ops.mesa.mesa_step_inplace`: the state updated in place, then the solve without a
+        host sync, so the step is graph-capturable. On CPU (and float64, or ``head_dim > 128``) the torch
+        CG runs all ``cg_iters`` iterations with the adaptive tolerance applied by masks (a converged
+        system stops changing: the output equals the early-stopping solve of the dict-cache path); on CUDA
+        in float32 one Triton kernel (:func:`~mixlab.ops.mesa_triton.mesa_cg_triton`) runs the loop and
+        the per-system stopping on the device (float32-accurate, not bitwise the torch CG).
+        ``MIXLAB_MESA_DECODE_CG=torch|triton`` overrides the choice. Does not update :meth:`extra_metrics`."""
         xb = x.unsqueeze(1)  # [B, 1, D]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
             q, k = self.q_conv.step(q, state["q_conv"]), self.k_conv.step(k, state["k_conv"])
         q, k, v, g, sign, beta, lamb = self._inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
         iters_n, eps = self.solver()
-        o = mesa_step_inplace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, (state["h_kk"], state["h_kv"]),
-                              iters_n, eps, None if sign is None else sign[:, 0])
+        h_kk = state["h_kk"]
+        fast = h_kk.is_cuda and h_kk.dtype == torch.float32 and self.head_dim <= 128
+        cg_impl = os.environ.get("MIXLAB_MESA_DECODE_CG", "triton" if fast else "torch")
+        o = mesa_step_inplace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, (h_kk, state["h_kv"]),
+                              iters_n, eps, None if sign is None else sign[:, 0], cg_impl=cg_impl)
         return self._output(o.unsqueeze(1).to(v.dtype), xb)[:, 0]
 
     def extra_metrics(self) -> dict[str, Tensor]:

@@ -259,11 +259,17 @@ def mesa_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Te
 
 
 def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, state: State,
-                      cg_iters: int = 30, cg_eps: float | None = None, gate_sign: Tensor | None = None) -> Tensor:
+                      cg_iters: int = 30, cg_eps: float | None = None, gate_sign: Tensor | None = None,
+                      cg_impl: str = "torch") -> Tensor:
     """:func:`mesa_step` on fixed buffers: ``state = (h_kk [B, H, K, K], h_kv [B, H, K, V])`` (float32 /
-    float64, the compute dtype) is updated in place, and CG always runs ``cg_iters`` iterations (with
-    ``cg_eps`` the tolerance masks converged systems instead of ending the loop: no host sync, so the
-    step can be captured in a CUDA graph; same output as :func:`mesa_step`).
+    float64, the compute dtype) is updated in place, and the solve has no host sync, so the step can be
+    captured in a CUDA graph.
+
+    ``cg_impl="torch"``: CG always runs ``cg_iters`` iterations (with ``cg_eps`` the tolerance masks
+    converged systems instead of ending the loop; same output as :func:`mesa_step`). ``"triton"``: one
+    launch of :func:`mixlab.ops.mesa_triton.mesa_cg_triton` for all ``B * H`` systems (a chunk of one
+    token with the updated state as its statistic; the loop and the per-system stopping run on the device;
+    float32 only, ``K <= 128``; float32-accurate ``tf32x3`` products, not bitwise the torch CG).
 
     Returns:
         ``o [B, H, V]`` in the compute dtype.
@@ -275,8 +281,17 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     kb = k * beta.unsqueeze(-1)
     h_kk.mul_(decay).add_(kb.unsqueeze(-1) * k.unsqueeze(-2))
     h_kv.mul_(decay).add_(kb.unsqueeze(-1) * v.unsqueeze(-2))
-    x, _ = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps,
-                              early_stop=False)
+    if cg_impl == "triton":
+        from mixlab.ops.mesa_triton import mesa_cg_triton
+
+        b, h, dk = q.shape
+        m = b * h
+        x, _ = mesa_cg_triton(h_kk.view(m, dk, dk), q.new_zeros(m, 1, dk), q.new_zeros(m, 1, 1), q.new_ones(m, 1),
+                              lamb.expand(b, h, dk).reshape(m, dk), q.reshape(m, 1, dk), cg_iters, cg_eps)
+        x = x.view(b, h, dk)
+    else:
+        x, _ = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps,
+                                  early_stop=False)
     return (x.unsqueeze(-2) @ h_kv).squeeze(-2)
 
 
