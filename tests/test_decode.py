@@ -149,7 +149,8 @@ from tests.test_decode import _model, generate
 g = torch.Generator().manual_seed(0)
 b, h, k = 2, 3, 32
 q, kk, v = (torch.nn.functional.normalize(torch.randn(b, h, k, generator=g), dim=-1) for _ in range(3))
-gate, beta, lamb = -torch.rand(b, h, generator=g) * 0.1, torch.rand(b, h, generator=g), torch.rand(h, k, generator=g) + 0.25
+gate, beta = -torch.rand(b, h, generator=g) * 0.1, torch.rand(b, h, generator=g)
+lamb = torch.rand(h, k, generator=g) + 0.25
 base = torch.randn(b, h, k, k, generator=g)
 h_kk = base @ base.transpose(-1, -2) / k
 h_kv = torch.randn(b, h, k, k, generator=g)

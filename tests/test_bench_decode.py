@@ -1,0 +1,31 @@
+"""scripts/bench_decode.py --quick on CPU: a well-formed table with every mixer and dtype, ids equal to the
+dict loop's (no timing is asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_decode_quick_writes_a_well_formed_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("bench_decode", None)
+    import bench_decode
+
+    md = bench_decode.main(["--quick", "--out", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "bench_decode.md").read_text() == md
+    captured = capsys.readouterr()
+    assert md in captured.out and "float32 goat dict" in captured.err  # table on stdout, progress on stderr
+    lines = md.splitlines()
+    assert lines[0].startswith("| dtype | mixer | dict loop tok/s | static eager tok/s | CUDA graph tok/s |")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:12]]
+    assert [r[:2] for r in rows] == [[d, m] for d in ("float32", "bfloat16")
+                                     for m in ("goat", "rope", "nope", "kda", "mesa")]
+    for _, _, old, eager, graph, r_eager, r_graph, same_eager, same_graph in rows:
+        assert float(old.replace(",", "")) > 0 and float(eager.replace(",", "")) > 0
+        assert graph == r_graph == same_graph == "-"  # no CUDA graph on CPU
+        assert r_eager.endswith("x") and float(r_eager[:-1]) > 0
+        assert same_eager == "1.000"  # the same greedy ids as the dict loop
+    assert lines[12] == "" and "batch 2, 2 layers, d_model 64" in lines[13] and "device cpu" in lines[13]
