@@ -1,7 +1,8 @@
 """Static-cache decoding (:mod:`mixlab.eval.decode`): the fixed-buffer step gives the same greedy ids as the
 argmax of the parallel forward and as the dict-cache loop (float64, CPU: the eager form of the step that
-CUDA replays as a graph), for attention (goat, rope, nope, alibi) and recurrent (kda, gdn, mesa) models;
-every mixer's static step equals its dict-cache step; capacity and bad input are one-line errors."""
+CUDA replays as a graph), for attention (goat, rope, nope, alibi) and recurrent (kda, gdn, mesa, hawk, gla,
+mamba2) models; every mixer's static step equals its dict-cache step; capacity and bad input are one-line
+errors; Mesa's CUDA solve (Triton CG) runs under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mixlab.heads.lm import CausalLM
 from mixlab.registry import build_mixer, list_mixers
 
 VOCAB = 50
-STATIC = ["goat", "rope", "nope", "alibi", "kda", "gdn", "mesa"]
+STATIC = ["goat", "rope", "nope", "alibi", "kda", "gdn", "mesa", "hawk", "gla", "mamba2"]
 MIXER_ARGS = {"goat": {"position_args": {"init": "random"}}}  # a prior that is not zero
 
 
@@ -186,3 +187,23 @@ def test_mesa_static_step_with_the_triton_cg_under_the_interpreter():
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["o"] < 1e-4 and res["state"] == 0.0 and res["ids_equal"], res
+
+
+@pytest.mark.parametrize("mixer", [*STATIC, "fg2gdn"])
+def test_the_decode_step_never_reads_a_device_value_on_the_host(mixer):
+    """The CPU stand-in for "capturable in a CUDA graph": the whole step (embedding -> blocks -> lm_head ->
+    argmax) runs on meta tensors, where any host read of a value (``.item()``, ``bool()``, ``int()``:
+    a sync on CUDA) raises. The dict-cache Mesa step (CG with early stopping) is the positive control."""
+    model = _model(mixer)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        caches = [{} for _ in model.backbone.blocks]
+        model(prompt, None, caches)
+        states = [{k: v.to("meta") for k, v in s.items()} for s in decode.static_states(model, caches, 9)]
+        model = model.to("meta")
+        dec = decode.StaticDecoder(model, states, 5, 9)
+        logits = dec.step()
+        assert logits.device.type == "meta" and logits.shape == (2, VOCAB)
+        if mixer == "mesa":
+            with pytest.raises(RuntimeError, match="meta tensors"):
+                model(torch.zeros(2, 1, dtype=torch.long, device="meta"), None, [{} for _ in model.backbone.blocks])

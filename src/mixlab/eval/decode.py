@@ -21,9 +21,20 @@ still prefilled by that path (one parallel forward filling the dict caches), the
    (temperature, top-k, the caller's generator) runs eagerly on the graph's logits. Without CUDA,
    or with ``cuda_graph=False``, the same step runs eagerly.
 
-A model with a layer that has no static step (``static_cache`` returns None: the reference
-attention impl, SWA, MLA, the other recurrent mixers for now) or a head other than
+Static steps: attention ``goat``/``rope``/``alibi``/``nope`` (``impl="sdpa"``), the delta-rule family
+(``deltanet``, ``gdn``, ``kda``, ``fg2gdn``, ...), ``mesa`` (its own in-place steps), and ``hawk``,
+``gla``, ``mamba2`` (their dict-cache step on fixed buffers,
+:meth:`~mixlab.mixers.base.Mixer.fixed_state_static_step`). A model with a layer that has none
+(``static_cache`` returns None: the reference attention impl, ``swa``, ``mla``) or a head other than
 :class:`~mixlab.heads.CausalLM`'s embedding + backbone decodes with the dict-cache loop.
+
+Mesa's solve inside the step has no host-visible data-dependent control flow: on CUDA (float32) one
+Triton kernel runs CG with per-system stopping on the device; elsewhere the torch CG runs its full
+iteration cap with converged systems masked (same output as the early-stopping CG).
+
+If graph capture raises, a one-line note goes to stderr and decoding continues with eager steps. Each
+:func:`~mixlab.eval.generate.generate` call captures its own graph (prompt and capacity fixed per call),
+so the capture cost is paid per call.
 """
 
 from __future__ import annotations

@@ -154,6 +154,24 @@ class Mixer(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} has no static decoding step")
 
+    # Generic static step of mixers whose dict cache holds only fixed-size tensors (a recurrent state and
+    # short-convolution tails that each cached call replaces): hawk, gla, mamba2 opt in by assigning these.
+    def fixed_state_static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
+        """Static buffers: a copy of every tensor of the prefilled dict ``cache`` (their shapes do not depend on
+        the length decoded, so ``capacity`` is not used); None if the cache holds anything else."""
+        if not cache or not all(isinstance(v, Tensor) for v in cache.values()):
+            return None
+        return {k: v.clone() for k, v in cache.items()}
+
+    def fixed_state_static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
+        """One token by the mixer's own cached forward on a dict holding ``state``'s buffers, then the new
+        entries copied back into the buffers (``copy_``): the dict-cache step's values, fixed addresses."""
+        cache = dict(state)
+        y = self(x.unsqueeze(1), None, cache)[:, 0]
+        for k, buf in state.items():
+            buf.copy_(cache[k])
+        return y
+
 
 class AttentionMixer(Mixer):
     """Base of the softmax-attention mixers with a registered position scheme (``goat``, ``rope``,

@@ -68,6 +68,10 @@ class GLA(Mixer):
         self.o_proj = nn.Linear(h * self.dv, d_model, bias=False)
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
 
+    # static decoding: the state and conv tails are fixed-size; the dict-cache step on fixed buffers
+    static_cache = Mixer.fixed_state_static_cache
+    static_step = Mixer.fixed_state_static_step
+
     def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
         b, t, _ = x.shape
         h = self.n_heads

@@ -106,6 +106,10 @@ class Hawk(Mixer):
         z = torch.einsum("bthi,ghij->gbthj", ub, self.gate_w.to(u.dtype)) + self.gate_b.to(u.dtype)[:, None, None]
         return z[0].reshape(b, t, -1), z[1].reshape(b, t, -1)
 
+    # static decoding: the state and conv tails are fixed-size; the dict-cache step on fixed buffers
+    static_cache = Mixer.fixed_state_static_cache
+    static_step = Mixer.fixed_state_static_step
+
     def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
         gate = F.gelu(self.in_gate(x), approximate="tanh")
         u = self.in_x(x)

@@ -84,6 +84,10 @@ class Mamba2(Mixer):
             self.conv.reset_parameters()
         self.norm.reset_parameters()
 
+    # static decoding: the state and conv tails are fixed-size; the dict-cache step on fixed buffers
+    static_cache = Mixer.fixed_state_static_cache
+    static_step = Mixer.fixed_state_static_step
+
     def forward(self, x: Tensor, coords: Coords | None = None, cache: dict | None = None) -> Tensor:
         b, t, _ = x.shape
         h, e, n, p = self.n_heads, self.d_inner, self.d_state, self.head_dim
