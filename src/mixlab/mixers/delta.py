@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, no_weight_decay, resolve_head_dim
-from mixlab.mixers.layers import ShortConv
+from mixlab.mixers.layers import ShortConv, short_conv_step
 from mixlab.ops.delta_rule import TORCH_CHUNK_SIZES, delta_rule, sqrt_sigmoid
 from mixlab.ops.fg2_gate import fg2_gate_prep
 from mixlab.registry import register_mixer
@@ -257,17 +257,18 @@ class GatedDeltaMixer(Mixer):
     def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
         """Static decoding buffers (see :meth:`Mixer.static_cache`; the state does not grow with
         ``capacity``): ``state [B, H, K, V]`` float32 (float64 for a float64 model), a copy of the
-        prefill's final state, and the short-convolution tails ``conv_q, conv_k [B, W-1, H*K]``,
-        ``conv_v [B, W-1, H*V]`` in the activation dtype."""
+        prefill's final state; with a short convolution, the q/k/v tails side by side ``conv [B, W-1,
+        2*H*K + H*V]`` and the three kernels the same way, ``conv_w [2*H*K + H*V, W]``, in the activation
+        dtype (the three depthwise convolutions run as one: the same values, a third of the launches)."""
         if "state" not in cache:
             return None
         state = cache["state"]
-        calc = torch.float64 if self.v_proj.weight.dtype == torch.float64 else torch.float32
-        out = {"state": state.to(calc).clone()}
+        dt = self.v_proj.weight.dtype
+        out = {"state": state.to(torch.float64 if dt == torch.float64 else torch.float32).clone()}
         if self.conv_size > 0:
-            dt, dev, b = self.v_proj.weight.dtype, state.device, state.shape[0]
-            for name, conv in (("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv)):
-                out[name] = conv.static_buffer(cache, name, b, dt, dev)
+            convs = (("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv))
+            out["conv"] = torch.cat([c.static_buffer(cache, n, state.shape[0], dt, state.device) for n, c in convs], -1)
+            out["conv_w"] = torch.cat([c.weight[:, 0] for _, c in convs]).to(dt)
         return out
 
     def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
@@ -282,9 +283,9 @@ class GatedDeltaMixer(Mixer):
         """
         xb = x.unsqueeze(1)  # [B, 1, D]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [B, H*K], [B, H*K], [B, H*V]
-        if self.conv_size > 0:
-            q, k, v = (conv.step(z, state[name]) for conv, z, name in
-                       ((self.q_conv, q, "conv_q"), (self.k_conv, k, "conv_k"), (self.v_conv, v, "conv_v")))
+        if self.conv_size > 0:  # the three short convolutions (SiLU, no bias) as one on [q | k | v]
+            qkv = short_conv_step(torch.cat([q, k, v], -1), state["conv"], state["conv_w"], None, "silu")
+            q, k, v = qkv.split([q.shape[-1], k.shape[-1], v.shape[-1]], -1)
         q, k, v, g, beta = self._rule_inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
         S = state["state"]
         calc = S.dtype

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from mixlab.mixers.base import SubLayer
 
-__all__ = ["ShortConv", "GatedRMSNorm"]
+__all__ = ["ShortConv", "GatedRMSNorm", "short_conv_step"]
 
 
 class ShortConv(SubLayer):
@@ -95,24 +95,31 @@ class ShortConv(SubLayer):
                       device: torch.device) -> Tensor:
         """The decoding tail ``[B, W-1, C]`` (``dtype``) for :meth:`step`: a copy of ``cache[key]`` (what
         :meth:`forward` left there), zeros when the cache has none."""
-        w = self.kernel_size - 1
         if key in cache:
             return cache[key].to(dtype).clone()
-        return torch.zeros(batch, w, self.dim, dtype=dtype, device=device)
+        return torch.zeros(batch, self.kernel_size - 1, self.dim, dtype=dtype, device=device)
 
     def step(self, x: Tensor, tail: Tensor) -> Tensor:
         """One token ``x [B, C]`` with the last ``W - 1`` inputs ``tail [B, W-1, C]`` (dtype of x, updated in
         place: shifted by one, ``x`` appended) -> ``[B, C]``; the same sums as :meth:`forward`."""
-        full = torch.cat([tail, x.unsqueeze(1)], dim=1)  # [B, W, C] (a temporary, not the state)
-        if self.kernel_size > 1:
-            tail.copy_(full[:, 1:])
-        wt = self.weight.to(x.dtype)[:, 0]  # [C, W]
-        y = full[:, 0] * wt[:, 0]
-        for j in range(1, self.kernel_size):
-            y = y + full[:, j] * wt[:, j]
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return F.silu(y) if self.activation == "silu" else y
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return short_conv_step(x, tail, self.weight.to(x.dtype)[:, 0], bias, self.activation)
+
+
+def short_conv_step(x: Tensor, tail: Tensor, weight: Tensor, bias: Tensor | None, activation: str | None) -> Tensor:
+    """One decoding token of a depthwise causal convolution (:class:`ShortConv`): ``x [B, C]``, ``tail
+    [B, W-1, C]`` (the last inputs, updated in place), ``weight [C, W]``, ``bias [C]`` or None, activation
+    ``"silu"`` or None -> ``[B, C]``. Elementwise per channel, so several convolutions of the same kernel
+    size and activation can run as one on concatenated channels with the same values."""
+    full = torch.cat([tail, x.unsqueeze(1)], dim=1)  # [B, W, C] (a temporary, not the state)
+    if weight.shape[1] > 1:
+        tail.copy_(full[:, 1:])
+    y = full[:, 0] * weight[:, 0]
+    for j in range(1, weight.shape[1]):
+        y = y + full[:, j] * weight[:, j]
+    if bias is not None:
+        y = y + bias
+    return F.silu(y) if activation == "silu" else y
 
 
 def _segment_masks(cu_seqlens: Tensor, t: int, kernel_size: int, x: Tensor) -> list[Tensor]:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay, resolve_head_dim
-from mixlab.mixers.layers import GatedRMSNorm, ShortConv
+from mixlab.mixers.layers import GatedRMSNorm, ShortConv, short_conv_step
 from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step, mesa_step_inplace
 from mixlab.registry import register_mixer
 
@@ -193,16 +193,18 @@ class Mesa(Mixer):
     def static_cache(self, cache: dict, capacity: int) -> dict[str, Tensor] | None:
         """Static decoding buffers (see :meth:`Mixer.static_cache`; the state does not grow with
         ``capacity``): ``h_kk [B, H, K, K]`` and ``h_kv [B, H, K, K]`` float32 (float64 for a float64 model),
-        copies of the prefill's state, and the short-convolution tails ``q_conv, k_conv [B, W-1, H*K]``."""
+        copies of the prefill's state, and the q and k short convolutions side by side: tails ``conv [B, W-1,
+        2*H*K]``, kernels ``conv_w [2*H*K, W]`` and biases ``conv_b [2*H*K]`` in the activation dtype."""
         if "state" not in cache:
             return None
         calc = torch.float64 if self.v_proj.weight.dtype == torch.float64 else torch.float32
         h_kk, h_kv = cache["state"]
         out = {"h_kk": h_kk.to(calc).clone(), "h_kv": h_kv.to(calc).clone()}
-        if self.q_conv is not None:
-            dt, b = self.v_proj.weight.dtype, h_kk.shape[0]
-            out["q_conv"] = self.q_conv.static_buffer(cache, "q_conv", b, dt, h_kk.device)
-            out["k_conv"] = self.k_conv.static_buffer(cache, "k_conv", b, dt, h_kk.device)
+        if self.q_conv is not None:  # the q and k convolutions side by side: one step on [q | k]
+            dt, b, convs = self.v_proj.weight.dtype, h_kk.shape[0], (("q_conv", self.q_conv), ("k_conv", self.k_conv))
+            out["conv"] = torch.cat([c.static_buffer(cache, n, b, dt, h_kk.device) for n, c in convs], -1)
+            out["conv_w"] = torch.cat([c.weight[:, 0] for _, c in convs]).to(dt)
+            out["conv_b"] = torch.cat([c.bias for _, c in convs]).to(dt)
         return out
 
     def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
@@ -222,7 +224,8 @@ class Mesa(Mixer):
         xb = x.unsqueeze(1)  # [B, 1, D]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
-            q, k = self.q_conv.step(q, state["q_conv"]), self.k_conv.step(k, state["k_conv"])
+            qk = short_conv_step(torch.cat([q, k], -1), state["conv"], state["conv_w"], state["conv_b"], "silu")
+            q, k = qk.chunk(2, -1)
         q, k, v, g, sign, beta, lamb = self._inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
         iters_n, eps = self.solver()
         h_kk = state["h_kk"]
