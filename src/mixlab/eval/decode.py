@@ -73,8 +73,16 @@ def static_states(model, caches: list[dict], capacity: int) -> list[dict[str, Te
 
 
 def _free_bytes(device: torch.device) -> int:
+    """Free memory on ``device``: CUDA's free bytes; on the host ``MemAvailable`` (page cache counts as free)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
