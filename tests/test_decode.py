@@ -102,7 +102,7 @@ def test_bad_input_is_a_one_line_error():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="GiB of output ids"):  # the dict loop checks its output buffer too
         generate(_model("nope"), prompt, 10**13, temperature=0, static=False)
-    with pytest.raises(ValueError, match=r"static=True, but CausalLM \(swa, swa\) has a layer without a static"):
+    with pytest.raises(ValueError, match=r"static=True, but CausalLM \(swa, swa\) has no static decoding step"):
         generate(_model("swa"), prompt, 4, temperature=0, static=True)
 
 

@@ -8,7 +8,8 @@ GPT-2 BPE or bytes, DNA letters for genome runs, the passkey/NIAH characters, wh
 token ids for other tasks), run through the model once in parallel (prefill, filling every layer's
 cache: attention keys/values, recurrent states), then decoded one token per step through the caches
 (the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``). When every
-layer has a static decoding step (attention goat/rope/alibi/nope, the delta-rule family, Mesa) the
+layer has a static decoding step (attention goat/rope/alibi/nope, the delta-rule family, Mesa, Hawk, GLA,
+Mamba2) the
 steps run on fixed buffers of prompt + ``--max-new-tokens`` positions, on CUDA as one replayed CUDA
 graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps); the ids are the same.
 Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature, cut to the
@@ -178,8 +179,8 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
     use_static = static is not False and max_new_tokens > 1 and decode.supports_static(model)
     if static and not use_static and max_new_tokens > 1:
         raise ValueError(f"generate: static=True, but {type(model).__name__} "
-                         f"({', '.join(b.mixer_name for b in model.backbone.blocks)}) has a layer without a static "
-                         "decoding step; use static=None")
+                         f"({', '.join(b.mixer_name for b in model.backbone.blocks)}) has no static decoding step "
+                         "(a layer without one, or a head other than CausalLM's); use static=None")
     b, p = prompt.shape
     capacity = p + max_new_tokens
     abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
@@ -218,9 +219,12 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
 
 
 def _dict_step(model, tokens: Tensor, caches: list[dict], vocab_limit: int | None) -> Tensor:
-    """Logits ``[B, V]`` float32 of the last of ``tokens [B, T]`` through the dict ``caches`` (filled in place)."""
+    """Logits ``[B, V]`` (float32; float64 for a float64 model) of the last of ``tokens [B, T]`` through the
+    dict ``caches`` (filled in place)."""
+    from mixlab.heads.common import float_logits
+
     h = model.hidden(tokens, None, caches)[:, -1]  # [B, D]; the prompt's last position, then each new token
-    logits = model.lm_head(h).float()
+    logits = float_logits(model.lm_head(h))
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits[:, vocab_limit:] = float("-inf")
     return logits
