@@ -9,9 +9,9 @@ token ids for other tasks), run through the model once in parallel (prefill, fil
 cache: attention keys/values, recurrent states), then decoded one token per step through the caches
 (the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``). When every
 layer has a static decoding step (attention goat/rope/alibi/nope, the delta-rule family, Mesa, Hawk, GLA,
-Mamba2) the
-steps run on fixed buffers of prompt + ``--max-new-tokens`` positions, on CUDA as one replayed CUDA
-graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps); the ids are the same.
+Mamba2) the steps run on fixed buffers of prompt + ``--max-new-tokens`` positions, on CUDA as one
+replayed CUDA graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps); the ids are
+the same.
 Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature, cut to the
 ``top_k`` largest and sampled with a generator seeded by ``--seed``. Ids the tokenizer cannot decode
 (a model vocabulary padded beyond the tokenizer's) are never sampled; generation stops at the
