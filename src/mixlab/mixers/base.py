@@ -161,7 +161,7 @@ class Mixer(nn.Module):
         the length decoded, so ``capacity`` is not used); None if the cache holds anything else."""
         if not cache or not all(isinstance(v, Tensor) for v in cache.values()):
             return None
-        return {k: v.clone() for k, v in cache.items()}
+        return {k: v.clone(memory_format=torch.contiguous_format) for k, v in cache.items()}
 
     def fixed_state_static_step(self, x: Tensor, state: dict[str, Tensor], pos: Tensor) -> Tensor:
         """One token by the mixer's own cached forward on a dict holding ``state``'s buffers, then the new

@@ -264,7 +264,8 @@ class GatedDeltaMixer(Mixer):
             return None
         state = cache["state"]
         dt = self.v_proj.weight.dtype
-        out = {"state": state.to(torch.float64 if dt == torch.float64 else torch.float32).clone()}
+        calc = torch.float64 if dt == torch.float64 else torch.float32
+        out = {"state": state.to(calc).clone(memory_format=torch.contiguous_format)}
         if self.conv_size > 0:
             convs = (("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv))
             out["conv"] = torch.cat([c.static_buffer(cache, n, state.shape[0], dt, state.device) for n, c in convs], -1)

@@ -96,7 +96,7 @@ class ShortConv(SubLayer):
         """The decoding tail ``[B, W-1, C]`` (``dtype``) for :meth:`step`: a copy of ``cache[key]`` (what
         :meth:`forward` left there), zeros when the cache has none."""
         if key in cache:
-            return cache[key].to(dtype).clone()
+            return cache[key].to(dtype).clone(memory_format=torch.contiguous_format)
         return torch.zeros(batch, self.kernel_size - 1, self.dim, dtype=dtype, device=device)
 
     def step(self, x: Tensor, tail: Tensor) -> Tensor:

@@ -199,7 +199,8 @@ class Mesa(Mixer):
             return None
         calc = torch.float64 if self.v_proj.weight.dtype == torch.float64 else torch.float32
         h_kk, h_kv = cache["state"]
-        out = {"h_kk": h_kk.to(calc).clone(), "h_kv": h_kv.to(calc).clone()}
+        fixed = lambda z: z.to(calc).clone(memory_format=torch.contiguous_format)  # noqa: E731
+        out = {"h_kk": fixed(h_kk), "h_kv": fixed(h_kv)}
         if self.q_conv is not None:  # the q and k convolutions side by side: one step on [q | k]
             dt, b, convs = self.v_proj.weight.dtype, h_kk.shape[0], (("q_conv", self.q_conv), ("k_conv", self.k_conv))
             out["conv"] = torch.cat([c.static_buffer(cache, n, b, dt, h_kk.device) for n, c in convs], -1)

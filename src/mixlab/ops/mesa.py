@@ -286,7 +286,7 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 
         b, h, dk = q.shape
         m = b * h
-        x, _ = mesa_cg_triton(h_kk.view(m, dk, dk), q.new_zeros(m, 1, dk), q.new_zeros(m, 1, 1), q.new_ones(m, 1),
+        x, _ = mesa_cg_triton(h_kk.reshape(m, dk, dk), q.new_zeros(m, 1, dk), q.new_zeros(m, 1, 1), q.new_ones(m, 1),
                               lamb.expand(b, h, dk).reshape(m, dk), q.reshape(m, 1, dk), cg_iters, cg_eps)
         x = x.view(b, h, dk)
     else:
