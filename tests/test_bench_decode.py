@@ -26,6 +26,6 @@ def test_bench_decode_quick_writes_a_well_formed_table(tmp_path, monkeypatch, ca
     for _, _, old, eager, graph, r_eager, r_graph, same_eager, same_graph in rows:
         assert float(old.replace(",", "")) > 0 and float(eager.replace(",", "")) > 0
         assert graph == r_graph == same_graph == "-"  # no CUDA graph on CPU
-        assert r_eager.endswith("x") and float(r_eager[:-1]) > 0
+        assert r_eager.endswith("x") and float(r_eager[:-1]) >= 0  # (timings are not asserted)
         assert same_eager == "1.000"  # the same greedy ids as the dict loop
     assert lines[12] == "" and "batch 2, 2 layers, d_model 64" in lines[13] and "device cpu" in lines[13]
