@@ -107,6 +107,7 @@ def test_bad_input_is_a_one_line_error():
 
 
 def test_a_model_without_static_steps_falls_back_to_the_dict_loop():
+    assert not decode.supports_static(_model("goat").train())  # training mode (dropout): the dict loop
     model = _model("swa")
     assert not decode.supports_static(model)
     prompt = torch.randint(0, VOCAB, (2, 3), generator=torch.Generator().manual_seed(3))

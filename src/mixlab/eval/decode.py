@@ -50,12 +50,13 @@ __all__ = ["StaticDecoder", "static_states", "check_memory", "supports_static"]
 
 def supports_static(model) -> bool:
     """Whether ``model`` decodes through :class:`StaticDecoder`: a :class:`~mixlab.heads.CausalLM`
-    (or subclass) whose ``hidden`` is the plain embedding (+ learned absolute positions) -> backbone,
-    with every mixer implementing :meth:`~mixlab.mixers.base.Mixer.static_step`."""
+    (or subclass) in eval mode (static steps apply no dropout) whose ``hidden`` is the plain embedding
+    (+ learned absolute positions) -> backbone, with every mixer implementing
+    :meth:`~mixlab.mixers.base.Mixer.static_step`."""
     from mixlab.heads.lm import CausalLM
     from mixlab.mixers.base import Mixer
 
-    if not isinstance(model, CausalLM) or type(model).hidden is not CausalLM.hidden:
+    if not isinstance(model, CausalLM) or type(model).hidden is not CausalLM.hidden or model.training:
         return False
     return all(type(blk.mixer).static_step is not Mixer.static_step for blk in model.backbone.blocks)
 
