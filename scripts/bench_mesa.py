@@ -100,9 +100,10 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 
 # ---------------------------------------------------------------------------- 0. prefill pieces
-CG_CONFIGS = ["bc=32,warps=8,hold=1,prec=tf32x3", "bc=16,warps=4,hold=1,prec=tf32x3",
-              "bc=64,warps=8,hold=1,prec=tf32x3", "bc=32,warps=4,hold=0,prec=tf32x3",
-              "bc=16,warps=4,hold=0,prec=tf32x3", "bc=32,warps=8,hold=1,prec=ieee"]
+CG_CONFIGS = ["bc=32,warps=8,hold=1,prec=fp16x3", "bc=16,warps=4,hold=1,prec=fp16x3",
+              "bc=64,warps=8,hold=1,prec=fp16x3", "bc=32,warps=4,hold=0,prec=fp16x3",
+              "bc=16,warps=4,hold=0,prec=fp16x3", "bc=32,warps=8,hold=0,prec=tf32x3",
+              "bc=16,warps=4,hold=0,prec=tf32x3", "bc=16,warps=4,hold=0,prec=ieee"]
 
 
 @torch.no_grad()
@@ -146,9 +147,15 @@ def bench_breakdown(dev, shape, reps) -> str:
         os.environ["MIXLAB_MESA_CG"] = saved
     t_read = timed(lambda: mo._readout_kv(x_ref, ch.G, ch.k, ch.v, ch.D, ch.dq), dev, reps=reps)
     rows.append(["read-out (`_readout_kv`, torch)", "", t_read, t_read / anchor])
-    t_all = timed(lambda: mesa_net(q, k, v, g, beta, lamb, cg_iters=30, cg_eps=1e-4, impl="triton"), dev, reps=reps)
-    rows.append([f"whole prefill impl=triton adaptive (default config {launch_config(64, d)})", "", t_all,
-                 t_all / anchor])
+    for name, impl in (("impl=triton (default config " + str(launch_config(64, d)) + ")", "triton"),
+                       ("impl=chunk (torch CG)", "chunk")):
+        try:
+            t_all = timed(lambda: mesa_net(q, k, v, g, beta, lamb, cg_iters=30, cg_eps=1e-4, impl=impl), dev,
+                          reps=reps)
+            rows.append([f"whole prefill, adaptive 1e-4, {name}", "", t_all, t_all / anchor])
+        except Exception as e:  # noqa: BLE001
+            rows.append([f"whole prefill {name} failed: {type(e).__name__}: {str(e)[:80]}", "", float("nan"),
+                         float("nan")])
     title = f"### 0. Prefill pieces, B{b} T{t} H{h} K=V={d}, float32 inputs, chunk 64\n\n"
     return title + md_table(["piece", "note", "ms (median)", "x fla 30"], rows)
 

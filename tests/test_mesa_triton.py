@@ -44,7 +44,7 @@ def _args(dtype=torch.float32, t=5, k=8):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(cg_impl="cuda"), "cg_impl must be 'torch' or 'triton'; got 'cuda'"),
+    (dict(cg_impl="cuda"), "cg_impl must be 'torch', 'triton' or 'auto'; got 'cuda'"),
     (dict(cg_impl="triton"), "impl='triton'.*inputs are not on CUDA"),
 ])
 def test_bad_cg_impl_raises(kw, match):
@@ -60,3 +60,23 @@ def test_triton_impl_refuses_float64_and_large_head_dims():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="head dim 160 > 128"):
             mesa_net(*(z.cuda() for z in _args(k=160)), impl="triton")
+
+
+def test_auto_falls_back_to_torch_cg_when_the_kernel_does_not_fit(monkeypatch):
+    import mixlab.ops.mesa_triton as mt
+
+    def unfit(*a, **k):
+        raise mt.TritonCGUnfit("mesa_cg_triton: the kernel does not fit this GPU")
+
+    monkeypatch.setattr(mt, "mesa_cg_triton", unfit)
+    args = _args(torch.float32, t=7)
+    ref, _, it_ref = mesa_chunk(*args, cg_eps=1e-4, cg_impl="torch")
+    with pytest.warns(UserWarning, match="does not fit this GPU; Mesa falls back to the torch CG"):
+        out, _, it = mesa_chunk(*args, cg_eps=1e-4, cg_impl="auto")
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    assert torch.equal(it, it_ref)
+    import mixlab.ops.mesa as mo
+
+    with pytest.raises(mt.TritonCGUnfit, match="does not fit"):  # an explicit impl='triton' does not fall back
+        ch = mo._Chunks(*args[1:5], None, 64)
+        mo._chunk_cg(ch, mo._lamb_per_chunk(args[5], ch), ch.chunk_view(args[0]), 30, 1e-4, "triton")

@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from timm.layers import DropPath, Mlp, SwiGLU
 from torch import Tensor, nn
 
@@ -99,6 +100,11 @@ class BackboneConfig:
         bias: biases in MLP linears.
         init_std: std of the N(0, std) GPT-style init; residual output projections use
             ``std / sqrt(2 n_layers)``.
+        compile: run each block through ``torch.compile`` in parallel forwards on CUDA (training,
+            validation, prefill), for mixers marked ``compile_safe`` (the attention mixers: GOAT's
+            lane kernels stay on their Triton path inside the graph, the custom op
+            ``mixlab::goat_qkv``); other blocks, CPU forwards and cached decoding stay eager. The
+            parameters and checkpoint keys are unchanged.
     """
 
     d_model: int = 256
@@ -114,6 +120,7 @@ class BackboneConfig:
     drop_path: float = 0.0
     bias: bool = False
     init_std: float = 0.02
+    compile: bool = False
 
     def __post_init__(self) -> None:
         """Raises ValueError for sizes < 1, a non-positive ``mlp_ratio``, ``drop_path``
@@ -250,9 +257,19 @@ class Backbone(nn.Module):
         return {blk.mixer.position_axes for blk in self.blocks} - {None}
 
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        for i, blk in enumerate(self.blocks):
+        blocks = self._compiled_blocks() if self.cfg.compile and x.is_cuda and caches is None else self.blocks
+        for i, blk in enumerate(blocks):
             x = blk(x, coords, None if caches is None else caches[i])
         return self.norm(x)
+
+    def _compiled_blocks(self) -> list:
+        """``torch.compile`` of each block whose mixer is ``compile_safe`` (the others as they are), built
+        once and kept out of the module tree (no new state keys)."""
+        compiled = self.__dict__.get("_compiled")
+        if compiled is None:
+            compiled = self.__dict__["_compiled"] = [torch.compile(blk, dynamic=False) if blk.mixer.compile_safe
+                                                     else blk for blk in self.blocks]
+        return compiled
 
     def step(self, x: Tensor, states: list[dict[str, Tensor]], pos: Tensor) -> Tensor:
         """One decoding token ``x [B, D]`` at position ``pos`` (``[1]`` int64 device tensor) through every

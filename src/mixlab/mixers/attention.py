@@ -50,6 +50,8 @@ class Attention(AttentionMixer):
             scheme's lanes; unknown ``impl``.
     """
 
+    compile_safe = True  # forward and backward under torch.compile equal eager (tests/test_backbone_compile.py)
+
     def __init__(
         self,
         d_model: int,

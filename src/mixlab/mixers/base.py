@@ -104,6 +104,11 @@ class Mixer(nn.Module):
     class is defined) after its generic init, then that of the mixer's :class:`SubLayer` s.
     """
 
+    #: ``BackboneConfig.compile`` runs this mixer's blocks through ``torch.compile`` (checked: forward and
+    #: backward equal to eager). False keeps the block eager (the recurrent mixers' chunk paths are not
+    #: compile-clean: a view in the traced backward of the delta-rule chunk path fails).
+    compile_safe: bool = False
+
     causal: bool = True
     position_axes: int | None = None
     """Coordinate axes the mixer's position scheme reads (1: sequences, 2: patch grids,

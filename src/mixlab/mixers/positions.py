@@ -37,6 +37,15 @@ __all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPo
 _EXACT_J_HI = {torch.bfloat16: 256, torch.float16: 2048}
 
 
+def _feature_cache(module: nn.Module, coords: Coords, dtype: torch.dtype) -> tuple[tuple | None, dict]:
+    """``(key, cache)`` of a scheme's per-coordinates feature cache (a plain dict outside the
+    module's state). Under ``torch.compile`` there is no cache (key None): the traced graph
+    computes the features itself, and Dynamo cannot trace the module ``__dict__`` access."""
+    if coords.key is None or torch.compiler.is_compiling():
+        return None, {}
+    return (coords.key, coords.pos.device, dtype), module.__dict__.setdefault("_feature_cache", {})
+
+
 class PositionScheme(SubLayer):
     """Base class. Subclasses set ``n_lanes`` and ``axes`` and override the hooks they need.
 
@@ -325,8 +334,7 @@ class GoatPrior(PositionScheme):
         (fixed frequencies only), ``phi`` ``[B, T, F]``, ``j_hi``/``j_lo``/``is_bos``/
         ``is_none`` ``[B, T]``, all in ``calc`` dtype except ``pos_r`` (float64).
         """
-        key = None if coords.key is None else (coords.key, coords.pos.device, calc)
-        cache = self.__dict__.setdefault("_feature_cache", {})
+        key, cache = _feature_cache(self, coords, calc)
         if key is not None and key in cache:
             return cache[key]
         c = self._coords(coords)
@@ -562,8 +570,7 @@ class RotaryPositions(PositionScheme):
         return (pos.unsqueeze(-1) * self._inv_freq.to(pos.device)).flatten(-2)
 
     def _cos_sin(self, coords: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        key = None if coords.key is None else (coords.key, coords.pos.device, dtype)
-        cache = self.__dict__.setdefault("_feature_cache", {})
+        key, cache = _feature_cache(self, coords, dtype)
         if key is not None and key in cache:
             return cache[key]
         ang = self.angles(coords).unsqueeze(1)  # [B, 1, T, d/2]

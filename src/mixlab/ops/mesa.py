@@ -35,6 +35,7 @@ Implementations (all compute in float32, or float64 for float64 inputs):
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -407,14 +408,20 @@ def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: f
               cg_impl: str = "torch") -> tuple[Tensor, Tensor]:
     """CG on ``(H_t + Lambda) x_t = rhs_t`` for all tokens; adaptive mode shrinks the working
     set to the chunks that still have unconverged tokens once half of them are done.
-    ``cg_impl="triton"``: one Triton program per chunk (:mod:`mixlab.ops.mesa_triton`).
+    ``cg_impl="triton"``: the Triton kernel (:mod:`mixlab.ops.mesa_triton`); ``"auto"``: the kernel,
+    or the torch CG with a warning where the kernel does not fit the GPU.
 
     Returns ``x [M, C, K]`` and iterations ``[M, C]`` int32.
     """
     H, k, D, dq = ch.H, ch.k, ch.D, ch.dq
-    if cg_impl == "triton":
-        from mixlab.ops.mesa_triton import mesa_cg_triton
-        return mesa_cg_triton(H, k, D, dq, lamb_m, rhs, cg_iters, cg_eps)
+    if cg_impl in ("triton", "auto"):
+        from mixlab.ops.mesa_triton import TritonCGUnfit, mesa_cg_triton
+        try:
+            return mesa_cg_triton(H, k, D, dq, lamb_m, rhs, cg_iters, cg_eps)
+        except TritonCGUnfit as e:
+            if cg_impl == "triton":
+                raise
+            warnings.warn(f"{e}; Mesa falls back to the torch CG", stacklevel=2)
     if cg_eps is None:
         return conjugate_gradient(lambda p: _matvec_kk(p, H, k, D, dq) + lamb_m * p, rhs, cg_iters)
     check_solver_args(cg_iters, cg_eps)
@@ -524,9 +531,10 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
         chunk_size: tokens per chunk (any T works; the tail is zero-padded);
         initial_state: ``(h_kk [B, H, K, K], h_kv [B, H, K, V])`` or None;
         gate_sign: ``[B, T, H]`` +-1 signs of the forget gates (negative gates) or None;
-        cg_impl: ``"torch"`` (batched torch CG, any device and dtype) or ``"triton"`` (the
+        cg_impl: ``"torch"`` (batched torch CG, any device and dtype), ``"triton"`` (the
             :mod:`mixlab.ops.mesa_triton` kernel for the forward and adjoint solves: CUDA,
-            float32/bf16/fp16 inputs, ``chunk_size`` and K <= 128).
+            float32/bf16/fp16 inputs, ``chunk_size`` and K <= 128) or ``"auto"`` (the kernel where
+            it fits the GPU, else the torch CG with a warning).
 
     Returns:
         ``o [B, T, H, V]`` (dtype of v), final state (compute dtype) or None, CG iterations
@@ -550,12 +558,26 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
     return o, ((h_kk, h_kv) if output_final_state else None), iters
 
 
+def _triton_cg_serves(q: Tensor, chunk_size: int) -> bool:
+    """Whether ``impl="auto"`` takes the Triton CG kernel (CUDA, not float64, K and chunk <= 128)."""
+    if not q.is_cuda or q.dtype == torch.float64 or os.environ.get("MIXLAB_MESA_TRITON") == "0":
+        return False
+    try:
+        _check_cg_impl("triton", q, chunk_size)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_cg_impl(cg_impl: str, q: Tensor, chunk_size: int) -> None:
     """Raises ValueError for an unknown ``cg_impl`` or inputs the Triton CG kernel cannot take."""
-    if cg_impl not in ("torch", "triton"):
-        raise ValueError(f"mesa: cg_impl must be 'torch' or 'triton'; got {cg_impl!r}")
+    if cg_impl not in ("torch", "triton", "auto"):
+        raise ValueError(f"mesa: cg_impl must be 'torch', 'triton' or 'auto'; got {cg_impl!r}")
     if cg_impl == "triton":
-        from mixlab.ops.mesa_triton import MAX_CHUNK, MAX_HEAD_DIM
+        try:
+            from mixlab.ops.mesa_triton import MAX_CHUNK, MAX_HEAD_DIM
+        except ImportError as e:
+            raise ValueError(f"mesa: impl='triton' needs Triton ({e}); use impl='chunk'") from None
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
         why = ("inputs are float64 (the kernel solves in float32)" if q.dtype == torch.float64 else
                "inputs are not on CUDA" if not (q.is_cuda or interpret) else
@@ -609,8 +631,11 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     """Mesa layer core with implementation dispatch (arguments as :func:`mesa_chunk`).
 
     ``impl``: ``"auto"`` (fla on CUDA for a fixed count, positive gates, K == V and inputs
-    :func:`mixlab.ops.fla.unserved` allows, else ``"chunk"``), ``"chunk"``, ``"triton"`` (the chunk
-    path with the Triton adaptive-CG kernel, :mod:`mixlab.ops.mesa_triton`), ``"fla"``,
+    :func:`mixlab.ops.fla.unserved` allows; else ``"triton"`` on CUDA where the kernel takes the
+    inputs, e.g. adaptive CG at evaluation, falling back to the torch CG with a warning if the
+    kernel does not fit the GPU (``MIXLAB_MESA_TRITON=0`` turns it off); else ``"chunk"``),
+    ``"chunk"``, ``"triton"`` (the chunk path with the Triton adaptive-CG kernel,
+    :mod:`mixlab.ops.mesa_triton`), ``"fla"``,
     ``"recurrent"``, ``"exact"``.
 
     Returns:
@@ -624,10 +649,10 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
     if impl == "auto":
         fla_ok = (cg_eps is None and gate_sign is None and q.shape[-1] == v.shape[-1]
                   and fla.unserved("mesa", q, k, v) is None)
-        impl = "fla" if fla_ok else "chunk"
-    if impl in ("chunk", "triton"):
+        impl = "fla" if fla_ok else ("auto" if _triton_cg_serves(q, chunk_size) else "chunk")
+    if impl in ("chunk", "triton", "auto"):
         return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state,
-                          gate_sign, cg_impl="triton" if impl == "triton" else "torch")
+                          gate_sign, cg_impl={"chunk": "torch"}.get(impl, impl))
     if impl == "fla":
         if cg_eps is not None:
             raise ValueError("mesa: impl='fla' has a fixed CG count; set cg_eps=None or use impl='chunk'")

@@ -12,12 +12,12 @@ so a CG step is three ``tl.dot`` products on ``[bc, K]`` tiles. Each token stops
 when ``||r_j|| <= eps ||r_0||`` (``eps=None``: a fixed count; a token whose residual is
 exactly 0 stops too); a program stops when all its tokens have (``while`` loop, so converged
 blocks cost nothing more), and writes the per-token iteration counts. Products run at
-float32 accuracy: ``tf32x3`` (three TF32 tensor-core products, the default) or ``ieee``
-(float32 FMA); plain TF32 would floor the residual near 1e-3 and adaptive stopping at 1e-4
-would never trigger. :func:`launch_config` picks the block size, warps and precision.
+float32 accuracy: ``fp16x3`` (three float16 tensor-core products of hi/lo halves, the
+default), ``tf32x3`` or ``ieee`` (float32 FMA); plain TF32 would floor the residual near 1e-3
+and adaptive stopping at 1e-4 would never trigger. :func:`launch_config` picks the block size, warps and precision.
 
 Used by :func:`mixlab.ops.mesa.mesa_chunk` with ``cg_impl="triton"`` for the forward solve and
-the adjoint solve of the backward. Triton is imported when the kernel is first built; no
+the adjoint solve of the backward (imported only then: this module imports Triton). No
 autotuning, so it also runs on CPU under ``TRITON_INTERPRET=1`` (set before Triton is imported),
 which is how the tests check it against the torch CG.
 """
@@ -27,88 +27,111 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
-__all__ = ["mesa_cg_triton", "MAX_CHUNK", "MAX_HEAD_DIM"]
+__all__ = ["mesa_cg_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK", "MAX_HEAD_DIM"]
+
+class TritonCGUnfit(RuntimeError):
+    """The kernel does not fit the GPU at this shape and launch configuration (shared memory, registers)."""
+
 
 MAX_CHUNK = 128
 MAX_HEAD_DIM = 128
 
-_KERNEL = None
+@triton.jit
+def _split16(a):
+    """``a`` float32 -> (hi, lo) float16 with ``a ~= hi + lo`` to ~22 bits (caller keeps ``a`` in range)."""
+    hi = a.to(tl.float16)
+    return hi, (a - hi.to(tl.float32)).to(tl.float16)
 
+@triton.jit
+def _mm(a, b, b_hi, b_lo, PREC: tl.constexpr):
+    """``a @ b`` at float32 accuracy. ``fp16x3``: ``a`` scaled per row into float16's range and
+    split, three float16 tensor-core products with the pre-split ``b_hi + b_lo``; else
+    ``tl.dot(a, b)`` with ``input_precision=PREC`` (``tf32x3`` or ``ieee``)."""
+    if PREC == "fp16x3":
+        s = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30)
+        a_hi, a_lo = _split16(a / s[:, None])
+        acc = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+        return acc * s[:, None]
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
-def _kernel():
-    """Build the Triton kernel lazily (Triton is imported only here)."""
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
-    import triton
-    import triton.language as tl
+@triton.jit
+def _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf, PREC: tl.constexpr):
+    """The chunk's ``H``, ``k``, ``k^T`` (and their float16 halves for ``fp16x3``)."""
+    h = tl.load(h_ptrs, mask=mkk, other=0.0)
+    kc = tl.load(k_ptrs, mask=mfk, other=0.0)
+    kt = tl.load(kt_ptrs, mask=mkf, other=0.0)
+    if PREC == "fp16x3":
+        h_hi, h_lo = _split16(h)
+        kc_hi, kc_lo = _split16(kc)
+        kt_hi, kt_lo = _split16(kt)
+    else:
+        h_hi, h_lo, kc_hi, kc_lo, kt_hi, kt_lo = h, h, kc, kc, kt, kt
+    return h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo
 
-    @triton.jit
-    def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, C, K, max_iter, eps2, tiny,
-            BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, HOLD: tl.constexpr):
-        # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m; their systems are independent, but
-        # the intra-chunk term reads every key of the chunk (D is 0 above the diagonal)
-        m = tl.program_id(0).to(tl.int64)
-        t0 = tl.program_id(1) * BC
-        ot = t0 + tl.arange(0, BC)  # this program's tokens
-        of = tl.arange(0, BCF)  # every token of the chunk
-        ok = tl.arange(0, BK)
-        mt = ot < C
-        mf = of < C
-        mk = ok < K
-        h_ptrs = h_ptr + m * K * K + ok[:, None] * K + ok[None, :]  # H is symmetric: H^T = H
-        k_ptrs = k_ptr + m * C * K + of[:, None] * K + ok[None, :]
-        kt_ptrs = k_ptr + m * C * K + of[None, :] * K + ok[:, None]
-        d_ptrs = d_ptr + m * C * C + ot[:, None] * C + of[None, :]
-        mkk = mk[:, None] & mk[None, :]
-        mfk = mf[:, None] & mk[None, :]
-        mkf = mk[:, None] & mf[None, :]
-        mtf = mt[:, None] & mf[None, :]
-        tk = m * C * K + ot[:, None] * K + ok[None, :]
-        mtk = mt[:, None] & mk[None, :]
-        dq = tl.load(dq_ptr + m * C + ot, mask=mt, other=0.0)
-        lam = tl.load(lam_ptr + m * K + ok, mask=mk, other=0.0)
-        r = tl.load(b_ptr + tk, mask=mtk, other=0.0)
-        if HOLD:
-            h = tl.load(h_ptrs, mask=mkk, other=0.0)
-            kc = tl.load(k_ptrs, mask=mfk, other=0.0)
-            kt = tl.load(kt_ptrs, mask=mkf, other=0.0)
-            dd = tl.load(d_ptrs, mask=mtf, other=0.0)
-        x = tl.zeros([BC, BK], dtype=tl.float32)
-        p = r
-        delta = tl.sum(r * r, axis=1)
-        thresh = delta * eps2
-        iters = tl.zeros([BC], dtype=tl.int32)
+@triton.jit
+def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, C, K, max_iter, eps2, tiny,
+        BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, HOLD: tl.constexpr):
+    # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m; their systems are independent, but
+    # the intra-chunk term reads every key of the chunk (D is 0 above the diagonal)
+    m = tl.program_id(0).to(tl.int64)
+    t0 = tl.program_id(1) * BC
+    ot = t0 + tl.arange(0, BC)  # this program's tokens
+    of = tl.arange(0, BCF)  # every token of the chunk
+    ok = tl.arange(0, BK)
+    mt = ot < C
+    mf = of < C
+    mk = ok < K
+    h_ptrs = h_ptr + m * K * K + ok[:, None] * K + ok[None, :]  # H is symmetric: H^T = H
+    k_ptrs = k_ptr + m * C * K + of[:, None] * K + ok[None, :]
+    kt_ptrs = k_ptr + m * C * K + of[None, :] * K + ok[:, None]
+    mkk = mk[:, None] & mk[None, :]
+    mfk = mf[:, None] & mk[None, :]
+    mkf = mk[:, None] & mf[None, :]
+    tk = m * C * K + ot[:, None] * K + ok[None, :]
+    mtk = mt[:, None] & mk[None, :]
+    dq = tl.load(dq_ptr + m * C + ot, mask=mt, other=0.0)
+    lam = tl.load(lam_ptr + m * K + ok, mask=mk, other=0.0)
+    dd = tl.load(d_ptr + m * C * C + ot[:, None] * C + of[None, :], mask=mt[:, None] & mf[None, :], other=0.0)
+    r = tl.load(b_ptr + tk, mask=mtk, other=0.0)
+    if HOLD:
+        h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
+                                                                         PREC)
+    x = tl.zeros([BC, BK], dtype=tl.float32)
+    p = r
+    delta = tl.sum(r * r, axis=1)
+    thresh = delta * eps2
+    iters = tl.zeros([BC], dtype=tl.int32)
+    n_active = tl.sum((delta > thresh).to(tl.int32), axis=0)
+    step_no = n_active * 0
+    while (step_no < max_iter) & (n_active > 0):
+        if not HOLD:  # re-read from L2 each step: fewer registers, more traffic
+            h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk,
+                                                                             mkf, PREC)
+        active = delta > thresh
+        ap = dq[:, None] * _mm(p, h, h_hi, h_lo, PREC)
+        ap += _mm(_mm(p, kt, kt_hi, kt_lo, PREC) * dd, kc, kc_hi, kc_lo, PREC)
+        ap += lam[None, :] * p
+        pap = tl.sum(p * ap, axis=1)
+        alpha = tl.where(active, delta / tl.maximum(pap, tiny), 0.0)
+        x += alpha[:, None] * p
+        r -= alpha[:, None] * ap
+        delta_new = tl.sum(r * r, axis=1)
+        beta = tl.where(active, delta_new / tl.maximum(delta, tiny), 0.0)
+        p = tl.where(active[:, None], r + beta[:, None] * p, p)
+        delta = tl.where(active, delta_new, delta)
+        iters += active.to(tl.int32)
         n_active = tl.sum((delta > thresh).to(tl.int32), axis=0)
-        step_no = n_active * 0
-        while (step_no < max_iter) & (n_active > 0):
-            if not HOLD:  # re-read from L2 each step: fewer registers, more traffic
-                h = tl.load(h_ptrs, mask=mkk, other=0.0)
-                kc = tl.load(k_ptrs, mask=mfk, other=0.0)
-                kt = tl.load(kt_ptrs, mask=mkf, other=0.0)
-                dd = tl.load(d_ptrs, mask=mtf, other=0.0)
-            active = delta > thresh
-            ap = dq[:, None] * tl.dot(p, h, input_precision=PREC)
-            ap += tl.dot(tl.dot(p, kt, input_precision=PREC) * dd, kc, input_precision=PREC)
-            ap += lam[None, :] * p
-            pap = tl.sum(p * ap, axis=1)
-            alpha = tl.where(active, delta / tl.maximum(pap, tiny), 0.0)
-            x += alpha[:, None] * p
-            r -= alpha[:, None] * ap
-            delta_new = tl.sum(r * r, axis=1)
-            beta = tl.where(active, delta_new / tl.maximum(delta, tiny), 0.0)
-            p = tl.where(active[:, None], r + beta[:, None] * p, p)
-            delta = tl.where(active, delta_new, delta)
-            iters += active.to(tl.int32)
-            n_active = tl.sum((delta > thresh).to(tl.int32), axis=0)
-            step_no += 1
-        tl.store(x_ptr + tk, x, mask=mtk)
-        tl.store(it_ptr + m * C + ot, iters, mask=mt)
+        step_no += 1
+    tl.store(x_ptr + tk, x, mask=mtk)
+    tl.store(it_ptr + m * C + ot, iters, mask=mt)
 
-    _KERNEL = _cg
-    return _KERNEL
 
 
 def _next_pow2(n: int) -> int:
@@ -119,24 +142,25 @@ def launch_config(c: int, dk: int) -> dict:
     """Tokens per program, warps, whether the chunk's matrices stay in registers, product precision.
 
     Defaults by the chunk and head size; ``MIXLAB_MESA_CG`` overrides them for benchmark sweeps
-    (``"bc=32,warps=8,hold=1,prec=tf32x3"``). ``prec``: ``"ieee"`` (float32 FMA products) or
-    ``"tf32x3"`` (three TF32 tensor-core products, float32-level accuracy); TF32 alone would
-    floor the residual near 1e-3, so it is not offered.
+    (``"bc=32,warps=8,hold=1,prec=fp16x3"``). ``prec``: ``"fp16x3"`` (default: three float16
+    tensor-core products of hi/lo halves, ~22-bit accuracy, half the shared memory of
+    ``tf32x3``), ``"tf32x3"`` (three TF32 products) or ``"ieee"`` (float32 FMA products); TF32
+    alone would floor the residual near 1e-3, so it is not offered.
 
     Raises:
         ValueError: a malformed ``MIXLAB_MESA_CG`` (names the bad entry).
     """
     bcf = _next_pow2(c)
-    cfg = {"bc": min(bcf, 32), "warps": 4 if dk <= 64 else 8, "hold": 1, "prec": "tf32x3"}
+    cfg = {"bc": min(bcf, 32), "warps": 4 if dk <= 64 else 8, "hold": 1, "prec": "fp16x3"}
     spec = os.environ.get("MIXLAB_MESA_CG", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, val = item.partition("=")
         if key not in cfg or not val:
             raise ValueError(f"MIXLAB_MESA_CG: bad entry {item!r}; keys: bc, warps, hold, prec")
         cfg[key] = val if key == "prec" else int(val)
-    if cfg["prec"] not in ("ieee", "tf32x3") or cfg["bc"] not in (16, 32, 64, 128) or cfg["warps"] not in (1, 2, 4, 8,
-                                                                                                         16):
-        raise ValueError(f"MIXLAB_MESA_CG: need prec ieee|tf32x3, bc 16|32|64|128, warps 1..16; got {cfg}")
+    if (cfg["prec"] not in ("ieee", "tf32x3", "fp16x3") or cfg["bc"] not in (16, 32, 64, 128)
+            or cfg["warps"] not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"MIXLAB_MESA_CG: need prec ieee|tf32x3|fp16x3, bc 16|32|64|128, warps 1..16; got {cfg}")
     cfg["bc"] = min(cfg["bc"], bcf)
     return cfg
 
@@ -158,6 +182,8 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
     Raises:
         ValueError: ``C > 128`` or ``K > 128`` (one program holds the chunk's keys), or tensors
             that are not float32 on one device.
+        TritonCGUnfit: the kernel needs more shared memory or registers than the GPU has at this
+            shape and launch configuration (:func:`launch_config`).
     """
     m, c, dk = rhs.shape
     if c > MAX_CHUNK or dk > MAX_HEAD_DIM:
@@ -175,7 +201,11 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
     cfg = launch_config(c, dk)
     eps2 = 0.0 if eps is None else float(eps) ** 2
     grid = (m, -(-c // cfg["bc"]))
-    _kernel()[grid](*args, x, iters, c, dk, int(max_iter), eps2, torch.finfo(torch.float32).tiny,
-                    BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk), PREC=cfg["prec"], HOLD=bool(cfg["hold"]),
-                    num_warps=cfg["warps"], num_stages=1)
+    try:
+        _cg[grid](*args, x, iters, c, dk, int(max_iter), eps2, torch.finfo(torch.float32).tiny,
+                  BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk), PREC=cfg["prec"], HOLD=bool(cfg["hold"]),
+                  num_warps=cfg["warps"], num_stages=1)
+    except triton.runtime.errors.OutOfResources as e:
+        raise TritonCGUnfit(f"mesa_cg_triton: the kernel does not fit this GPU at chunk {c}, head dim {dk}, "
+                            f"config {cfg} ({e}); set MIXLAB_MESA_CG (e.g. 'hold=0,bc=16') or use impl='chunk'") from e
     return x, iters
