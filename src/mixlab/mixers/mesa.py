@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,7 @@ class Mesa(Mixer):
         self.o_proj = nn.Linear(hk, d_model, bias=False)
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
         self._last_iters: Tensor | None = None
+        self._decode_cg: str | None = None  # the static step's solve ("torch" / "triton"), set by static_cache
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -206,7 +208,28 @@ class Mesa(Mixer):
             out["conv"] = torch.cat([c.static_buffer(cache, n, b, dt, h_kk.device) for n, c in convs], -1)
             out["conv_w"] = torch.cat([c.weight[:, 0] for _, c in convs]).to(dt)
             out["conv_b"] = torch.cat([c.bias for _, c in convs]).to(dt)
+        self._decode_cg = self._pick_decode_cg(out["h_kk"])
         return out
+
+    def _pick_decode_cg(self, h_kk: Tensor) -> str:
+        """The solve of :meth:`static_step`, chosen once per static cache (outside any graph): ``"triton"`` on
+        CUDA in float32 for ``head_dim <= 128`` if a probe solve (one system of the decoding shape; it also
+        compiles the kernel) fits the GPU, else ``"torch"``; ``MIXLAB_MESA_DECODE_CG=torch|triton`` forces it."""
+        forced = os.environ.get("MIXLAB_MESA_DECODE_CG")
+        if forced:
+            return forced
+        if not (h_kk.is_cuda and h_kk.dtype == torch.float32 and self.head_dim <= 128):
+            return "torch"
+        from mixlab.ops.mesa_triton import TritonCGUnfit, mesa_cg_triton
+
+        d = self.head_dim
+        try:
+            mesa_cg_triton(torch.eye(d, device=h_kk.device)[None], h_kk.new_zeros(1, 1, d), h_kk.new_zeros(1, 1, 1),
+                           h_kk.new_ones(1, 1), h_kk.new_ones(1, d), h_kk.new_ones(1, 1, d), *self.solver())
+        except TritonCGUnfit as err:
+            warnings.warn(f"{err}; Mesa decodes with the torch CG", stacklevel=2)
+            return "torch"
+        return "triton"
 
     def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:
         h, d = self.n_heads, self.head_dim
@@ -220,8 +243,9 @@ class Mesa(Mixer):
         CG runs all ``cg_iters`` iterations with the adaptive tolerance applied by masks (a converged
         system stops changing: the output equals the early-stopping solve of the dict-cache path); on CUDA
         in float32 one Triton kernel (:func:`~mixlab.ops.mesa_triton.mesa_cg_triton`) runs the loop and
-        the per-system stopping on the device (float32-accurate, not bitwise the torch CG).
-        ``MIXLAB_MESA_DECODE_CG=torch|triton`` overrides the choice. Does not update :meth:`extra_metrics`."""
+        the per-system stopping on the device (float32-accurate, not bitwise the torch CG), unless it does
+        not fit the GPU (:meth:`_pick_decode_cg`, decided when the static cache is built). Does not update
+        :meth:`extra_metrics`."""
         xb = x.unsqueeze(1)  # [B, 1, D]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_conv is not None:
@@ -229,10 +253,8 @@ class Mesa(Mixer):
             q, k = qk.chunk(2, -1)
         q, k, v, g, sign, beta, lamb = self._inputs(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), xb)
         iters_n, eps = self.solver()
-        h_kk = state["h_kk"]
-        fast = h_kk.is_cuda and h_kk.dtype == torch.float32 and self.head_dim <= 128
-        cg_impl = os.environ.get("MIXLAB_MESA_DECODE_CG", "triton" if fast else "torch")
-        o = mesa_step_inplace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, (h_kk, state["h_kv"]),
+        cg_impl = self._decode_cg or self._pick_decode_cg(state["h_kk"])
+        o = mesa_step_inplace(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], lamb, (state["h_kk"], state["h_kv"]),
                               iters_n, eps, None if sign is None else sign[:, 0], cg_impl=cg_impl)
         return self._output(o.unsqueeze(1).to(v.dtype), xb)[:, 0]
 
