@@ -16,17 +16,22 @@ module splits the same recipe in two:
   :func:`collate_encoded` packs a batch (:class:`EncodedBatch`).
 * **the accelerator** (:class:`GpuPipeline`, called from the datamodule's ``on_after_batch_transfer``):
   ``torchvision.io.decode_jpeg(list, device=...)`` for the whole batch, the crop + bicubic (antialiased)
-  resize per image, then the augmentations batched *with per-sample parameters*, normalisation and
-  random erasing. The same code runs with ``device='cpu'`` (the tests).
+  resize of the whole batch (:func:`resized_crops`), then the augmentations batched *with per-sample
+  parameters*, normalisation and random erasing. The same code runs with ``device='cpu'`` (the tests).
+  Its device ops per batch are a fixed sequence: they depend neither on which RandAugment ops the images
+  drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), and all per-batch
+  parameters reach the device in one transfer, with no host-device synchronisation in the stage.
 
 Why not ``torchvision.transforms.v2.RandAugment`` / ``ColorJitter`` / ``RandomErasing`` on the batch: a
 v2 transform draws one parameter set per call, so on a ``[B, 3, H, W]`` batch every image would get the
 same op, magnitude and erasing box (a correlated batch, not the recipe), and v2's RandAugment differs from
 timm's ``rand-m9-mstd0.5-inc1`` anyway (no Invert / SolarizeAdd, ops always applied instead of p=0.5, a
-fixed magnitude on 31 bins instead of N(9, 0.5) on 10). Here each op is applied to the sub-batch that drew
-it, with a ``[n]`` tensor of its arguments; torchvision kernels where they fit (``decode_jpeg``,
-``resized_crop``, ``resize``, ``center_crop``, ``equalize``), short tensor versions of the PIL operations
-timm calls otherwise (``ImageEnhance`` blends, ``ImageOps`` LUTs, ``Image.transform`` affine maps).
+fixed magnitude on 31 bins instead of N(9, 0.5) on 10). Here each RandAugment layer runs once per op
+*family* on the images that drew one of its ops, each image with its own op and argument (:class:`_Layer`):
+the geometric ops as one ``grid_sample`` with per-image PIL affine matrices, Color / Sharpness as one blend
+with a per-image degenerate image, every point op (AutoContrast, Equalize as torchvision's ``equalize``,
+Invert, Posterize, Solarize, SolarizeAdd, Brightness, Contrast) as per-image ``ImageOps``-style lookup
+tables and one ``take``; colour jitter (when on) the same way, one step at a time.
 
 Differences to the CPU path (measured in ``tests/test_imagenet_gpu.py``):
 
@@ -54,12 +59,14 @@ import random
 import threading
 from typing import Any, Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "GpuPipeline", "RA_OPS",
-           "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher"]
+           "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher",
+           "stage_op_counts"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -112,6 +119,8 @@ class TrainParams:
         self.rrc = self.flip_p = self.ra = self.jitter = self.eraser = None
         self.mean = self.std = None
         self.ra_layers = 0
+        self.ra_families: set[str] = set()
+        self.ra_modes: tuple[int, ...] = (3,)
         for t in transform.transforms:
             name = type(t).__name__
             if name == "RandomResizedCropAndInterpolation":
@@ -130,6 +139,10 @@ class TrainParams:
                     ops.append(op)
                 self.ra = RandAugment(ops, t.num_layers, t.choice_weights)
                 self.ra_layers = int(t.num_layers)
+                self.ra_families = {_FAMILY[op.name] for op in t.ops}
+                res = {r for op in t.ops for r in (lambda v: v if isinstance(v, (list, tuple)) else [v])(
+                    op.kwargs.get("resample", Image.BICUBIC))}
+                self.ra_modes = tuple(sorted(int(r) for r in res)) or (3,)
                 self.fill = tuple(float(v) for v in t.ops[0].kwargs["fillcolor"]) if t.ops else (128.0,) * 3
             elif name == "ColorJitter":
                 if t.hue is not None and tuple(t.hue) != (0, 0):
@@ -277,16 +290,15 @@ def collate_encoded(samples: list[dict]) -> EncodedBatch:
 def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str]) -> list[Tensor | None]:
     """Decode a batch of JPEGs to RGB uint8 ``[3, H_b, W_b]`` tensors on ``device``.
 
-    One batched ``torchvision.io.decode_jpeg`` call; when it raises (it fails for the whole batch), each
-    image alone, then with PIL; an image no decoder reads is skipped with a counted warning and its entry
-    is ``None``.
+    One batched ``torchvision.io.decode_jpeg`` call on the ``split`` of ``data`` (one op, no per-image
+    slicing); when it raises (it fails for the whole batch), each image alone, then with PIL; an image no
+    decoder reads is skipped with a counted warning and its entry is ``None``.
     """
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from mixlab.datamodules.imagenet import _skip_corrupt
 
-    bounds = offsets.tolist()
-    chunks = [data[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    chunks = list(data.split(np.diff(offsets.numpy()).tolist()))
     try:
         return list(decode_jpeg(chunks, mode=ImageReadMode.RGB, device=device))
     except RuntimeError:
@@ -306,6 +318,33 @@ def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list
             _skip_corrupt(key, exc, " (at accelerator decode; the batch is one image shorter)")
             out.append(None)
     return out
+
+
+class _Upload:
+    """Host-side (NumPy) parameters of one device stage gathered into ONE int64 buffer and copied to the
+    device in one non-blocking transfer (pinned on CUDA); float64 arrays travel as their bits. ``add``
+    returns a slot; ``to(device)`` returns the device tensors by slot (views of the one buffer: a ``split``
+    and a ``view`` each, no kernels)."""
+
+    def __init__(self) -> None:
+        self.parts: list[tuple[np.ndarray, tuple[int, ...], bool]] = []
+
+    def add(self, a: Any, dtype: Any = None) -> int:
+        a = np.asarray(a, dtype=dtype)
+        flt = a.dtype.kind == "f"
+        a = np.ascontiguousarray(a, dtype=np.float64 if flt else np.int64)
+        self.parts.append((a.reshape(-1).view(np.int64), a.shape, flt))
+        return len(self.parts) - 1
+
+    def to(self, device: torch.device) -> list[Tensor]:
+        buf = torch.from_numpy(np.concatenate([p for p, _, _ in self.parts]) if self.parts else np.zeros(0, np.int64))
+        if device.type == "cuda":
+            buf = buf.pin_memory()
+        buf = buf.to(device, non_blocking=True)
+        segs = buf.split([p.size for p, _, _ in self.parts])
+        return [s.view(torch.float64).view(shape) if flt else s.view(shape)
+                for s, (_, shape, flt) in zip(segs, self.parts)]
+
 
 def _cubic_aa(x: Tensor) -> Tensor:
     """The bicubic filter of antialiased resampling (Keys, ``a = -0.5``: PIL's and torch's ``antialias=True``)."""
@@ -345,6 +384,8 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
     return (w / w.sum(-1, keepdim=True)).to(torch.float32)
 
 
+
+
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None) -> Tensor:
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
@@ -355,6 +396,12 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     precision allows it): antialiased resampling is separable, ``out = Wy @ crop @ Wx^T`` with the
     :func:`aa_resample_weights` matrices; a flip reverses ``Wx``'s rows. Images are processed in groups of
     similar crop size, each padded to its largest crop, at most ``max_bytes`` of float32 per group.
+
+    No per-image device op: the images are concatenated into one flat buffer (one ``cat``) and each group's
+    padded crops are read from it with ONE ``index_select`` of crop rows from a sliding-window view of that
+    buffer (row ``r`` of the view = the ``wm`` values from offset ``r`` on). Values a padded row reads beyond
+    its crop (the next pixels, the next image, a zero tail) meet zero weights in ``Wx`` / ``Wy``. The row
+    offsets and sizes reach the device in one transfer per call.
 
     Args:
         imgs: ``B`` uint8 ``[3, H_b, W_b]`` tensors on one device.
@@ -374,35 +421,55 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     out = torch.empty(n, 3, oh, ow, device=dev, dtype=torch.float32)
     if n == 0:
         return out
-    bx = boxes.tolist()
-    order = sorted(range(n), key=lambda b: bx[b][2] * bx[b][3])
-    start = 0
-    while start < n:
+    bx = np.asarray(boxes.tolist(), dtype=np.int64).reshape(n, 4)
+    hw = np.array([im.shape[-2:] for im in imgs], dtype=np.int64)
+    base = np.concatenate([[0], np.cumsum(3 * hw[:, 0] * hw[:, 1])[:-1]])
+    order = np.argsort(bx[:, 2] * bx[:, 3], kind="stable")
+    groups, start = [], 0
+    while start < n:  # grow the group while its padded float32 copy fits max_bytes
         end, hm, wm = start, 0, 0
-        while end < n:  # grow the group while its padded float32 copy fits max_bytes
-            _, _, h, w = bx[order[end]]
-            h2, w2 = max(hm, h), max(wm, w)
+        while end < n:
+            h2, w2 = max(hm, bx[order[end], 2]), max(wm, bx[order[end], 3])
             if end > start and (end - start + 1) * 3 * h2 * w2 * 4 > max_bytes:
                 break
             hm, wm, end = h2, w2, end + 1
-        idx = order[start:end]
-        x = torch.zeros(len(idx), 3, hm, wm, device=dev, dtype=torch.uint8)
-        for k, b in enumerate(idx):
-            t, le, h, w = bx[b]
-            x[k, :, :h, :w] = imgs[b][:, t:t + h, le:le + w]
-        sizes = torch.tensor([[bx[b][2], bx[b][3]] for b in idx], dtype=torch.int64).to(dev, non_blocking=True)
-        rs = None if resized is None else resized[idx].to(dev, non_blocking=True)
-        off = None if offsets is None else offsets[idx].to(dev, non_blocking=True)
-        wy = aa_resample_weights(sizes[:, 0], oh, hm, None if rs is None else rs[:, 0],
+        groups.append((order[start:end], int(hm), int(wm)))
+        start = end
+    up = _Upload()
+    slots = []
+    for idx, hm, wm in groups:
+        t, le, h, w = bx[idx].T
+        width = hw[idx, 1]
+        # per image: flat offset of its first crop pixel, channel stride, row stride, crop height and width,
+        # resized height and width, window top and left, flip
+        cols = [base[idx] + t * width + le, hw[idx, 0] * width, width, h, w]
+        cols += list(np.asarray(resized.tolist(), dtype=np.int64)[idx].T) if resized is not None else [h, h]
+        cols += list(np.asarray(offsets.tolist(), dtype=np.int64)[idx].T) if offsets is not None else [h, h]
+        cols.append(np.asarray(flip.tolist(), dtype=np.int64)[idx] if flip is not None else np.zeros_like(h))
+        slots.append((up.add(idx), up.add(np.stack(cols, 1))))
+    segs = up.to(dev)
+    # planar [3, H, W] images one after another (C++ loop: one op from Python; CPU decoder's [H, W, 3]-strided
+    # views are made planar there), then a zero tail for the last windows
+    from torch._utils import _flatten_dense_tensors
+
+    flat = _flatten_dense_tensors(imgs + [torch.zeros(max(wm for _, _, wm in groups), dtype=torch.uint8, device=dev)])
+    for (_, hm, wm), (s_idx, s_par) in zip(groups, slots):
+        g, par = len(segs[s_idx]), segs[s_par]
+        first, cstride, rstride, h, w = (par[:, k] for k in range(5))
+        rows = torch.minimum(torch.arange(hm, device=dev).view(1, hm), (h - 1).view(g, 1))  # [g, hm], clamped
+        starts = (first.view(g, 1, 1) + rows.mul_(rstride.view(g, 1)).view(g, 1, hm)
+                  + torch.arange(3, device=dev).view(1, 3, 1) * cstride.view(g, 1, 1))  # [g, 3, hm]
+        x = flat.unfold(0, wm, 1).index_select(0, starts.view(-1)).view(g, 3, hm, wm)
+        rs = par[:, 5:7] if resized is not None else None
+        off = par[:, 7:9] if offsets is not None else None
+        wy = aa_resample_weights(h, oh, hm, None if rs is None else rs[:, 0],
                                  None if off is None else off[:, 0])  # [g, oh, hm]
-        wx = aa_resample_weights(sizes[:, 1], ow, wm, None if rs is None else rs[:, 1],
+        wx = aa_resample_weights(w, ow, wm, None if rs is None else rs[:, 1],
                                  None if off is None else off[:, 1])  # [g, ow, wm]
         if flip is not None:
-            f = flip[idx].to(dev).view(-1, 1, 1)
-            wx = torch.where(f, wx.flip(1), wx)
+            wx = torch.where(par[:, 9].view(g, 1, 1) > 0, wx.flip(1), wx)
         y = torch.matmul(torch.matmul(wy.unsqueeze(1), x.float()), wx.transpose(1, 2).unsqueeze(1))
-        out[torch.tensor(idx).to(dev, non_blocking=True)] = y.round_().clamp_(0, 255)
-        start = end
+        out.index_copy_(0, segs[s_idx], y.round_().clamp_(0, 255))
     return out
 
 
@@ -414,58 +481,210 @@ def _gray(x: Tensor) -> Tensor:
 
 
 def _blend(degenerate: Tensor, x: Tensor, factor: Tensor) -> Tensor:
-    """PIL ``Image.blend(degenerate, x, factor)`` on 0..255 floats: ``trunc(d + f (x - d))`` clipped."""
-    return (degenerate + factor.view(-1, 1, 1, 1) * (x - degenerate)).clamp(0, 255).floor()
+    """PIL ``Image.blend(degenerate, x, factor)`` on 0..255 floats: ``trunc(d + f (x - d))`` clipped;
+    ``factor`` float32 broadcastable to ``x`` (one per image: ``[n, 1, 1, 1]``)."""
+    return (degenerate + factor * (x - degenerate)).clamp(0, 255).floor()
 
 
 def _smooth(x: Tensor) -> Tensor:
-    """PIL ``ImageFilter.SMOOTH`` (3x3 kernel [1 1 1; 1 5 1; 1 1 1] / 13, rounded; border pixels kept)."""
-    k = torch.ones(3, 3, dtype=x.dtype, device=x.device)
-    k[1, 1] = 5
-    k = (k / 13).expand(3, 1, 3, 3)
+    """PIL ``ImageFilter.SMOOTH`` (3x3 kernel [1 1 1; 1 5 1; 1 1 1] / 13, rounded; border pixels kept).
+
+    The integer kernel sums exactly (also under TF32 convolutions) and is divided by 13 afterwards: a sum
+    / 13 is never within 1/26 of a rounding tie, so float32 rounding cannot move the result."""
+    k = torch.ones(3, 1, 3, 3, dtype=x.dtype, device=x.device)
+    k[:, :, 1, 1] = 5
     out = x.clone()
-    out[..., 1:-1, 1:-1] = torch.nn.functional.conv2d(x, k, groups=3).add(0.5).floor().clamp(0, 255)
+    out[..., 1:-1, 1:-1] = torch.nn.functional.conv2d(x, k, groups=3).div_(13).add_(0.5).floor_().clamp_(0, 255)
     return out
 
 
-def _pil_affine(x: Tensor, m: Tensor, mode: str, fill: Tensor) -> Tensor:
+def _pil_affine(x: Tensor, m: Tensor, modes: tuple[int, ...], fill: Tensor, mode_idx: Tensor | None = None) -> Tensor:
     """PIL ``Image.transform(size, AFFINE, m)`` for a batch: output pixel centre ``(X + .5, Y + .5)`` reads
     the input at ``(a X' + b Y' + c, d X' + e Y' + f)`` (``m`` float64 ``[n, 6]``), points outside the
-    image get ``fill`` (``[3]``); ``grid_sample`` interpolation ``mode``."""
+    image get ``fill`` (float ``[1, 3, 1, 1]``). ``modes``: PIL resampling codes, each one ``grid_sample``
+    pass over the batch; image ``b`` takes pass ``mode_idx[b]`` (int64 ``[n]``, needed when several)."""
     n, _, h, w = x.shape
-    ys = torch.arange(h, device=x.device, dtype=torch.float64) + 0.5
-    xs = torch.arange(w, device=x.device, dtype=torch.float64) + 0.5
-    m = m.to(x.device).view(n, 6, 1, 1)
-    u = m[:, 0] * xs.view(1, 1, w) + m[:, 1] * ys.view(1, h, 1) + m[:, 2]  # [n, h, w] input x (pixels)
-    v = m[:, 3] * xs.view(1, 1, w) + m[:, 4] * ys.view(1, h, 1) + m[:, 5]
+    ys = torch.arange(h, device=x.device, dtype=torch.float64).add_(0.5).view(1, h, 1)
+    xs = torch.arange(w, device=x.device, dtype=torch.float64).add_(0.5).view(1, 1, w)
+    m = m.view(n, 6, 1, 1)
+    u = m[:, 0] * xs + m[:, 1] * ys + m[:, 2]  # [n, h, w] input x (pixels)
+    v = m[:, 3] * xs + m[:, 4] * ys + m[:, 5]
     grid = torch.stack([2 * u / w - 1, 2 * v / h - 1], dim=-1).to(x.dtype)
-    out = torch.nn.functional.grid_sample(x, grid, mode=mode, padding_mode="border", align_corners=False)
+    out = None
+    for k, code in enumerate(modes):
+        o = torch.nn.functional.grid_sample(x, grid, mode=_PIL_MODES[code], padding_mode="border", align_corners=False)
+        out = o if out is None else torch.where(mode_idx.view(n, 1, 1, 1) == k, o, out)
     inside = ((u >= 0) & (u < w) & (v >= 0) & (v < h)).unsqueeze(1)
-    return torch.where(inside, out.round().clamp(0, 255), fill.view(1, 3, 1, 1))
+    return torch.where(inside, out.round().clamp(0, 255), fill)
 
 
-def _affine_matrix(name: str, arg: Tensor, h: int, w: int) -> Tensor:
-    """timm's PIL affine coefficients (float64 ``[n, 6]``) of a geometric op with arguments ``arg`` ``[n]``."""
-    one, zero = torch.ones_like(arg), torch.zeros_like(arg)
+# ---------------------------------------------------------------------- RandAugment, batched per op family
+# Every op of a layer falls in one of three families, each applied ONCE per layer to the images that drew
+# one of its ops (``index_select`` -> batched op with per-image parameters -> ``index_copy_``):
+#   affine: Rotate, Shear*, Translate* -> one grid_sample with a per-image PIL affine matrix;
+#   blend:  Color*, Sharpness* (not point ops) -> blend with a per-image degenerate (grey or smoothed);
+#   lut:    every point op (AutoContrast, Equalize, Invert, Posterize*, Solarize*, SolarizeAdd, Brightness*,
+#           Contrast*) -> a per-image, per-channel 256-entry lookup table, then one ``take``.
+# The host (NumPy, from the workers' draws) builds each family's image indices and parameters; they reach
+# the device in the stage's one upload. A layer's device ops are the same whatever the images drew (an
+# empty family runs on zero images), so the stage's launches do not depend on how many ops were drawn.
+_FAMILY = {name: ("affine" if name in _GEOMETRIC else "blend" if name.startswith(("Color", "Sharpness")) else "lut")
+           for name in RA_OPS}
+_FAMILIES = ("affine", "blend", "lut")
+# lut parameters per image: mask, threshold, factor, add, c0, c1, contrast?, autocontrast?, equalize?
+_LUT_IDENTITY = (255.0, 256.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0)
+
+
+def _lut_params(name: str, a: np.ndarray) -> np.ndarray:
+    """``[n, 9]`` float64 lut parameters of point op ``name`` with timm arguments ``a`` ``[n]`` (see
+    :func:`_lut_family`): ``where(v < threshold, min(floor(clamp(d + f (v_m - d))) + add, 255), c0 + c1 v_m)``
+    with ``v_m = v & mask`` and ``d`` the rounded mean grey level for Contrast, else 0."""
+    p = np.tile(np.asarray(_LUT_IDENTITY), (len(a), 1))
+    if name == "AutoContrast":
+        p[:, 7] = 1
+    elif name == "Equalize":
+        p[:, 8] = 1
+    elif name == "Invert":
+        p[:, [1, 4, 5]] = (0.0, 255.0, -1.0)
+    elif name.startswith("Posterize"):  # keep the `bits` most significant bits
+        bits = np.clip(a.astype(np.int64), 0, 8)
+        p[:, 0] = (255 << (8 - bits)) & 255
+    elif name == "SolarizeAdd":  # add to levels < 128
+        p[:, 1], p[:, 3] = 128.0, a
+    elif name.startswith("Solarize"):  # invert levels >= threshold
+        p[:, 1], p[:, 4], p[:, 5] = a, 255.0, -1.0
+    elif name.startswith("Brightness"):  # ImageEnhance.Brightness: blend with black
+        p[:, 2] = a
+    elif name.startswith("Contrast"):  # ImageEnhance.Contrast: blend with the mean grey level (rounded)
+        p[:, 2], p[:, 6] = a, 1
+    else:
+        raise NotImplementedError(f"RandAugment op {name!r}")
+    return p
+
+
+def _affine_params(name: str, a: np.ndarray, h: int, w: int) -> np.ndarray:
+    """timm's PIL affine coefficients (float64 ``[n, 6]``) of geometric op ``name`` with arguments ``a`` ``[n]``
+    on an ``h x w`` image."""
+    one, zero = np.ones_like(a), np.zeros_like(a)
     if name == "ShearX":
-        return torch.stack([one, arg, zero, zero, one, zero], 1)
+        return np.stack([one, a, zero, zero, one, zero], 1)
     if name == "ShearY":
-        return torch.stack([one, zero, zero, arg, one, zero], 1)
+        return np.stack([one, zero, zero, a, one, zero], 1)
     if name in ("TranslateX", "TranslateXRel"):
-        px = arg * w if name.endswith("Rel") else arg
-        return torch.stack([one, zero, px, zero, one, zero], 1)
+        return np.stack([one, zero, a * w if name.endswith("Rel") else a, zero, one, zero], 1)
     if name in ("TranslateY", "TranslateYRel"):
-        px = arg * h if name.endswith("Rel") else arg
-        return torch.stack([one, zero, zero, zero, one, px], 1)
+        return np.stack([one, zero, zero, zero, one, a * h if name.endswith("Rel") else a], 1)
     # Rotate: PIL Image.rotate(degrees) about the centre, counter-clockwise
-    t = -torch.deg2rad(arg)
-    a, b, d, e = torch.cos(t), torch.sin(t), -torch.sin(t), torch.cos(t)
+    t = -np.deg2rad(a)
+    ca, sb, sd, ce = np.cos(t), np.sin(t), -np.sin(t), np.cos(t)
     cx, cy = w / 2.0, h / 2.0
-    return torch.stack([a, b, a * -cx + b * -cy + cx, d, e, d * -cx + e * -cy + cy], 1)
+    return np.stack([ca, sb, ca * -cx + sb * -cy + cx, sd, ce, sd * -cx + ce * -cy + cy], 1)
+
+
+class _Layer:
+    """One RandAugment layer (or colour-jitter step) for a batch: host plan + device program.
+
+    Args:
+        up: the stage's :class:`_Upload` (the plan's arrays are added to it).
+        op: int ``[B]`` index in :data:`RA_OPS` per image (-1: none); arg: float ``[B]`` timm arguments;
+            interp: int ``[B]`` PIL resampling codes (geometric ops).
+        hw: image (height, width). families: the families to run (those the recipe's ops can reach).
+        modes: PIL resampling codes the recipe's geometric ops can use (one ``grid_sample`` pass each).
+    """
+
+    def __init__(self, up: _Upload, op: np.ndarray, arg: np.ndarray, interp: np.ndarray, hw: tuple[int, int],
+                 families: Iterable[str], modes: tuple[int, ...]) -> None:
+        op, arg, interp = np.asarray(op, np.int64), np.asarray(arg, np.float64), np.asarray(interp, np.int64)
+        self.modes, self.slots = tuple(modes), {}
+        fam = np.array([_FAMILY[n] for n in RA_OPS] + ["none"])[op]  # op -1 -> "none"
+        for f in _FAMILIES:
+            if f not in families:
+                if (fam == f).any():
+                    raise ValueError(f"RandAugment family {f!r} drawn but not planned")
+                continue
+            idx = np.flatnonzero(fam == f)
+            width = {"affine": 6, "blend": 2, "lut": len(_LUT_IDENTITY)}[f]
+            par = np.zeros((len(idx), width))
+            for o in np.unique(op[idx]):
+                sel = op[idx] == o
+                name, a = RA_OPS[o], arg[idx][sel]
+                if f == "affine":
+                    par[sel] = _affine_params(name, a, *hw)
+                elif f == "blend":
+                    par[sel] = np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
+                else:
+                    par[sel] = _lut_params(name, a)
+            slot = [up.add(idx), up.add(par)]
+            if f == "affine" and len(self.modes) > 1:
+                codes = interp[idx]
+                if not np.isin(codes, self.modes).all():
+                    raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in {self.modes}")
+                slot.append(up.add(np.searchsorted(np.asarray(self.modes), codes)))
+            elif f == "affine" and len(idx) and not (interp[idx] == self.modes[0]).all():
+                raise ValueError(f"RandAugment resampling {sorted(set(interp[idx].tolist()))} not in {self.modes}")
+            self.slots[f] = slot
+
+    def __call__(self, x: Tensor, segs: list[Tensor], fill: Tensor) -> None:
+        """Apply the layer to ``x`` (float32 ``[B, 3, H, W]`` levels, on the device) in place."""
+        outs = []
+        for f, slot in self.slots.items():
+            idx, par = segs[slot[0]], segs[slot[1]]
+            sub = x.index_select(0, idx)
+            if f == "affine":
+                y = _pil_affine(sub, par, self.modes, fill, segs[slot[2]] if len(slot) > 2 else None)
+            elif f == "blend":
+                p = par.to(x.dtype)
+                n = len(idx)
+                d = torch.where(p[:, 0].view(n, 1, 1, 1) > 0, _smooth(sub), _gray(sub))
+                y = _blend(d, sub, p[:, 1].view(n, 1, 1, 1))
+            else:
+                y = _lut_family(sub, par)
+            outs.append((idx, y))
+        for idx, y in outs:  # the families' images are disjoint
+            x.index_copy_(0, idx, y)
+
+
+def _lut_family(x: Tensor, par: Tensor) -> Tensor:
+    """Point ops as per-image, per-channel lookup tables: x float32 ``[n, 3, H, W]`` levels, par float64
+    ``[n, 9]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
+    each channel's min and max) and Equalize (torchvision's ``equalize``: PIL's LUT from each channel's
+    histogram; a channel with one level apart from its maximum is kept) read the image; the rest are fixed
+    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``)."""
+    n, _, h, w = x.shape
+    dev = x.device
+    xi = x.to(torch.int64)
+    flat_idx = xi + torch.arange(n * 3, device=dev).mul_(256).view(n, 3, 1, 1)  # into the [n * 3 * 256] tables
+    pf = par.to(torch.float32)
+    mask, t, f, add, c0, c1, is_con, is_ac, is_eq = (pf[:, k].view(n, 1, 1) for k in range(9))
+    vi = torch.arange(256, device=dev)
+    v = vi.to(torch.float32)
+    vm = (vi & par[:, 0].to(torch.int64).view(n, 1, 1)).to(torch.float32)  # [n, 1, 256]
+    mean = torch.floor(_gray(x).mean(dim=(-3, -2, -1)) + 0.5).view(n, 1, 1)
+    d = mean * is_con
+    low = ((d + f * (vm - d)).clamp(0, 255).floor() + add).clamp(max=255)
+    lut = torch.where(v < t, low, c0 + c1 * vm)  # [n, 1, 256]
+    # AutoContrast: per channel lo..hi -> 0..255, int() of the LUT value (PIL builds it in float64)
+    lo = x.amin(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)  # [n, 3, 1]
+    hi = x.amax(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)
+    vd = vi.to(torch.float64)
+    scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
+    auto = torch.where(hi > lo, (vd * scale - lo * scale).floor().clamp(0, 255), vd).to(torch.float32)
+    # Equalize (torchvision.transforms.v2.functional.equalize, batched)
+    hist = torch.zeros(n * 3 * 256, dtype=torch.int32, device=dev)
+    hist.scatter_add_(0, flat_idx.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(flat_idx.numel()))
+    hist = hist.view(n, 3, 256)
+    cum = hist.cumsum(dim=-1)
+    step = (h * w - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
+    eq = (cum[..., :-1] + step // 2).div(step.clamp(min=1), rounding_mode="floor").clamp(0, 255)
+    eq = torch.cat([torch.zeros_like(eq[..., :1]), eq], dim=-1).to(torch.float32)
+    eq = torch.where(step != 0, eq, v)
+    table = torch.where(is_ac > 0, auto, torch.where(is_eq > 0, eq, lut))  # [n, 3, 256]
+    return table.reshape(-1).take(flat_idx)
 
 
 def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor | None = None) -> Tensor:
-    """One timm RandAugment op on a sub-batch, each image with its own argument.
+    """One timm RandAugment op on a batch, each image with its own argument, through the batched layer the
+    pipeline runs (:class:`_Layer`: every image drawing ``name``).
 
     Args:
         name: a timm op name (:data:`RA_OPS`).
@@ -477,43 +696,17 @@ def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor
     Returns:
         float32 ``[n, 3, H, W]`` integer levels 0..255.
     """
-    dev = x.device
-    a = arg.to(dev, torch.float32)
-    if name == "AutoContrast":  # ImageOps.autocontrast: per channel lo..hi -> 0..255, int() of the LUT value
-        xd = x.double()  # PIL builds the LUT in double precision
-        lo = xd.amin(dim=(-2, -1), keepdim=True)
-        hi = xd.amax(dim=(-2, -1), keepdim=True)
-        scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
-        return torch.where(hi > lo, (xd * scale - lo * scale).floor().clamp(0, 255), xd).to(x.dtype)
-    if name == "Equalize":
-        from torchvision.transforms.v2.functional import equalize
-
-        return equalize(x.to(torch.uint8)).to(x.dtype)
-    if name == "Invert":
-        return 255 - x
-    if name.startswith("Posterize"):  # keep the `bits` most significant bits
-        bits = arg.to(torch.int64).clamp(0, 8)
-        mask = ((255 << (8 - bits)) & 255).to(dev, torch.uint8).view(-1, 1, 1, 1)
-        return (x.to(torch.uint8) & mask).to(x.dtype)
-    if name.startswith("Solarize") and name != "SolarizeAdd":  # invert levels >= threshold
-        t = a.view(-1, 1, 1, 1)
-        return torch.where(x < t, x, 255 - x)
-    if name == "SolarizeAdd":  # add to levels < 128
-        return torch.where(x < 128, (x + a.view(-1, 1, 1, 1)).clamp(max=255), x)
-    if name.startswith("Color"):  # ImageEnhance.Color: blend with the grey image
-        return _blend(_gray(x).expand_as(x), x, a)
-    if name.startswith("Contrast"):  # ImageEnhance.Contrast: blend with the mean grey level (rounded)
-        mean = torch.floor(_gray(x).mean(dim=(-3, -2, -1), keepdim=True) + 0.5)
-        return _blend(mean.expand_as(x), x, a)
-    if name.startswith("Brightness"):  # ImageEnhance.Brightness: blend with black
-        return _blend(torch.zeros_like(x), x, a)
-    if name.startswith("Sharpness"):  # ImageEnhance.Sharpness: blend with the smoothed image
-        return _blend(_smooth(x), x, a)
-    if name in _GEOMETRIC:
-        fill = torch.full((3,), 128.0) if fill is None else fill
-        m = _affine_matrix(name, arg.to(torch.float64), x.shape[-2], x.shape[-1])
-        return _pil_affine(x, m, _PIL_MODES[int(interp)], fill.to(dev, x.dtype))
-    raise NotImplementedError(f"RandAugment op {name!r}")
+    if name not in RA_OPS:
+        raise NotImplementedError(f"RandAugment op {name!r}")
+    n = x.shape[0]
+    up = _Upload()
+    layer = _Layer(up, np.full(n, RA_OPS.index(name)), arg.double().cpu().numpy(), np.full(n, int(interp)),
+                   tuple(x.shape[-2:]), {_FAMILY[name]}, (int(interp),))
+    s_fill = up.add((128.0,) * 3 if fill is None else fill.double().cpu().numpy())
+    segs = up.to(x.device)
+    out = x.clone()
+    layer(out, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1))
+    return out
 
 
 _JITTER = ("Brightness", "Contrast", "Color")  # torchvision ColorJitter fn ids 0, 1, 2 on PIL = ImageEnhance
@@ -529,6 +722,12 @@ class GpuPipeline:
 
     ``__call__(batch)`` returns images float32 ``[B', 3, H, W]`` (normalised, on ``batch.labels.device``)
     and labels int64 ``[B']``; ``B' = B`` minus images no decoder could read (counted, warned).
+
+    Device work per batch: one batched decode, the batched crop-resize (:func:`resized_crops`), then each
+    colour-jitter step / RandAugment layer as one :class:`_Layer` (a fixed sequence of ops per op family,
+    whatever the images drew), normalisation and random erasing; the parameters of all of these (built on
+    the host with NumPy from the workers' draws) reach the device in one transfer, and nothing in the stage
+    waits for the device (no ``.item()``, ``nonzero``, blocking copy).
     """
 
     def __init__(self, transform: Any, train: bool) -> None:
@@ -541,13 +740,13 @@ class GpuPipeline:
             self.resize, self.crop = steps[0], steps[1]
             norm = next(t for t in steps if type(t).__name__ == "Normalize")
             mean, std = tuple(float(v) for v in norm.mean), tuple(float(v) for v in norm.std)
-        self.mean, self.std = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+        self.mean, self.std = tuple(mean), tuple(std)
         if train:
             from torchvision.transforms import InterpolationMode
 
             interp = self.params.rrc.interpolation  # timm's RandomResizedCrop: an InterpolationMode
             self.interp = InterpolationMode(interp.value) if hasattr(interp, "value") else InterpolationMode.BICUBIC
-            self.fill = torch.tensor(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
+            self.fill = tuple(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device
@@ -560,10 +759,7 @@ class GpuPipeline:
             params = {k: v[keep] for k, v in params.items()}
             imgs = [imgs[k] for k in keep]
         x = self._train(imgs, params, dev) if self.train else self._eval(imgs)
-        x = (x / 255 - self.mean.to(dev)) / self.std.to(dev)
-        if self.train and "erase" in params:
-            x = self._erase(x, params["erase"], params["seed"])
-        return x, labels
+        return self._augment(x, params if self.train else {}), labels
 
     def _eval(self, imgs: list[Tensor]) -> Tensor:
         """``Resize`` (short side, bicubic, antialiased) then ``CenterCrop``, batched through
@@ -589,78 +785,97 @@ class GpuPipeline:
         return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets)
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device) -> Tensor:
+        """Crop + resize + flip (batched for bicubic, the recipe's; per image otherwise)."""
         from torchvision.transforms import InterpolationMode
 
-        if self.interp == InterpolationMode.BICUBIC:  # crop + resize + flip, batched
-            x = resized_crops(imgs, p["crop"], tuple(self.size), p["flip"])
-        else:
-            from torchvision.transforms.functional import resized_crop
+        if self.interp == InterpolationMode.BICUBIC:
+            return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"])
+        from torchvision.transforms.functional import resized_crop
 
-            x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
-                             for im, (i, j, h, w) in zip(imgs, p["crop"].tolist())])
-            x = torch.where(p["flip"].to(dev).view(-1, 1, 1, 1), x.flip(-1), x).float()
-        if "cj_order" in p:
-            for step in range(p["cj_order"].shape[1]):
-                fn = p["cj_order"][:, step]
-                for f in range(3):
-                    idx = (fn == f).nonzero().flatten()
-                    factor = p["cj_factor"][idx, f]
-                    idx, factor = idx[factor != 1.0], factor[factor != 1.0]
-                    if len(idx):
-                        di = idx.to(dev)
-                        x[di] = apply_ra_op(_JITTER[f], x[di], factor)
+        x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
+                         for im, (i, j, h, w) in zip(imgs, p["crop"].tolist())])
+        return torch.where(p["flip"].to(dev, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x).float()
+
+    def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int]) -> list[_Layer]:
+        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`), in the CPU path's order,
+        planned into ``up`` from the draws ``p`` (:meth:`TrainParams.__call__`)."""
+        out = []
+        if "cj_order" in p:  # torchvision ColorJitter: a random order of brightness, contrast, saturation (hue unused)
+            order, factor = p["cj_order"].numpy(), p["cj_factor"].numpy()
+            order = order[order != 3].reshape(len(order), 3)
+            jit = np.array([RA_OPS.index(n) for n in _JITTER])
+            for s in range(order.shape[1]):
+                f = factor[np.arange(len(order)), order[:, s]]
+                op = np.where(f != 1.0, jit[order[:, s]], -1)
+                out.append(_Layer(up, op, f, np.zeros_like(op), hw, {"lut", "blend"}, (3,)))
         if "ra_op" in p:
-            x = self._rand_augment(x, p["ra_op"], p["ra_arg"], p["ra_interp"], dev)
-        return x
+            ops, args, interps = p["ra_op"].numpy(), p["ra_arg"].numpy(), p["ra_interp"].numpy()
+            for layer in range(ops.shape[1]):
+                out.append(_Layer(up, ops[:, layer], args[:, layer], interps[:, layer], hw, self.params.ra_families,
+                                  self.params.ra_modes))
+        return out
 
-    def _rand_augment(self, x: Tensor, ops: Tensor, args: Tensor, interps: Tensor, dev: torch.device) -> Tensor:
-        """timm RandAugment with per-image ops: layer by layer, each (op, interpolation) group of images in
-        one call. The groups are formed on the host from the ``[B, L]`` draws and their image indices and
-        arguments reach the device in one copy each (no per-group transfer or synchronisation)."""
-        groups: list[tuple[int, int, list[int], int]] = []  # (op, interp, images, layer)
-        ops_l, interp_l = ops.tolist(), interps.tolist()
-        for layer in range(ops.shape[1]):
-            by_op: dict[tuple[int, int], list[int]] = {}
-            for b, (row, irow) in enumerate(zip(ops_l, interp_l)):
-                if row[layer] >= 0:
-                    by_op.setdefault((row[layer], irow[layer]), []).append(b)
-            groups += [(op, ip, imgs, layer) for (op, ip), imgs in sorted(by_op.items())]
-        if not groups:
-            return x
-        flat = torch.tensor([b for _, _, imgs, _ in groups for b in imgs], dtype=torch.int64)
-        layers = torch.tensor([layer for _, _, imgs, layer in groups for _ in imgs], dtype=torch.int64)
-        idx_dev = flat.to(dev, non_blocking=True)
-        arg_dev = args[flat, layers].to(dev, non_blocking=True)
-        fill = self.fill.to(x.device, x.dtype)
-        pos = 0
-        for op, ip, imgs, _ in groups:
-            di, a = idx_dev[pos:pos + len(imgs)], arg_dev[pos:pos + len(imgs)]
-            pos += len(imgs)
-            x[di] = apply_ra_op(RA_OPS[op], x[di], a, ip, fill)
+    def _augment(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
+        """Colour jitter / RandAugment (training), normalisation, random erasing (training) on the batch ``x``
+        (float32 ``[B, 3, H, W]`` levels, the pipeline's own: modified in place); one upload for all."""
+        up = _Upload()
+        s_norm = up.add(self.mean + self.std + (self.fill if self.train else (0.0,) * 3), np.float64)
+        layers = self.layers(up, p, tuple(x.shape[-2:]))
+        erase = self._plan_erase(up, p["erase"], p["seed"]) if "erase" in p else None
+        segs = up.to(x.device)
+        norm = segs[s_norm].to(x.dtype).view(3, 1, 3, 1, 1)
+        for layer in layers:
+            layer(x, segs, norm[2])
+        x = x.div_(255).sub_(norm[0]).div_(norm[1])
+        if erase is not None:
+            self._erase(x, segs, *erase)
         return x
 
     @staticmethod
-    def _erase(x: Tensor, boxes: Tensor, seeds: Tensor) -> Tensor:
-        """timm RandomErasing ``mode='pixel'`` with the sampled ``boxes`` int64 ``[B, C, 4]`` (top, left,
-        height, width; height 0 = none): N(0, 1) noise (normalised units) from a generator seeded by the
-        batch's ``seeds``, so a batch is erased the same way again (exact resume). Writes into ``x`` (the
-        pipeline's own freshly normalised batch) and returns it."""
-        any_box = (boxes[..., 2] > 0).any(1)
-        if not bool(any_box.any()):
-            return x
-        n, _, h, w = x.shape
+    def _plan_erase(up: _Upload, boxes: Tensor, seeds: Tensor) -> tuple[int, int, int]:
+        """Slots of the images with an erasing box and their boxes, and the batch's noise seed (host side)."""
+        b = boxes.numpy()
+        idx = np.flatnonzero((b[..., 2] > 0).any(1))
+        return up.add(idx), up.add(b[idx]), int(seeds.sum()) % 2**63
+
+    @staticmethod
+    def _erase(x: Tensor, segs: list[Tensor], s_idx: int, s_box: int, seed: int) -> Tensor:
+        """timm RandomErasing ``mode='pixel'`` with the sampled boxes (int64 ``[n_e, C, 4]``: top, left,
+        height, width; height 0 = none) of the images ``segs[s_idx]`` that have one: N(0, 1) noise
+        (normalised units) from a generator seeded by the batch's seeds, so a batch is erased the same way
+        again (exact resume). Writes into ``x`` (the pipeline's own freshly normalised batch) and returns it."""
+        idx, b = segs[s_idx], segs[s_box]
+        n, h, w = len(idx), x.shape[-2], x.shape[-1]
         gen = torch.Generator(device=x.device)
-        gen.manual_seed(int(seeds.sum()) % 2**63)
-        idx = any_box.nonzero().flatten()
-        noise = torch.randn((len(idx), *x.shape[1:]), generator=gen, device=x.device, dtype=x.dtype)
-        b = boxes[idx].to(x.device)  # [n_e, C, 4]
+        gen.manual_seed(seed)
+        noise = torch.randn((n, *x.shape[1:]), generator=gen, device=x.device, dtype=x.dtype)
         ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
         xs = torch.arange(w, device=x.device).view(1, 1, 1, w)
-        top, left, bh, bw = (b[..., k].view(len(idx), -1, 1, 1) for k in range(4))
+        top, left, bh, bw = (b[..., k].view(n, b.shape[1], 1, 1) for k in range(4))
         mask = ((ys >= top) & (ys < top + bh) & (xs >= left) & (xs < left + bw)).any(1, keepdim=True)
-        di = idx.to(x.device)
-        x[di] = torch.where(mask, noise, x[di])
+        x.index_copy_(0, idx, torch.where(mask, noise, x.index_select(0, idx)))
         return x
+
+
+def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -> dict[str, int]:
+    """Torch ops one call of the device ``stage`` dispatches on ``batch`` (a CPU-measurable proxy of its kernel
+    launches and host work), from ``torch.profiler`` on the CPU: ``ops`` = ``aten::`` ops called from Python
+    (top level; each costs host time), ``compute`` = those of them that are not views or metadata (each
+    launches at least one kernel on an accelerator), ``decode`` = JPEG decoder calls (``image::``: one per
+    image on the CPU, one per batch on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        stage(batch)
+    events = prof.events()
+    top = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+    views = {"view", "reshape", "_reshape_alias", "slice", "select", "unsqueeze", "squeeze", "permute", "expand",
+             "as_strided", "split", "split_with_sizes", "unbind", "unfold", "t", "transpose", "narrow", "alias",
+             "detach", "flatten", "lift_fresh", "to", "contiguous", "pin_memory", "view_as", "expand_as",
+             "resolve_conj", "resolve_neg"}
+    compute = [e for e in top if e.name.removeprefix("aten::") not in views or any(
+        c.name in ("aten::copy_", "aten::_to_copy", "aten::clone") for c in e.cpu_children)]
+    return {"ops": len(top), "compute": len(compute), "decode": sum(e.name.startswith("image::") for e in events)}
 
 
 _END = object()

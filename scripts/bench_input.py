@@ -17,7 +17,8 @@ Without ``--shards`` it first writes synthetic ImageNet-like shards (``--images`
 * ``loader + device stage``: the same followed by the datamodule's ``on_after_batch_transfer`` on the
   device (``decode: gpu``: batched ``decode_jpeg``, crop/resize, RandAugment, erasing);
 * ``device stage alone``: that stage on one batch held in memory (its device time per batch competes with
-  the model's);
+  the model's), with the torch ops it dispatches per batch (``device-stage ops per batch``, counted by
+  ``torch.profiler``: a proxy of its kernel launches and host work that does not need a GPU);
 * ``end to end``: loader + device stage + a ViT-S/16 training step (timm Mixup/CutMix, fwd + bwd + AdamW,
   bf16 autocast on CUDA): what training would see;
 
@@ -92,8 +93,11 @@ def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int,
     return (n / dt if dt > 0 and n else float("nan")), n
 
 
-def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, float]:
-    """(images/s, ms per batch) of the device stage alone on one held batch (``decode: gpu``)."""
+def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, float, dict[str, int]]:
+    """(images/s, ms per batch, ops) of the device stage alone on one held batch (``decode: gpu``); ops: the
+    torch ops the stage dispatches on that batch (:func:`~mixlab.datamodules.imagenet_gpu.stage_op_counts`)."""
+    from mixlab.datamodules.imagenet_gpu import stage_op_counts
+
     loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
     b = next(iter(loader))
     for _ in range(2):
@@ -106,7 +110,9 @@ def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, 
         sync(device)
         times.append(time.perf_counter() - t0)
     t = statistics.median(times)
-    return len(y) / t, 1000 * t
+    ops = stage_op_counts(lambda batch: to_device(dm, batch, device), b)
+    sync(device)
+    return len(y) / t, 1000 * t, ops
 
 
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
@@ -290,6 +296,7 @@ def main(argv: list[str] | None = None) -> str:
         row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
     splits = ["train"] + ([] if a.no_eval else ["val"])
+    stage_ops: list[str] = []
     for split in splits:
         for mode in a.decode:
             dm = dm_for(mode)
@@ -305,8 +312,10 @@ def main(argv: list[str] | None = None) -> str:
                     ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, prefetch=a.prefetch)
                     row(split, mode, f"loader + device stage, prefetched ({a.prefetch} ahead)", ips,
                         note=f"{n} images")
-                ips, ms = time_stage(dm, split, device, max(3, a.batches // 3))
-                row(split, mode, "device stage alone", ips, f"{ms:.1f}", f"on {device.type}")
+                ips, ms, ops = time_stage(dm, split, device, max(3, a.batches // 3))
+                row(split, mode, "device stage alone", ips, f"{ms:.1f}",
+                    f"on {device.type}; {ops['ops']:,} ops ({ops['compute']:,} compute)")
+                stage_ops.append(f"{split} {ops['ops']:,} ({ops['compute']:,} compute, {ops['decode']} decoder calls)")
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,
@@ -327,6 +336,9 @@ def main(argv: list[str] | None = None) -> str:
              "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
              "|---|---|---|---|---:|---:|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if stage_ops:
+        lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
+                  "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]
     lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {f_train:.1%} of training crops and "
               f"{f_eval:.1%} of evaluation images ({n_draft} images looked at).", ""]
     text = "\n".join(lines)

@@ -32,12 +32,14 @@ from mixlab.datamodules.imagenet_gpu import (
     EncodedBatch,
     GpuPipeline,
     TrainParams,
+    _Upload,
     aa_resample_weights,
     apply_ra_op,
     collate_encoded,
     decode_jpegs,
     encode_sample,
     resized_crops,
+    stage_op_counts,
 )
 
 MEAN, STD = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -305,3 +307,86 @@ def test_batched_eval_equals_per_image_resize_and_center_crop(size):
     bilinear = GpuPipeline(eval_transform(size, interpolation="bilinear"), train=False)
     ref = torch.stack([bilinear.crop(bilinear.resize(im)) for im in imgs]).float()
     torch.testing.assert_close(bilinear._eval(imgs), ref, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- batched RandAugment, op count
+_ARGS = {"Rotate": 25.0, "PosterizeIncreasing": 1, "SolarizeIncreasing": 30, "SolarizeAdd": 90, "ShearX": 0.27,
+         "ShearY": -0.27, "TranslateXRel": 0.3, "TranslateYRel": -0.4, "ColorIncreasing": 0.3,
+         "ContrastIncreasing": 1.8, "BrightnessIncreasing": 0.5, "SharpnessIncreasing": 1.9}
+
+
+def _with_ops(batch: EncodedBatch, ops: list[list[str | None]]) -> EncodedBatch:
+    """``batch`` with RandAugment draws replaced: image b applies ``ops[b]`` (timm names, None: no op) with
+    the arguments of ``_ARGS``, on odd images negated (geometric ops) or mirrored about 1 (enhance factors) as
+    timm's random negation does, bicubic."""
+    def arg(o, k):
+        a = float(_ARGS.get(o, 0))
+        if k % 2 and o.startswith(("Rotate", "Shear", "Translate")):
+            return -a
+        return 2 - a if k % 2 and o.startswith(("Color", "Contrast", "Brightness", "Sharpness")) else a
+
+    b = len(batch)
+    op = torch.tensor([[-1 if o is None else RA_OPS.index(o) for o in row] for row in ops], dtype=torch.int64)
+    arg = torch.tensor([[arg(o, k) if o else 0.0 for o in row] for k, row in enumerate(ops)], dtype=torch.float64)
+    params = dict(batch.params, ra_op=op, ra_arg=arg, ra_interp=torch.full((b, op.shape[1]), 3, dtype=torch.int64))
+    return EncodedBatch(batch.data, batch.offsets, batch.labels, batch.keys, params, batch.train)
+
+
+def _recipe_batch(samples, tf):
+    params = TrainParams(tf)
+    enc = []
+    for i, s in enumerate(samples):
+        with seeded_rngs(500 + i):
+            enc.append(encode_sample(s, 3, params))
+    return collate_encoded(enc), [op.name for op in tf.transforms[2].ops]
+
+
+def test_randaugment_layers_batched_equal_per_image_ops(samples):
+    """A batch whose images draw different ops (every op of the recipe, in both layers, with image-specific
+    arguments) gives, image by image, exactly what the ops applied to that image alone give."""
+    tf = train_transform(40)
+    batch, names = _recipe_batch(samples, tf)
+    ops = [[names[k % len(names)], names[(3 * k + 1) % len(names)]] for k in range(len(batch))]
+    ops[5][1] = None
+    pipe = GpuPipeline(tf, train=True)
+    batch = _with_ops(batch, ops)
+    x = pipe._train(decode_jpegs(batch.data, batch.offsets, torch.device("cpu"), batch.keys), batch.params, "cpu")
+    fill = torch.tensor(pipe.fill)
+    ref = []
+    for k in range(len(batch)):
+        im = x[k:k + 1]
+        for layer in range(2):
+            o = batch.params["ra_op"][k, layer]
+            if o >= 0:
+                im = apply_ra_op(RA_OPS[o], im, batch.params["ra_arg"][k, layer:layer + 1], 3, fill)
+        ref.append(im)
+    ref = torch.cat(ref)
+    up = _Upload()
+    layers = pipe.layers(up, batch.params, (40, 40))
+    s_fill = up.add(fill.double().numpy())
+    segs = up.to(torch.device("cpu"))
+    for layer in layers:
+        layer(x, segs, segs[s_fill].float().view(1, 3, 1, 1))
+    assert torch.equal(x, ref)
+
+
+def test_device_stage_op_count_does_not_depend_on_the_ops_drawn(samples):
+    """CPU proxy of the stage's kernel launches (issue 21): the torch ops one batch dispatches (torch.profiler)
+    are the same whether every image draws different RandAugment ops, all draw the same op or none draws
+    one, and for 8 or 24 images (one decoder call per image on the CPU aside). No timing."""
+    tf = train_transform(32)
+    batch, names = _recipe_batch(samples, tf)
+    pipe = GpuPipeline(tf, train=True)
+    n = len(batch)
+    variants = {"different": [[names[k % len(names)], names[(k + 7) % len(names)]] for k in range(n)],
+                "same": [["Rotate", "Rotate"]] * n, "none": [[None, None]] * n}
+    counts = {k: stage_op_counts(pipe, _with_ops(batch, ops)) for k, ops in variants.items()}
+    assert len({(c["ops"], c["compute"]) for c in counts.values()}) == 1, counts
+    assert counts["none"]["decode"] == n and counts["none"]["compute"] < counts["none"]["ops"]
+    enc = []
+    for i, s in enumerate(samples[:8]):
+        with seeded_rngs(248 + i):  # no image draws an erasing box here: the erasing ops run on none
+            enc.append(encode_sample(s, 3, pipe.params))
+    assert not (collate_encoded(enc).params["erase"][..., 2] > 0).any()
+    small = stage_op_counts(pipe, _with_ops(collate_encoded(enc), variants["different"][:8]))
+    assert (small["ops"], small["compute"]) == (counts["none"]["ops"], counts["none"]["compute"]), (small, counts)
