@@ -41,7 +41,7 @@ def test_static_greedy_equals_the_parallel_argmax_and_the_dict_loop(mixer, promp
     model = _model(mixer)
     assert decode.supports_static(model)
     prompt = torch.randint(0, VOCAB, (3, prompt_len), generator=torch.Generator().manual_seed(prompt_len))
-    new = generate(model, prompt, 19, temperature=0, cuda_graph=False)
+    new = generate(model, prompt, 19, temperature=0, cuda_graph=False, static=True)  # static or an error
     assert new.shape == (3, 19) and len(set(new.flatten().tolist())) >= 4  # a real continuation
     assert new.tolist() == _parallel_argmax(model, prompt, new).tolist()
     assert new.tolist() == generate(model, prompt, 19, temperature=0, static=False).tolist()
@@ -104,6 +104,13 @@ def test_bad_input_is_a_one_line_error():
         generate(_model("nope"), prompt, 10**13, temperature=0, static=False)
     with pytest.raises(ValueError, match=r"static=True, but CausalLM \(swa, swa\) has no static decoding step"):
         generate(_model("swa"), prompt, 4, temperature=0, static=True)
+    reference = _model("goat")
+    for blk in reference.backbone.blocks:
+        blk.mixer.impl = "reference"  # the explicit-softmax path keeps no static cache
+    with pytest.raises(ValueError, match=r"static=True, but a layer has no static cache for this configuration"):
+        generate(reference, prompt, 4, temperature=0, static=True)
+    assert generate(reference, prompt, 4, temperature=0).tolist() == generate(_model("goat"), prompt, 4,
+                                                                               temperature=0).tolist()
 
 
 def test_a_model_without_static_steps_falls_back_to_the_dict_loop():

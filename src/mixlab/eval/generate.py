@@ -179,7 +179,7 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
     use_static = static is not False and max_new_tokens > 1 and decode.supports_static(model)
     if static and not use_static and max_new_tokens > 1:
         raise ValueError(f"generate: static=True, but {type(model).__name__} "
-                         f"({', '.join(b.mixer_name for b in model.backbone.blocks)}) has no static decoding step "
+                         f"({', '.join(blk.mixer_name for blk in model.backbone.blocks)}) has no static decoding step "
                          "(a layer without one, or a head other than CausalLM's); use static=None")
     b, p = prompt.shape
     capacity = p + max_new_tokens
@@ -196,6 +196,9 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
     out[:, 0] = pick(_dict_step(model, prompt, caches, vocab_limit))  # prefill: the prompt's parallel forward
     states = decode.static_states(model, caches, capacity) if use_static else None
     if states is None:
+        if static and use_static:
+            raise ValueError("generate: static=True, but a layer has no static cache for this configuration "
+                             f"({', '.join(blk.mixer_name for blk in model.backbone.blocks)}); use static=None")
         return _dict_loop(model, caches, out, pick, vocab_limit, eos_id)
     del caches
     graph = prompt.is_cuda if cuda_graph is None else (cuda_graph and prompt.is_cuda)
