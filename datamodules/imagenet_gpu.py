@@ -442,32 +442,32 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
         width = hw[idx, 1]
         # per image: flat offset of its first crop pixel, channel stride, row stride, crop height and width,
         # resized height and width, window top and left, flip
-        cols = [base[idx] + t * width + le, hw[idx, 0] * width, width, h, w]
-        cols += list(np.asarray(resized.tolist(), dtype=np.int64)[idx].T) if resized is not None else [h, h]
-        cols += list(np.asarray(offsets.tolist(), dtype=np.int64)[idx].T) if offsets is not None else [h, h]
-        cols.append(np.asarray(flip.tolist(), dtype=np.int64)[idx] if flip is not None else np.zeros_like(h))
-        slots.append((up.add(idx), up.add(np.stack(cols, 1))))
+        # per image: flat offset of its first crop pixel, channel stride, row stride, crop height ([4, g]); per axis
+        # (rows of y, then of x): crop size, resized size, window offset ([3, 2 g], one resampling-weight call)
+        rows = np.stack([base[idx] + t * width + le, hw[idx, 0] * width, width, h])
+        rs = np.asarray(resized.tolist(), dtype=np.int64)[idx].T if resized is not None else np.array([[oh], [ow]])
+        off = np.asarray(offsets.tolist(), dtype=np.int64)[idx].T if offsets is not None else np.zeros((2, 1), np.int64)
+        axes = np.stack([np.concatenate([h, w]), np.concatenate(np.broadcast_to(rs, (2, len(idx)))),
+                         np.concatenate(np.broadcast_to(off, (2, len(idx))))])
+        fl = np.asarray(flip.tolist(), dtype=np.int64)[idx] if flip is not None else np.zeros(len(idx), np.int64)
+        slots.append((up.add(idx), up.add(rows), up.add(axes), up.add(fl)))
     segs = up.to(dev)
     # planar [3, H, W] images one after another (C++ loop: one op from Python; CPU decoder's [H, W, 3]-strided
     # views are made planar there), then a zero tail for the last windows
     from torch._utils import _flatten_dense_tensors
 
     flat = _flatten_dense_tensors(imgs + [torch.zeros(max(wm for _, _, wm in groups), dtype=torch.uint8, device=dev)])
-    for (_, hm, wm), (s_idx, s_par) in zip(groups, slots):
-        g, par = len(segs[s_idx]), segs[s_par]
-        first, cstride, rstride, h, w = (par[:, k] for k in range(5))
-        rows = torch.minimum(torch.arange(hm, device=dev).view(1, hm), (h - 1).view(g, 1))  # [g, hm], clamped
-        starts = (first.view(g, 1, 1) + rows.mul_(rstride.view(g, 1)).view(g, 1, hm)
-                  + torch.arange(3, device=dev).view(1, 3, 1) * cstride.view(g, 1, 1))  # [g, 3, hm]
+    for (_, hm, wm), (s_idx, s_rows, s_axes, s_flip) in zip(groups, slots):
+        g = len(segs[s_idx])
+        first, cstride, rstride, h = segs[s_rows].view(4, g, 1, 1).unbind(0)
+        rows = torch.minimum(torch.arange(hm, device=dev).view(1, 1, hm), h - 1)  # [g, 1, hm], clamped to the crop
+        starts = first + rows * rstride + torch.arange(3, device=dev).view(1, 3, 1) * cstride  # [g, 3, hm]
         x = flat.unfold(0, wm, 1).index_select(0, starts.view(-1)).view(g, 3, hm, wm)
-        rs = par[:, 5:7] if resized is not None else None
-        off = par[:, 7:9] if offsets is not None else None
-        wy = aa_resample_weights(h, oh, hm, None if rs is None else rs[:, 0],
-                                 None if off is None else off[:, 0])  # [g, oh, hm]
-        wx = aa_resample_weights(w, ow, wm, None if rs is None else rs[:, 1],
-                                 None if off is None else off[:, 1])  # [g, ow, wm]
+        size, res, off = segs[s_axes].unbind(0)
+        wyx = aa_resample_weights(size, max(oh, ow), max(hm, wm), res, off)  # [2 g, max(oh, ow), max(hm, wm)]
+        wy, wx = wyx[:g, :oh, :hm], wyx[g:, :ow, :wm]
         if flip is not None:
-            wx = torch.where(par[:, 9].view(g, 1, 1) > 0, wx.flip(1), wx)
+            wx = torch.where(segs[s_flip].view(g, 1, 1) > 0, wx.flip(1), wx)
         y = torch.matmul(torch.matmul(wy.unsqueeze(1), x.float()), wx.transpose(1, 2).unsqueeze(1))
         out.index_copy_(0, segs[s_idx], y.round_().clamp_(0, 255))
     return out
@@ -506,9 +506,9 @@ def _pil_affine(x: Tensor, m: Tensor, modes: tuple[int, ...], fill: Tensor, mode
     n, _, h, w = x.shape
     ys = torch.arange(h, device=x.device, dtype=torch.float64).add_(0.5).view(1, h, 1)
     xs = torch.arange(w, device=x.device, dtype=torch.float64).add_(0.5).view(1, 1, w)
-    m = m.view(n, 6, 1, 1)
-    u = m[:, 0] * xs + m[:, 1] * ys + m[:, 2]  # [n, h, w] input x (pixels)
-    v = m[:, 3] * xs + m[:, 4] * ys + m[:, 5]
+    a, b, c, d, e, f = m.view(n, 6, 1, 1).unbind(1)
+    u = a * xs + b * ys + c  # [n, h, w] input x (pixels)
+    v = d * xs + e * ys + f
     grid = torch.stack([2 * u / w - 1, 2 * v / h - 1], dim=-1).to(x.dtype)
     out = None
     for k, code in enumerate(modes):
@@ -633,10 +633,8 @@ class _Layer:
             if f == "affine":
                 y = _pil_affine(sub, par, self.modes, fill, segs[slot[2]] if len(slot) > 2 else None)
             elif f == "blend":
-                p = par.to(x.dtype)
-                n = len(idx)
-                d = torch.where(p[:, 0].view(n, 1, 1, 1) > 0, _smooth(sub), _gray(sub))
-                y = _blend(d, sub, p[:, 1].view(n, 1, 1, 1))
+                sharp, f = par.to(x.dtype).view(len(idx), 2, 1, 1, 1).unbind(1)
+                y = _blend(torch.where(sharp > 0, _smooth(sub), _gray(sub)), sub, f)
             else:
                 y = _lut_family(sub, par)
             outs.append((idx, y))
@@ -655,10 +653,10 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     xi = x.to(torch.int64)
     flat_idx = xi + torch.arange(n * 3, device=dev).mul_(256).view(n, 3, 1, 1)  # into the [n * 3 * 256] tables
     pf = par.to(torch.float32)
-    mask, t, f, add, c0, c1, is_con, is_ac, is_eq = (pf[:, k].view(n, 1, 1) for k in range(9))
+    mask, t, f, add, c0, c1, is_con, is_ac, is_eq = pf.view(n, 9, 1, 1).unbind(1)  # each [n, 1, 1]
     vi = torch.arange(256, device=dev)
     v = vi.to(torch.float32)
-    vm = (vi & par[:, 0].to(torch.int64).view(n, 1, 1)).to(torch.float32)  # [n, 1, 256]
+    vm = (vi & mask.to(torch.int64)).to(torch.float32)  # [n, 1, 256]
     mean = torch.floor(_gray(x).mean(dim=(-3, -2, -1)) + 0.5).view(n, 1, 1)
     d = mean * is_con
     low = ((d + f * (vm - d)).clamp(0, 255).floor() + add).clamp(max=255)
