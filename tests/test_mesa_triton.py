@@ -1,14 +1,11 @@
 """Mesa's Triton adaptive-CG kernel equals the torch chunk CG and the float64 exact solve, run on CPU
 by Triton's interpreter; bad input for the kernel raises a clear error."""
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.interpreter import run_interpreter_check
 
 from mixlab.ops.mesa import mesa_chunk, mesa_net
 
@@ -16,11 +13,7 @@ triton = pytest.importorskip("triton")
 
 
 def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
-    script = Path(__file__).parent / "helpers" / "mesa_triton_check.py"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = run_interpreter_check("mesa_triton_check.py")
     assert len(res) == 8
     for name, r in res.items():
         if name.startswith("backward"):
