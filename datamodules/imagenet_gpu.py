@@ -140,9 +140,9 @@ class TrainParams:
                 self.ra = RandAugment(ops, t.num_layers, t.choice_weights)
                 self.ra_layers = int(t.num_layers)
                 self.ra_families = {_FAMILY[op.name] for op in t.ops}
-                res = {r for op in t.ops for r in (lambda v: v if isinstance(v, (list, tuple)) else [v])(
-                    op.kwargs.get("resample", Image.BICUBIC))}
-                self.ra_modes = tuple(sorted(int(r) for r in res)) or (3,)
+                res = [op.kwargs.get("resample", Image.BICUBIC) for op in t.ops]  # timm: one code or a random choice
+                codes = {int(r) for v in res for r in (v if isinstance(v, (list, tuple)) else [v])}
+                self.ra_modes = tuple(sorted(codes)) or (3,)  # PIL resampling codes the geometric ops can use
                 self.fill = tuple(float(v) for v in t.ops[0].kwargs["fillcolor"]) if t.ops else (128.0,) * 3
             elif name == "ColorJitter":
                 if t.hue is not None and tuple(t.hue) != (0, 0):
@@ -384,8 +384,6 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
     return (w / w.sum(-1, keepdim=True)).to(torch.float32)
 
 
-
-
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None) -> Tensor:
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
@@ -397,7 +395,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     :func:`aa_resample_weights` matrices; a flip reverses ``Wx``'s rows. Images are processed in groups of
     similar crop size, each padded to its largest crop, at most ``max_bytes`` of float32 per group.
 
-    No per-image device op: the images are concatenated into one flat buffer (one ``cat``) and each group's
+    No per-image device op: the images are concatenated into one flat buffer (one call) and each group's
     padded crops are read from it with ONE ``index_select`` of crop rows from a sliding-window view of that
     buffer (row ``r`` of the view = the ``wm`` values from offset ``r`` on). Values a padded row reads beyond
     its crop (the next pixels, the next image, a zero tail) meet zero weights in ``Wx`` / ``Wy``. The row
@@ -440,8 +438,6 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     for idx, hm, wm in groups:
         t, le, h, w = bx[idx].T
         width = hw[idx, 1]
-        # per image: flat offset of its first crop pixel, channel stride, row stride, crop height and width,
-        # resized height and width, window top and left, flip
         # per image: flat offset of its first crop pixel, channel stride, row stride, crop height ([4, g]); per axis
         # (rows of y, then of x): crop size, resized size, window offset ([3, 2 g], one resampling-weight call)
         rows = np.stack([base[idx] + t * width + le, hw[idx, 0] * width, width, h])
@@ -834,7 +830,7 @@ class GpuPipeline:
         """Slots of the images with an erasing box and their boxes, and the batch's noise seed (host side)."""
         b = boxes.numpy()
         idx = np.flatnonzero((b[..., 2] > 0).any(1))
-        return up.add(idx), up.add(b[idx]), int(seeds.sum()) % 2**63
+        return up.add(idx), up.add(b[idx]), int(seeds.numpy().sum()) % 2**63  # int64 sum, wrapping as torch's
 
     @staticmethod
     def _erase(x: Tensor, segs: list[Tensor], s_idx: int, s_box: int, seed: int) -> Tensor:
@@ -860,7 +856,9 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
     launches and host work), from ``torch.profiler`` on the CPU: ``ops`` = ``aten::`` ops called from Python
     (top level; each costs host time), ``compute`` = those of them that are not views or metadata (each
     launches at least one kernel on an accelerator), ``decode`` = JPEG decoder calls (``image::``: one per
-    image on the CPU, one per batch on CUDA)."""
+    image on the CPU, one per batch on CUDA), ``syncs`` = ops that make the host wait for the device on an
+    accelerator (``item``, ``nonzero``, ``unique``, ``bincount``, ``masked_select``, ... at any depth; 0
+    expected)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -873,7 +871,11 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
              "resolve_conj", "resolve_neg"}
     compute = [e for e in top if e.name.removeprefix("aten::") not in views or any(
         c.name in ("aten::copy_", "aten::_to_copy", "aten::clone") for c in e.cpu_children)]
-    return {"ops": len(top), "compute": len(compute), "decode": sum(e.name.startswith("image::") for e in events)}
+    syncing = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::unique", "aten::_unique",
+               "aten::_unique2", "aten::unique_consecutive", "aten::unique_dim", "aten::bincount",
+               "aten::masked_select", "aten::nonzero_static", "aten::is_nonzero", "aten::equal"}
+    return {"ops": len(top), "compute": len(compute), "decode": sum(e.name.startswith("image::") for e in events),
+            "syncs": sum(e.name in syncing for e in events)}
 
 
 _END = object()

@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> str:
                 ips, ms, ops = time_stage(dm, split, device, max(3, a.batches // 3))
                 row(split, mode, "device stage alone", ips, f"{ms:.1f}",
                     f"on {device.type}; {ops['ops']:,} ops ({ops['compute']:,} compute)")
-                stage_ops.append(f"{split} {ops['ops']:,} ({ops['compute']:,} compute, {ops['decode']} decoder calls)")
+                stage_ops.append(f"{split} {ops['ops']:,} ({ops['compute']:,} compute, {ops['decode']} decoder calls, "
+                                 f"{ops['syncs']} syncing)")
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,

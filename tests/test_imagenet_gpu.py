@@ -373,7 +373,8 @@ def test_randaugment_layers_batched_equal_per_image_ops(samples):
 def test_device_stage_op_count_does_not_depend_on_the_ops_drawn(samples):
     """CPU proxy of the stage's kernel launches (issue 21): the torch ops one batch dispatches (torch.profiler)
     are the same whether every image draws different RandAugment ops, all draw the same op or none draws
-    one, and for 8 or 24 images (one decoder call per image on the CPU aside). No timing."""
+    one, and for 8 or 24 images (one decoder call per image on the CPU aside); none of them would make the
+    host wait for an accelerator. No timing."""
     tf = train_transform(32)
     batch, names = _recipe_batch(samples, tf)
     pipe = GpuPipeline(tf, train=True)
@@ -383,6 +384,8 @@ def test_device_stage_op_count_does_not_depend_on_the_ops_drawn(samples):
     counts = {k: stage_op_counts(pipe, _with_ops(batch, ops)) for k, ops in variants.items()}
     assert len({(c["ops"], c["compute"]) for c in counts.values()}) == 1, counts
     assert counts["none"]["decode"] == n and counts["none"]["compute"] < counts["none"]["ops"]
+    assert all(c["syncs"] == 0 for c in counts.values()), counts  # no item / nonzero / unique ... in the stage
+    assert stage_op_counts(lambda b: (torch.ones(3).nonzero(), float(torch.ones(1))), None)["syncs"] == 3
     enc = []
     for i, s in enumerate(samples[:8]):
         with seeded_rngs(248 + i):  # no image draws an erasing box here: the erasing ops run on none
