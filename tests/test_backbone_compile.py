@@ -44,3 +44,20 @@ def test_compiled_blocks_give_the_eager_values():
     (g_ref,) = torch.autograd.grad(ref.square().sum(), x)
     (g_out,) = torch.autograd.grad(out.square().sum(), x)
     torch.testing.assert_close(g_out, g_ref)
+
+
+
+def test_goat_key_range_of_sequence_coordinates_needs_no_host_sync():
+    """The key-range check of GOAT's key-linear lane (bf16 holds it exactly below 32768) reads the
+    largest position of ``Coords.seq`` coordinates from their key, so a compiled layer does not sync
+    with the host per layer (it did: a graph break at ``int(j_hi.max())`` in every layer under
+    ``torch.compile`` on the H200); other coordinates are still read from the tensor."""
+    from mixlab.mixers import build_mixer
+
+    pos = build_mixer("goat", d_model=32, n_heads=2, causal=True).pos
+    for length, offset in ((1, 0), (40, 0), (300, 129), (5, 32760)):
+        c = Coords.seq(length, offset)
+        f = pos._features(c, torch.float32)
+        assert f["j_hi_max"] == int(f["j_hi"].max())
+    shifted = Coords(torch.arange(3, 9).view(1, 6, 1), key=("shifted", 6))  # not Coords.seq: no key bound
+    assert "j_hi_max" not in pos._features(shifted, torch.float32)
