@@ -7,8 +7,9 @@
 Sections (``--sections``, comma-separated; Markdown tables printed and written to ``<out>/bench_mesa.md``;
 decode plot to ``<out>/decode_tokens_per_s.png``):
 
-0. ``breakdown``: the adaptive Triton prefill's pieces (chunk statistics, the CG kernel per launch
-   configuration of ``MIXLAB_MESA_CG``, the read-out) against fla's whole fixed-30 call.
+0. ``breakdown``: the adaptive Triton prefill's pieces (chunk statistics in torch and with the Triton
+   chunk-state scan, the CG kernel per launch configuration of ``MIXLAB_MESA_CG``, the read-out)
+   against fla's whole fixed-30 call.
 1. Training op: ``mixlab.ops.mesa.mesa_net`` at 30 CG, fwd+bwd, B4 T4096 H16 K=V=128 bf16,
    against the raw fla-core ``chunk_mesa_net`` call (anchor; goal ratio <= 1.05). The torch
    chunkwise path and the Triton CG path (fixed 30 and adaptive; goal: adaptive no slower than
@@ -126,6 +127,16 @@ def bench_breakdown(dev, shape, reps) -> str:
     ch = mo._Chunks(k, v, g, beta, None, 64)
     t_prep = timed(lambda: mo._Chunks(k, v, g, beta, None, 64), dev, reps=reps)
     rows.append(["chunk statistics (`_Chunks`, torch)", "", t_prep, t_prep / anchor])
+    try:
+        ch_t = mo._Chunks(k, v, g, beta, None, 64, states="triton")
+        t_prep_t = timed(lambda: mo._Chunks(k, v, g, beta, None, 64, states="triton"), dev, reps=reps)
+        rows.append(["chunk statistics, Triton chunk-state scan (`states='triton'`)",
+                     f"H vs torch {rel_err(ch_t.H, ch.H):.1e}, G {rel_err(ch_t.G, ch.G):.1e}", t_prep_t,
+                     t_prep_t / anchor])
+        del ch_t
+    except Exception as e:  # noqa: BLE001
+        rows.append([f"Triton chunk-state scan failed: {type(e).__name__}: {str(e)[:80]}", "", float("nan"),
+                     float("nan")])
     lam = mo._lamb_per_chunk(lamb, ch)
     rhs = ch.chunk_view(q)
     x_ref, it_ref = mo._chunk_cg(ch, lam, rhs, 30, 1e-4)

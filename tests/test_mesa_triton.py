@@ -25,7 +25,7 @@ def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
             assert r["o_vs_exact"] < 1e-3, (name, r)  # issue 17: fp32 relative error <= 1e-3
             assert r["o_vs_torch"] < 1e-4, (name, r)
             assert r["iters_diff"] <= 3, (name, r)  # float32 rounding at the stopping threshold
-            assert r["state_vs_torch"] == 0.0, (name, r)
+            assert r["state_vs_torch"] < 2e-6, (name, r)  # the Triton chunk-state scan (fp16x3 products)
     assert res["fixed30_T37_C16_state"]["mean_iters"] == 30.0
     assert 1 < res["adaptive_T75_C32_correlated"]["mean_iters"] < 30
 

@@ -327,10 +327,12 @@ class _Chunks:
     ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate. With negative
     gates, ``sc`` (the within-chunk cumulative product of the signs) multiplies every decay:
     ``D[t, i] *= sc_t sc_i``, ``dq[t] *= sc_t`` (a ratio of +-1 products is their product).
+    ``states="triton"``: the chunk-start states by :func:`mixlab.ops.mesa_triton.chunk_states_triton`
+    (float32, not differentiable: the forward of the autograd function only).
     """
 
     def __init__(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: State | None, chunk_size: int,
-                 sign: Tensor | None = None) -> None:
+                 sign: Tensor | None = None, states: str = "torch") -> None:
         b, t, h, dk = k.shape
         dv = v.shape[-1]
         c = max(1, min(chunk_size, t))
@@ -360,6 +362,18 @@ class _Chunks:
             self.dq = self.dq * sc
             kw = kw * (sc[..., -1:] * sc).unsqueeze(-1)
             last = last * sc[..., -1]
+        m = b * h * n
+        if states == "triton":  # forward only (no autograd): one Triton scan per statistic
+            from mixlab.ops.mesa_triton import chunk_states_triton
+            kwf, lastf = kw.reshape(b * h, n, c, dk), last.reshape(b * h, n)
+            s0 = (None, None) if h0 is None else (h0[0].reshape(b * h, dk, dk), h0[1].reshape(b * h, dk, dv))
+            hk, fk = chunk_states_triton(kwf, kc.reshape(b * h, n, c, dk), lastf, s0[0])
+            hv, fv = chunk_states_triton(kwf, vc.reshape(b * h, n, c, dv), lastf, s0[1])
+            self.final = (fk.view(b, h, dk, dk), fv.view(b, h, dk, dv))
+            self.H, self.G = hk.view(m, dk, dk), hv.view(m, dk, dv)
+            self.k, self.v = kc.reshape(m, c, dk), vc.reshape(m, c, dv)
+            self.D, self.dq = self.D.reshape(m, c, c), self.dq.reshape(m, c)
+            return
         h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
         h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
         # every chunk's own contribution in one product, then the scan over chunks is elementwise
@@ -372,7 +386,6 @@ class _Chunks:
             h_kk = torch.addcmul(u_kk[:, :, i], last[:, :, i, None, None], h_kk)
             h_kv = torch.addcmul(u_kv[:, :, i], last[:, :, i, None, None], h_kv)
         self.final = (h_kk, h_kv)
-        m = b * h * n
         self.H = torch.stack(hk, 2).reshape(m, dk, dk)
         self.G = torch.stack(hv, 2).reshape(m, dk, dv)
         self.k = kc.reshape(m, c, dk)
@@ -472,7 +485,9 @@ class _MesaChunkFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign, cg_impl):
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
-        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign)
+        # the Triton chunk-state scan with an explicit impl="triton" only (auto: not yet measured on a GPU)
+        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign,
+                     states="triton" if cg_impl == "triton" and dt == torch.float32 else "torch")
         lam = _lamb_per_chunk(lamb.to(dt), ch)
         x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, cg_impl)
         o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["mesa_cg_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK", "MAX_HEAD_DIM"]
+__all__ = ["mesa_cg_triton", "chunk_states_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK", "MAX_HEAD_DIM"]
 
 class TritonCGUnfit(RuntimeError):
     """The kernel does not fit the GPU at this shape and launch configuration (shared memory, registers)."""
@@ -132,6 +132,61 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, C, K, max_it
     tl.store(x_ptr + tk, x, mask=mtk)
     tl.store(it_ptr + m * C + ot, iters, mask=mt)
 
+
+
+@triton.jit
+def _states(kw_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, HAS_S0: tl.constexpr,
+            BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr):
+    # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
+    # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n
+    bh = tl.program_id(0).to(tl.int64)
+    ok = tl.program_id(1) * BK + tl.arange(0, BK)
+    ox = tl.program_id(2) * BX + tl.arange(0, BX)
+    oc = tl.arange(0, BCF)
+    mk, mx, mc = ok < K, ox < X, oc < C
+    mkx = mk[:, None] & mx[None, :]
+    tile = ok[:, None] * X + ox[None, :]
+    if HAS_S0:
+        s = tl.load(s0_ptr + bh * K * X + tile, mask=mkx, other=0.0)
+    else:
+        s = tl.zeros([BK, BX], dtype=tl.float32)
+    for n in range(N):
+        base = bh * N + n
+        tl.store(out_ptr + base * K * X + tile, s, mask=mkx)
+        kwt = tl.load(kw_ptr + base * C * K + oc[None, :] * K + ok[:, None], mask=mk[:, None] & mc[None, :],
+                      other=0.0)  # [BK, C]
+        xc = tl.load(x_ptr + base * C * X + oc[:, None] * X + ox[None, :], mask=mc[:, None] & mx[None, :],
+                     other=0.0)  # [C, BX]
+        x_hi, x_lo = _split16(xc)
+        a = tl.load(last_ptr + base)
+        s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
+    tl.store(fin_ptr + bh * K * X + tile, s, mask=mkx)
+
+
+def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Chunk-start states of Mesa's statistics (MesaNet Appendix D; fla's ``chunk_fwd_h`` in form):
+    ``S_0 = s0``, ``S_{n+1} = last_n S_n + kw_n^T x_n`` (float32, products at float32 accuracy via
+    ``fp16x3``). Forward only: :class:`mixlab.ops.mesa._Chunks` uses it outside autograd.
+
+    Args:
+        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta; x: ``[BH, N, C, X]``
+        (keys for ``H``, values for ``G``); last: ``[BH, N]`` each chunk's total decay; s0: ``[BH, K, X]``
+        or None (zeros). All float32 on one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
+
+    Returns:
+        ``states [BH, N, K, X]`` (the state before each chunk) and ``final [BH, K, X]``.
+    """
+    bh, n, c, dk = kw.shape
+    dx = x.shape[-1]
+    kw, x, last = kw.contiguous(), x.contiguous(), last.contiguous()
+    out = torch.empty(bh, n, dk, dx, dtype=torch.float32, device=kw.device)
+    fin = torch.empty(bh, dk, dx, dtype=torch.float32, device=kw.device)
+    bk, bx = min(64, _next_pow2(dk)), min(64, _next_pow2(dx))
+    s0c = s0.contiguous() if s0 is not None else fin
+    _states[(bh, -(-dk // bk), -(-dx // bx))](kw, x, last, s0c, out, fin, n, c, dk, dx, HAS_S0=s0 is not None,
+                                               BCF=_next_pow2(c), BK=bk, BX=bx, PREC="fp16x3", num_warps=4,
+                                               num_stages=1)
+    return out, fin
 
 
 def _next_pow2(n: int) -> int:
