@@ -489,8 +489,13 @@ class _MesaChunkFunction(torch.autograd.Function):
         ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign,
                      states="triton" if cg_impl == "triton" and dt == torch.float32 else "torch")
         lam = _lamb_per_chunk(lamb.to(dt), ch)
-        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, cg_impl)
-        o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
+        if cg_impl == "triton" and dt == torch.float32:  # the read-out in the CG kernel's program
+            from mixlab.ops.mesa_triton import mesa_cg_triton
+            x, iters, o = mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps,
+                                         readout=(ch.G, ch.v))
+        else:
+            x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, cg_impl)
+            o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
         ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
         ctx.cfg = (cg_iters, cg_eps, chunk_size, cg_impl)
         iters = ch.token_view(iters)

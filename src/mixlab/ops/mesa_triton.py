@@ -75,9 +75,21 @@ def _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf, PREC: tl.constexpr):
         h_hi, h_lo, kc_hi, kc_lo, kt_hi, kt_lo = h, h, kc, kc, kt, kt
     return h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo
 
+
 @triton.jit
-def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, C, K, max_iter, eps2, tiny,
-        BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, HOLD: tl.constexpr):
+def _halves(a, PREC: tl.constexpr):
+    """``(hi, lo)`` float16 halves of a ``b`` operand of :func:`_mm` for ``fp16x3``, else ``(a, a)``."""
+    if PREC == "fp16x3":
+        hi, lo = _split16(a)
+    else:
+        hi, lo = a, a
+    return hi, lo
+
+
+@triton.jit
+def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr, o_ptr, C, K, V, max_iter, eps2,
+        tiny, BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+        HOLD: tl.constexpr, READOUT: tl.constexpr):
     # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m; their systems are independent, but
     # the intra-chunk term reads every key of the chunk (D is 0 above the diagonal)
     m = tl.program_id(0).to(tl.int64)
@@ -131,6 +143,19 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, C, K, max_it
         step_no += 1
     tl.store(x_ptr + tk, x, mask=mtk)
     tl.store(it_ptr + m * C + ot, iters, mask=mt)
+    if READOUT:  # o_t = dq_t (x_t^T G) + sum_i D[t, i] (x_t . k_i) v_i  (the read-out G_t^T x_t)
+        ov = tl.arange(0, BV)
+        mv = ov < V
+        if not HOLD:
+            h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
+                                                                             PREC)
+        gm = tl.load(g_ptr + m * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        vc = tl.load(v_ptr + m * C * V + of[:, None] * V + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
+        g_hi, g_lo = _halves(gm, PREC)
+        v_hi, v_lo = _halves(vc, PREC)
+        o = dq[:, None] * _mm(x, gm, g_hi, g_lo, PREC)
+        o += _mm(_mm(x, kt, kt_hi, kt_lo, PREC) * dd, vc, v_hi, v_lo, PREC)
+        tl.store(o_ptr + m * C * V + ot[:, None] * V + ov[None, :], o, mask=mt[:, None] & mv[None, :])
 
 
 
@@ -221,7 +246,7 @@ def launch_config(c: int, dk: int) -> dict:
 
 
 def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int,
-                   eps: float | None) -> tuple[Tensor, Tensor]:
+                   eps: float | None, readout: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
     """CG on ``(H_t + Lambda) x_t = rhs_t`` for every token of ``M`` chunks (float32).
 
     Args:
@@ -229,10 +254,13 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
         D: ``[M, C, C]`` decay-and-beta weights (lower triangular); dq: ``[M, C]`` decay from
         the chunk start; lamb: ``[M, K]`` (or ``[M, 1, K]``) regulariser diagonal, > 0;
         rhs: ``[M, C, K]`` right-hand sides; max_iter: iteration cap (fixed count when
-        ``eps`` is None); eps: relative residual tolerance.
+        ``eps`` is None); eps: relative residual tolerance; readout: ``(G [M, K, V], v [M, C, V])``
+        to also return the read-out ``o_t = G_t^T x_t`` (:func:`mixlab.ops.mesa._readout_kv`)
+        computed in the same program.
 
     Returns:
-        ``x [M, C, K]`` float32 and iterations ``[M, C]`` int32 (updates applied per token).
+        ``x [M, C, K]`` float32 and iterations ``[M, C]`` int32 (updates applied per token), then
+        ``o [M, C, V]`` float32 when ``readout`` is given.
 
     Raises:
         ValueError: ``C > 128`` or ``K > 128`` (one program holds the chunk's keys), or tensors
@@ -251,16 +279,26 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
                          f"{[(z.dtype, str(z.device)) for z in args]}")
     x = torch.empty_like(args[-1])
     iters = torch.empty(m, c, dtype=torch.int32, device=rhs.device)
+    if readout is not None:
+        dv = readout[0].shape[-1]
+        if dv > MAX_HEAD_DIM:
+            raise ValueError(f"mesa_cg_triton: value head dim {dv} must be <= {MAX_HEAD_DIM}")
+        g_m, v_m = (z.reshape(m, *sh).contiguous() for z, sh in zip(readout, ((dk, dv), (c, dv))))
+        if any(z.dtype != torch.float32 or z.device != rhs.device for z in (g_m, v_m)):
+            raise ValueError("mesa_cg_triton: the read-out's G and v must be float32 on the device of rhs")
+        o = torch.empty(m, c, dv, dtype=torch.float32, device=rhs.device)
+    else:
+        dv, g_m, v_m, o = 1, x, x, x  # unused (READOUT=False)
     if m == 0:
-        return x, iters
+        return (x, iters) if readout is None else (x, iters, o)
     cfg = launch_config(c, dk)
     eps2 = 0.0 if eps is None else float(eps) ** 2
     grid = (m, -(-c // cfg["bc"]))
     try:
-        _cg[grid](*args, x, iters, c, dk, int(max_iter), eps2, torch.finfo(torch.float32).tiny,
-                  BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk), PREC=cfg["prec"], HOLD=bool(cfg["hold"]),
-                  num_warps=cfg["warps"], num_stages=1)
+        _cg[grid](*args, x, iters, g_m, v_m, o, c, dk, dv, int(max_iter), eps2, torch.finfo(torch.float32).tiny,
+                  BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk), BV=_next_pow2(dv), PREC=cfg["prec"],
+                  HOLD=bool(cfg["hold"]), READOUT=readout is not None, num_warps=cfg["warps"], num_stages=1)
     except triton.runtime.errors.OutOfResources as e:
         raise TritonCGUnfit(f"mesa_cg_triton: the kernel does not fit this GPU at chunk {c}, head dim {dk}, "
                             f"config {cfg} ({e}); set MIXLAB_MESA_CG (e.g. 'hold=0,bc=16') or use impl='chunk'") from e
-    return x, iters
+    return (x, iters) if readout is None else (x, iters, o)
