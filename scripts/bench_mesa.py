@@ -383,6 +383,10 @@ def main() -> None:
                                                      steps=min(args.decode_steps, min(lengths) - 1)))):
         if name not in sections:
             continue
+        if name == "breakdown" and dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            parts.append("### 0. Prefill pieces: skipped (the Triton kernels need CUDA, or TRITON_INTERPRET=1 on CPU)")
+            print(parts[-1] + "\n", flush=True)
+            continue
         try:
             text = fn()
         except Exception as e:  # noqa: BLE001  (keep the other sections)

@@ -298,3 +298,16 @@ def test_rope_rotary_impl_option():
     b.load_state_dict(a.state_dict())
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
+def test_rope_triton_rotation_on_cpu_is_a_clear_error():
+    """``rotary_impl: triton`` on CPU tensors raised Triton's "0 active drivers" (found by a user test)."""
+    import os
+
+    from mixlab.mixers import build_mixer
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter runs the kernel on CPU")
+    layer = build_mixer("rope", d_model=16, n_heads=2, position_args={"rotary_impl": "triton"})
+    with pytest.raises(ValueError, match="rotary_impl 'triton' .* needs CUDA tensors; got cpu"):
+        layer(torch.randn(1, 5, 16))

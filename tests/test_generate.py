@@ -149,6 +149,17 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
     line = _one_line_error(["--ckpt", str(genome), "--prompt", "ACGXT"], capsys)
     assert "'X' at position 4" in line and "not a DNA letter" in line
     assert "--fasta is for genome LM" in _one_line_error(["--ckpt", text, "--fasta", str(tmp_path / "x.fa")], capsys)
+    # found by a user test: tracebacks before
+    not_ckpt = tmp_path / "notes.txt"
+    not_ckpt.write_text("not a checkpoint\n")
+    assert "not a readable PyTorch checkpoint" in _one_line_error(["--ckpt", str(not_ckpt), "--prompt", "a"], capsys)
+    truncated = tmp_path / "cut.ckpt"
+    truncated.write_bytes(Path(text).read_bytes()[:4096])
+    assert "not a readable PyTorch checkpoint" in _one_line_error(["--ckpt", str(truncated), "--prompt", "a"], capsys)
+    assert "a directory; give a checkpoint file" in _one_line_error(["--ckpt", str(tmp_path), "--prompt", "a"], capsys)
+    if not torch.cuda.is_available():
+        line = _one_line_error(["--ckpt", text, "--prompt", "a", "--device", "cuda"], capsys)
+        assert "CUDA is not available on this machine" in line
 
 
 def test_python_m_mixlab_generate_writes_text_to_stdout_and_progress_to_stderr(text_ckpts):

@@ -73,3 +73,8 @@ def test_auto_falls_back_to_torch_cg_when_the_kernel_does_not_fit(monkeypatch):
     with pytest.raises(mt.TritonCGUnfit, match="does not fit"):  # an explicit impl='triton' does not fall back
         ch = mo._Chunks(*args[1:5], None, 64)
         mo._chunk_cg(ch, mo._lamb_per_chunk(args[5], ch), ch.chunk_view(args[0]), 30, 1e-4, "triton")
+
+
+def test_fla_impl_on_cpu_names_cuda():
+    with pytest.raises(ValueError, match="impl='fla' .*needs CUDA tensors; got cpu"):
+        mesa_net(*_args(), impl="fla")

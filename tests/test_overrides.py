@@ -64,6 +64,23 @@ def test_one_nested_mixer_option_on_the_command_line_keeps_the_others_and_its_ty
     assert mixer.impl == "reference" and mixer.pos.describe()["n_modes"] == 1
 
 
+def test_null_on_the_command_line_unsets_a_nested_mixer_option(monkeypatch, tmp_path):
+    """``null`` (or ``~``) reached the mixer as the string ``"None"`` (a 98-line traceback: found by a user
+    test); it is None, as in a config file."""
+    for null in ("null", "~"):
+        t = _run(monkeypatch, tmp_path, "--model.init_args.backbone.mixer", "mesa", f"{MIX}.mesa.eval_cg_eps", null)
+        assert _mixer_args(t)["mesa"] == {"eval_cg_eps": None}
+        assert t.model_built.backbone.blocks[0].mixer.eval_cg_eps is None
+
+
+def test_a_wrong_type_for_a_mesa_tolerance_is_one_line(monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        _run(monkeypatch, tmp_path, "--model.init_args.backbone.mixer", "mesa", f"{MIX}.mesa.cg_eps", "abc")
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cg_eps (adaptive CG tolerance) must be > 0 or None (fixed count); got 'abc'" in err[-2]
+
+
 def test_a_second_config_and_the_command_line_merge_in_the_order_given(monkeypatch, tmp_path):
     second = tmp_path / "second.yaml"
     second.write_text("model:\n  init_args:\n    backbone:\n      mixer_args:\n"

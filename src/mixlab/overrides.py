@@ -88,7 +88,9 @@ def install() -> None:
             return original(self, value, append=append, cfg=cfg, mode=mode)
         prev = cfg.get(self.dest)
         if isinstance(value, NestedArg):  # --...mixer_args.goat.position_args.n_modes 1
-            loaded = parse_value_or_config(value.val, enable_path=False, simple_types=True)[0]
+            # jsonargparse hands a command-line null (or ~) over as the string "None"
+            loaded = None if value.val == "None" else parse_value_or_config(value.val, enable_path=False,
+                                                                            simple_types=True)[0]
             value = _nested(value.key, loaded)
         out = original(self, value, append=append, cfg=cfg, mode=mode)
         return deep_merge(prev, out) if isinstance(prev, dict) and isinstance(out, dict) else out

@@ -4,6 +4,7 @@ the GOAT layers of a model, and the chunked forward."""
 from __future__ import annotations
 
 import importlib
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,13 +97,22 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
         hint: that error's explanation (default: ``"expected a <head> run"``).
 
     Raises:
-        FileNotFoundError: no such file (``"--ckpt <path>: file not found"``).
-        ValueError: the checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint; <hint>"``).
+        FileNotFoundError: no such file, or a directory (``"--ckpt <path>: file not found"``).
+        ValueError: the file is not a readable checkpoint; ``device`` is CUDA on a machine without it; the
+            checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint; <hint>"``).
     """
     path = Path(ckpt)
+    if path.is_dir():
+        raise FileNotFoundError(f"--ckpt {ckpt}: a directory; give a checkpoint file (e.g. {path / 'last.ckpt'})")
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt {ckpt}: file not found")
-    raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    try:
+        raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
+        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({str(e).splitlines()[0][:120]}); "
+                         "give a .ckpt file written by python -m mixlab fit") from None
     head_path, data, data_args = run_record_of(raw)
     if head_path is None:
         head_path = f"{head.__module__}.{head.__qualname__}" if head is not None else _DEFAULT_HEAD

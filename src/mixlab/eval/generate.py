@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
     from mixlab.heads.lm import CausalLM
 
     t0 = time.perf_counter()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     run = load_run(args.ckpt, "cpu", head=CausalLM, hint=_LM_HINT)
     model = run.model
     if getattr(model, "decoder", "lm") != "lm":

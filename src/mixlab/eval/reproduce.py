@@ -152,7 +152,7 @@ def _genome_rows(res: dict) -> list[tuple[str, str, str, str]]:
     fit = ok and max(g, r) < 2.0
     rows = [("test bits per base (lower is better)", "RoPE 1.7390, GOAT 1.6294 (-0.11); Fig. 4",
              f"RoPE {_fmt(r, 4)}, GOAT {_fmt(g, 4)}" + (f" ({g - r:+.4f})" if ok else "")
-             + ("" if fit or not ok else " (above 2 bits/base: overfit, not comparable)"),
+             + ("" if fit or not ok else " (above 2 bits/base: worse than uniform over ACGT, not comparable)"),
              _verdict(fit and g < r - 0.02, fit and g < r))]
     if tg and tr:
         rows.append(("training tokens/s, GOAT / RoPE", "0.988 (138,171 vs 139,886)", f"{tg / tr:.3f}",

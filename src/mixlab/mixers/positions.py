@@ -19,6 +19,7 @@ dispatch live in :mod:`mixlab.ops.goat` and :mod:`mixlab.ops.attention`.
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 import torch
@@ -607,6 +608,10 @@ class RotaryPositions(PositionScheme):
         """See :meth:`PositionScheme.pack`; with the Triton path (``rotary_impl``) q and k are rotated in
         place in ``qkv`` and returned as views of it (:class:`~mixlab.ops.rope_triton.RopeQKV`)."""
         impl = self.rotary_impl
+        if impl == "triton" and not qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("rope: position_args.rotary_impl 'triton' (the in-place Triton rotation) needs CUDA "
+                             f"tensors; got {qkv.device.type}. Use rotary_impl 'auto' (Triton on CUDA, torch "
+                             "elsewhere) or 'torch'")
         fast = impl == "triton" or (impl == "auto" and qkv.is_cuda and not torch.compiler.is_compiling())
         if fast and qkv.dtype != torch.float64:
             cos, sin = self._cos_sin(coords, torch.float32)  # [B|1, 1, T, d/2]

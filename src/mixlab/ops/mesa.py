@@ -81,7 +81,7 @@ def check_solver_args(cg_iters: int, cg_eps: float | None, eps_name: str = "cg_e
     """Raises ValueError for a CG cap < 1 or a non-positive tolerance (named ``eps_name``)."""
     if not isinstance(cg_iters, int) or cg_iters < 1:
         raise ValueError(f"mesa: cg_iters (CG iteration count / cap) must be an integer >= 1; got {cg_iters!r}")
-    if cg_eps is not None and not cg_eps > 0:
+    if cg_eps is not None and (isinstance(cg_eps, bool) or not isinstance(cg_eps, (int, float)) or not cg_eps > 0):
         raise ValueError(f"mesa: {eps_name} (adaptive CG tolerance) must be > 0 or None (fixed count); got {cg_eps!r}")
 
 
@@ -674,8 +674,12 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
         return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state,
                           gate_sign, cg_impl={"chunk": "torch"}.get(impl, impl))
     if impl == "fla":
+        if not q.is_cuda:
+            raise ValueError(f"mesa: impl='fla' (fla-core's Triton kernel) needs CUDA tensors; got {q.device.type}. "
+                             "Use impl='auto' or 'chunk'")
         if cg_eps is not None:
-            raise ValueError("mesa: impl='fla' has a fixed CG count; set cg_eps=None or use impl='chunk'")
+            raise ValueError("mesa: impl='fla' has a fixed CG count (an evaluation tolerance eval_cg_eps applies "
+                             "too); set cg_eps and eval_cg_eps to null or use impl='auto'")
         if gate_sign is not None:
             raise ValueError("mesa: impl='fla' takes positive forget gates only (log gates); negative gates need "
                              "impl='auto' or 'chunk'")
