@@ -674,12 +674,12 @@ def mesa_net(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Ten
         return mesa_chunk(q, k, v, g, beta, lamb, cg_iters, cg_eps, chunk_size, initial_state, output_final_state,
                           gate_sign, cg_impl={"chunk": "torch"}.get(impl, impl))
     if impl == "fla":
-        if not q.is_cuda:
-            raise ValueError(f"mesa: impl='fla' (fla-core's Triton kernel) needs CUDA tensors; got {q.device.type}. "
-                             "Use impl='auto' or 'chunk'")
         if cg_eps is not None:
             raise ValueError("mesa: impl='fla' has a fixed CG count (an evaluation tolerance eval_cg_eps applies "
                              "too); set cg_eps and eval_cg_eps to null or use impl='auto'")
+        if not q.is_cuda:
+            raise ValueError(f"mesa: impl='fla' (fla-core's Triton kernel) needs CUDA tensors; got {q.device.type}. "
+                             "Use impl='auto' or 'chunk'")
         if gate_sign is not None:
             raise ValueError("mesa: impl='fla' takes positive forget gates only (log gates); negative gates need "
                              "impl='auto' or 'chunk'")
