@@ -92,6 +92,16 @@ class Coords:
             if all(v == 1.0 for v in self.scale):
                 self.scale = None
 
+    def last_seq_position(self) -> int | None:
+        """Largest sequence position of :meth:`seq` coordinates, read from :attr:`key` (also behind
+        :meth:`with_axes`, and kept by :meth:`to`): no device read. None for other coordinates."""
+        key = self.key
+        while key is not None and key[0] == "axes":
+            key = key[1]
+        if key is None or key[0] != "seq" or key[1] < 1:
+            return None
+        return key[1] + key[2] - 1
+
     # ------------------------------------------------------------------ builders
     @staticmethod
     def seq(length: int, offset: int = 0, device: torch.device | str | None = None) -> "Coords":

@@ -267,9 +267,8 @@ class GatedDeltaMixer(Mixer):
         calc = torch.float64 if dt == torch.float64 else torch.float32
         out = {"state": state.to(calc).clone(memory_format=torch.contiguous_format)}
         if self.conv_size > 0:
-            convs = (("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv))
-            out["conv"] = torch.cat([c.static_buffer(cache, n, state.shape[0], dt, state.device) for n, c in convs], -1)
-            out["conv_w"] = torch.cat([c.weight[:, 0] for _, c in convs]).to(dt)
+            convs = [("conv_q", self.q_conv), ("conv_k", self.k_conv), ("conv_v", self.v_conv)]
+            out.update(ShortConv.joint_static_buffers(convs, cache, state.shape[0], dt, state.device))
         return out
 
     def static_cache_bytes(self, batch: int, capacity: int, dtype: torch.dtype) -> int:

@@ -99,6 +99,19 @@ class ShortConv(SubLayer):
             return cache[key].to(dtype).clone(memory_format=torch.contiguous_format)
         return torch.zeros(batch, self.kernel_size - 1, self.dim, dtype=dtype, device=device)
 
+    @staticmethod
+    def joint_static_buffers(convs: list[tuple[str, ShortConv]], cache: dict, batch: int, dtype: torch.dtype,
+                             device: torch.device) -> dict[str, Tensor]:
+        """Decoding buffers of several convolutions of one kernel size and activation run as one on their
+        concatenated channels (:func:`short_conv_step`; the same values, one launch): ``conv [B, W-1, sum C]``
+        (the tails, from ``cache[name]`` of each ``(name, conv)``), ``conv_w [sum C, W]`` and, when the
+        convolutions have biases, ``conv_b [sum C]``, all in ``dtype``."""
+        out = {"conv": torch.cat([c.static_buffer(cache, n, batch, dtype, device) for n, c in convs], -1),
+               "conv_w": torch.cat([c.weight[:, 0] for _, c in convs]).to(dtype)}
+        if convs[0][1].bias is not None:
+            out["conv_b"] = torch.cat([c.bias for _, c in convs]).to(dtype)
+        return out
+
     def step(self, x: Tensor, tail: Tensor) -> Tensor:
         """One token ``x [B, C]`` with the last ``W - 1`` inputs ``tail [B, W-1, C]`` (dtype of x, updated in
         place: shifted by one, ``x`` appended) -> ``[B, C]``; the same sums as :meth:`forward`."""

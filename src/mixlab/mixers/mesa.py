@@ -204,10 +204,9 @@ class Mesa(Mixer):
         fixed = lambda z: z.to(calc).clone(memory_format=torch.contiguous_format)  # noqa: E731
         out = {"h_kk": fixed(h_kk), "h_kv": fixed(h_kv)}
         if self.q_conv is not None:  # the q and k convolutions side by side: one step on [q | k]
-            dt, b, convs = self.v_proj.weight.dtype, h_kk.shape[0], (("q_conv", self.q_conv), ("k_conv", self.k_conv))
-            out["conv"] = torch.cat([c.static_buffer(cache, n, b, dt, h_kk.device) for n, c in convs], -1)
-            out["conv_w"] = torch.cat([c.weight[:, 0] for _, c in convs]).to(dt)
-            out["conv_b"] = torch.cat([c.bias for _, c in convs]).to(dt)
+            convs = [("q_conv", self.q_conv), ("k_conv", self.k_conv)]
+            out.update(ShortConv.joint_static_buffers(convs, cache, h_kk.shape[0], self.v_proj.weight.dtype,
+                                                      h_kk.device))
         self._decode_cg = self._pick_decode_cg(out["h_kk"])
         return out
 
@@ -220,12 +219,12 @@ class Mesa(Mixer):
             return forced
         if not (h_kk.is_cuda and h_kk.dtype == torch.float32 and self.head_dim <= 128):
             return "torch"
-        from mixlab.ops.mesa_triton import TritonCGUnfit, mesa_cg_triton
+        from mixlab.ops.mesa_triton import TritonCGUnfit, solve_dense_triton
 
         d = self.head_dim
         try:
-            mesa_cg_triton(torch.eye(d, device=h_kk.device)[None], h_kk.new_zeros(1, 1, d), h_kk.new_zeros(1, 1, 1),
-                           h_kk.new_ones(1, 1), h_kk.new_ones(1, d), h_kk.new_ones(1, 1, d), *self.solver())
+            solve_dense_triton(torch.eye(d, device=h_kk.device)[None], h_kk.new_ones(1, d), h_kk.new_ones(1, d),
+                               *self.solver())
         except TritonCGUnfit as err:
             warnings.warn(f"{err}; Mesa decodes with the torch CG", stacklevel=2)
             return "torch"

@@ -38,16 +38,6 @@ __all__ = ["PositionScheme", "GoatPrior", "AlibiPrior", "RotaryPositions", "NoPo
 _EXACT_J_HI = {torch.bfloat16: 256, torch.float16: 2048}
 
 
-def _last_seq_position(key: tuple | None) -> int | None:
-    """Largest sequence position of :meth:`Coords.seq` coordinates (``("seq", length, offset)``, also
-    behind ``with_axes``), read from the key; None for other coordinates."""
-    while key is not None and key[0] == "axes":
-        key = key[1]
-    if key is None or key[0] != "seq" or key[1] < 1:
-        return None
-    return key[1] + key[2] - 1
-
-
 def _feature_cache(module: nn.Module, coords: Coords, dtype: torch.dtype) -> tuple[tuple | None, dict]:
     """``(key, cache)`` of a scheme's per-coordinates feature cache (a plain dict outside the
     module's state). Under ``torch.compile`` there is no cache (key None): the traced graph
@@ -361,7 +351,7 @@ class GoatPrior(PositionScheme):
         j_hi, j_lo = G.split_key_linear(torch.where(has_seq, seq, torch.zeros_like(seq)))
         f.update(j_hi=j_hi.to(calc), j_lo=j_lo.to(calc), is_bos=((seq == 0) & has_seq).to(calc),
                  is_none=(~mask.any(-1)).to(calc))
-        last = _last_seq_position(coords.key)
+        last = coords.last_seq_position()
         if last is not None:  # plain sequence positions: the key-range check needs no host sync
             f["j_hi_max"] = last // G.KEY_LINEAR_BLOCK
         if key is not None:

@@ -268,9 +268,9 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
 
     ``cg_impl="torch"``: CG always runs ``cg_iters`` iterations (with ``cg_eps`` the tolerance masks
     converged systems instead of ending the loop; same output as :func:`mesa_step`). ``"triton"``: one
-    launch of :func:`mixlab.ops.mesa_triton.mesa_cg_triton` for all ``B * H`` systems (a chunk of one
-    token with the updated state as its statistic; the loop and the per-system stopping run on the device;
-    float32 only, ``K <= 128``; float32-accurate ``tf32x3`` products, not bitwise the torch CG).
+    launch of :func:`mixlab.ops.mesa_triton.solve_dense_triton` for all ``B * H`` systems (the loop and the
+    per-system stopping run on the device; float32 only, ``K <= 128``; float32-accurate products, not
+    bitwise the torch CG).
 
     Returns:
         ``o [B, H, V]`` in the compute dtype.
@@ -283,13 +283,11 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     h_kk.mul_(decay).add_(kb.unsqueeze(-1) * k.unsqueeze(-2))
     h_kv.mul_(decay).add_(kb.unsqueeze(-1) * v.unsqueeze(-2))
     if cg_impl == "triton":
-        from mixlab.ops.mesa_triton import mesa_cg_triton
+        from mixlab.ops.mesa_triton import solve_dense_triton
 
         b, h, dk = q.shape
-        m = b * h
-        x, _ = mesa_cg_triton(h_kk.reshape(m, dk, dk), q.new_zeros(m, 1, dk), q.new_zeros(m, 1, 1), q.new_ones(m, 1),
-                              lamb.expand(b, h, dk).reshape(m, dk), q.reshape(m, 1, dk), cg_iters, cg_eps)
-        x = x.view(b, h, dk)
+        x = solve_dense_triton(h_kk.reshape(b * h, dk, dk), lamb.expand(b, h, dk).reshape(b * h, dk),
+                               q.reshape(b * h, dk), cg_iters, cg_eps).view(b, h, dk)
     else:
         x, _ = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps,
                                   early_stop=False)
@@ -370,24 +368,22 @@ class _Chunks:
             hk, fk = chunk_states_triton(kwf, kc.reshape(b * h, n, c, dk), lastf, s0[0])
             hv, fv = chunk_states_triton(kwf, vc.reshape(b * h, n, c, dv), lastf, s0[1])
             self.final = (fk.view(b, h, dk, dk), fv.view(b, h, dk, dv))
-            self.H, self.G = hk.view(m, dk, dk), hv.view(m, dk, dv)
-            self.k, self.v = kc.reshape(m, c, dk), vc.reshape(m, c, dv)
-            self.D, self.dq = self.D.reshape(m, c, c), self.dq.reshape(m, c)
-            return
-        h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
-        h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
-        # every chunk's own contribution in one product, then the scan over chunks is elementwise
-        u_kk = kw.transpose(-1, -2) @ kc  # [B, H, N, K, K]
-        u_kv = kw.transpose(-1, -2) @ vc  # [B, H, N, K, V]
-        hk, hv = [], []
-        for i in range(n):
-            hk.append(h_kk)
-            hv.append(h_kv)
-            h_kk = torch.addcmul(u_kk[:, :, i], last[:, :, i, None, None], h_kk)
-            h_kv = torch.addcmul(u_kv[:, :, i], last[:, :, i, None, None], h_kv)
-        self.final = (h_kk, h_kv)
-        self.H = torch.stack(hk, 2).reshape(m, dk, dk)
-        self.G = torch.stack(hv, 2).reshape(m, dk, dv)
+        else:
+            h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
+            h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
+            # every chunk's own contribution in one product, then the scan over chunks is elementwise
+            u_kk = kw.transpose(-1, -2) @ kc  # [B, H, N, K, K]
+            u_kv = kw.transpose(-1, -2) @ vc  # [B, H, N, K, V]
+            hk, hv = [], []
+            for i in range(n):
+                hk.append(h_kk)
+                hv.append(h_kv)
+                h_kk = torch.addcmul(u_kk[:, :, i], last[:, :, i, None, None], h_kk)
+                h_kv = torch.addcmul(u_kv[:, :, i], last[:, :, i, None, None], h_kv)
+            self.final = (h_kk, h_kv)
+            hk, hv = torch.stack(hk, 2), torch.stack(hv, 2)
+        self.H = hk.reshape(m, dk, dk)
+        self.G = hv.reshape(m, dk, dv)
         self.k = kc.reshape(m, c, dk)
         self.v = vc.reshape(m, c, dv)
         self.D = self.D.reshape(m, c, c)
@@ -485,11 +481,13 @@ class _MesaChunkFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign, cg_impl):
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
-        # the Triton chunk-state scan with an explicit impl="triton" only (auto: not yet measured on a GPU)
+        # an explicit impl="triton" also takes the Triton chunk-state scan and the read-out in the CG kernel's
+        # program (auto: not yet measured on a GPU)
+        fused = cg_impl == "triton" and dt == torch.float32
         ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign,
-                     states="triton" if cg_impl == "triton" and dt == torch.float32 else "torch")
+                     states="triton" if fused else "torch")
         lam = _lamb_per_chunk(lamb.to(dt), ch)
-        if cg_impl == "triton" and dt == torch.float32:  # the read-out in the CG kernel's program
+        if fused:
             from mixlab.ops.mesa_triton import mesa_cg_triton
             x, iters, o = mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps,
                                          readout=(ch.G, ch.v))

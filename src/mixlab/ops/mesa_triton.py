@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["mesa_cg_triton", "chunk_states_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK", "MAX_HEAD_DIM"]
+__all__ = ["mesa_cg_triton", "solve_dense_triton", "chunk_states_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK",
+           "MAX_HEAD_DIM"]
 
 class TritonCGUnfit(RuntimeError):
     """The kernel does not fit the GPU at this shape and launch configuration (shared memory, registers)."""
@@ -186,6 +187,27 @@ def _states(kw_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, HAS_S
         a = tl.load(last_ptr + base)
         s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
     tl.store(fin_ptr + bh * K * X + tile, s, mask=mkx)
+
+
+def solve_dense_triton(H: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int, eps: float | None) -> Tensor:
+    """CG on ``(H_m + Diag(lamb_m)) x_m = rhs_m`` for ``M`` dense systems (a decoding step's ``B * H``
+    heads): :func:`mesa_cg_triton` on chunks of one token whose statistic is ``H`` (no intra-chunk keys,
+    decay 1), so the loop and the per-system stopping run on the device, without a host sync.
+
+    Args:
+        H: ``[M, K, K]`` symmetric; lamb: ``[M, K]`` > 0; rhs: ``[M, K]``; all float32 on one device;
+            max_iter, eps: as :func:`mesa_cg_triton`.
+
+    Returns:
+        ``x [M, K]`` float32.
+
+    Raises:
+        ValueError, TritonCGUnfit: as :func:`mesa_cg_triton`.
+    """
+    m, dk = rhs.shape
+    x, _ = mesa_cg_triton(H, rhs.new_zeros(m, 1, dk), rhs.new_zeros(m, 1, 1), rhs.new_ones(m, 1), lamb,
+                          rhs.view(m, 1, dk), max_iter, eps)
+    return x.view(m, dk)
 
 
 def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
