@@ -13,8 +13,8 @@ the hybrid ``--hybrid`` (default ``kda*3,goat``) and ``rope_triton`` (RoPE with 
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
-(:meth:`CausalLM.scores`: output layer and cross entropy in chunks of ``loss_chunk_tokens`` tokens,
-automatic at this vocabulary); the anchor's is the plain full-logits one.
+(:meth:`CausalLM.mean_loss`: output layer and cross entropy fused in chunks of ``loss_chunk_tokens``
+tokens, gradients computed in forward, automatic at this vocabulary); the anchor's is the plain full-logits one.
 
 Each model runs eagerly and under ``torch.compile`` (``--modes``). Every (model, mode) is built, warmed
 up and its peak memory measured first (``torch.cuda.max_memory_allocated`` above what was allocated
@@ -101,8 +101,7 @@ class MixlabLoss(nn.Module):
         self.lm = lm
 
     def forward(self, inputs, targets):
-        nll, valid, _ = self.lm.scores(inputs, targets)
-        return nll.sum() / valid.sum()
+        return self.lm.mean_loss(inputs, targets)[0]
 
 
 def build(name: str, args) -> nn.Module:
@@ -215,6 +214,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 rounds of 2 steps), eager, float32")
     p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
+    p.add_argument("--profile", type=int, default=0, metavar="K",
+                   help="after the rounds, profile 2 steps of each (model, mode) and print its K most expensive "
+                        "device kernels (torch.profiler; with --out, also to <out>.profile.txt)")
     args = p.parse_args(argv)
     for name in ("rounds", "steps"):
         if getattr(args, name) < 1:
@@ -267,7 +269,27 @@ def main(argv: list[str] | None = None) -> str:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(md)
     print(md, flush=True)
+    if args.profile:
+        prof = "\n".join(profile(c, args.profile) for c in cases)
+        print(prof, flush=True)
+        if args.out is not None:
+            args.out.with_suffix(".profile.txt").write_text(prof)
     return md
+
+
+def profile(case: Case, top: int) -> str:
+    """The ``top`` kernels by total device time over 2 training steps of ``case`` (a text table)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if case.dev.type == "cuda" else [])
+    sync(case.dev)
+    with torch_profile(activities=acts) as prof:
+        for _ in range(2):
+            case.step()
+        sync(case.dev)
+    key = "self_cuda_time_total" if case.dev.type == "cuda" else "self_cpu_time_total"
+    return f"## {case.name} ({case.mode}), 2 steps\n" + prof.key_averages().table(sort_by=key, row_limit=top)
 
 
 if __name__ == "__main__":

@@ -61,3 +61,20 @@ def test_goat_key_range_of_sequence_coordinates_needs_no_host_sync():
         assert f["j_hi_max"] == int(f["j_hi"].max())
     shifted = Coords(torch.arange(3, 9).view(1, 6, 1), key=("shifted", 6))  # not Coords.seq: no key bound
     assert "j_hi_max" not in pos._features(shifted, torch.float32)
+
+
+def test_whole_lm_training_loss_traces_in_one_graph_per_position_scheme():
+    """``torch.compile`` of a whole CausalLM training loss (the fused chunked output layer included) has
+    no graph break for the attention schemes (GOAT's torch lanes broke once per layer on CPU: Dynamo
+    refuses one tensor passed twice to an autograd.Function)."""
+    from mixlab.heads.lm import CausalLM
+
+    for mixer in ("goat", "rope", "nope"):
+        torch.manual_seed(0)
+        lm = CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer=mixer),
+                      loss_chunk_tokens=16)
+        x = torch.randint(0, 300, (2, 21))
+        torch._dynamo.reset()
+        ex = torch._dynamo.explain(lambda a, b: lm.mean_loss(a, b)[0])(x[:, :-1], x[:, 1:])
+        assert ex.graph_break_count == 0, (mixer, [str(b.reason)[:200] for b in ex.break_reasons])
+        assert ex.graph_count == 1, mixer

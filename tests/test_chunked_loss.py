@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mixlab.backbone import BackboneConfig
 from mixlab.heads.lm import AUTO_CHUNK_TOKENS, CausalLM
-from mixlab.heads.loss import linear_cross_entropy
+from mixlab.heads.loss import fused_linear_cross_entropy, linear_cross_entropy
 from mixlab.heads.synthetic import SyntheticLM
 
 
@@ -41,6 +41,65 @@ def test_linear_cross_entropy_equals_the_full_cross_entropy_in_float64(n, chunk)
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("n,chunk", [(37, 5), (37, 37), (37, 100), (1, 3), (64, 7)], ids=lambda v: str(v))
+def test_fused_linear_cross_entropy_equals_the_mean_cross_entropy_in_float64(n, chunk):
+    """Loss, per-token scores and both gradients (scaled by a non-unit upstream gradient) equal the
+    plain full-logits mean cross entropy; a chunk with no scored token contributes nothing."""
+    g = torch.Generator().manual_seed(n * 7 + chunk)
+    d, v = 12, 29
+    h = torch.randn(n, d, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(v, d, dtype=torch.float64, generator=g, requires_grad=True)
+    t = torch.randint(0, v, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.3] = -100
+    t[:min(chunk, n - 1)] = -100  # the first chunk has no scored token (n = 1: nothing masked here)
+    loss, nll, valid, hits = fused_linear_cross_entropy(h, w, t, chunk=chunk)
+    gh, gw = torch.autograd.grad(2.5 * loss, (h, w))
+    ref, ref_hits = _plain(h, w, t)
+    ref_loss = ref.sum() / (t != -100).sum().clamp_min(1)
+    rh, rw = torch.autograd.grad(2.5 * ref_loss, (h, w))
+    assert loss.dtype == nll.dtype == torch.float64
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(nll, ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(valid, t != -100) and torch.equal(hits, ref_hits)
+    torch.testing.assert_close(gh, rh, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_linear_cross_entropy_under_bf16_autocast_matches_the_plain_path():
+    """Under bf16 autocast the logits matmul runs in bf16 as F.linear's would: loss within bf16 rounding
+    of the plain path's, gradients within a few bf16 ulps, dtypes those of the inputs."""
+    torch.manual_seed(3)
+    n, d, v = 96, 32, 257
+    h = torch.randn(n, d, requires_grad=True)
+    w = (0.2 * torch.randn(v, d)).requires_grad_()
+    t = torch.randint(0, v, (n,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _, _ = fused_linear_cross_entropy(h, w, t, chunk=40)
+        ref = F.cross_entropy(F.linear(h, w).float(), t)
+    gh, gw = torch.autograd.grad(loss, (h, w))
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-4)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-4)
+
+
+def test_fused_linear_cross_entropy_keeps_no_logits_and_traces_in_one_graph():
+    """What backward keeps is d hidden and d weight only (no [chunk, V] logits), and torch.compile's
+    tracer takes the whole function without a graph break."""
+    n, d, v, chunk = 50, 8, 1000, 16
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    t = torch.randint(0, v, (n,))
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
+        loss = fused_linear_cross_entropy(h, w, t, chunk=chunk)[0]
+    assert sorted(saved) == sorted([(n, d), (v, d)]), saved
+    loss.backward()
+    explained = torch._dynamo.explain(lambda a, b, c: fused_linear_cross_entropy(a, b, c, chunk=chunk)[0])(h, w, t)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
 def test_linear_cross_entropy_recomputes_instead_of_keeping_the_logits():
     """With chunks, what autograd keeps for backward holds no [chunk, V] tensor (the logits are recomputed)."""
     n, d, v, chunk = 50, 8, 1000, 16
@@ -61,6 +120,10 @@ def test_linear_cross_entropy_rejects_a_bad_chunk_and_bad_shapes():
         linear_cross_entropy(h, w, t, chunk=0)
     with pytest.raises(ValueError, match=r"hidden \[N, D\]"):
         linear_cross_entropy(h[None], w, t, chunk=2)
+    with pytest.raises(ValueError, match="fused_linear_cross_entropy: chunk must be >= 1"):
+        fused_linear_cross_entropy(h, w, t, chunk=0)
+    with pytest.raises(ValueError, match=r"hidden \[N, D\] and targets \[N\]"):
+        fused_linear_cross_entropy(h, w, t[:3], chunk=2)
 
 
 def _model(cls, chunk, **kw):

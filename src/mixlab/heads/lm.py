@@ -11,7 +11,7 @@ from torchmetrics import SumMetric
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
-from mixlab.heads.loss import linear_cross_entropy, token_nll
+from mixlab.heads.loss import fused_linear_cross_entropy, linear_cross_entropy, token_nll
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
@@ -126,10 +126,14 @@ class CausalLM(Head):
         """Scored tokens in a batch (for throughput)."""
         return batch.shape[0] * (batch.shape[1] - 1)
 
-    def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    @staticmethod
+    def _split(batch: Tensor) -> tuple[Tensor, Tensor]:
         if batch.dim() != 2:
             raise ValueError(f"CausalLM expects LongTensor [B, L+1] batches; got shape {tuple(batch.shape)}")
-        return self.scores(batch[:, :-1], batch[:, 1:])
+        return batch[:, :-1], batch[:, 1:]
+
+    def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.scores(*self._split(batch))
 
     def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token next-token scores of a batch, as training and evaluation use them.
@@ -148,6 +152,26 @@ class CausalLM(Head):
         h = self.hidden(inputs).flatten(0, 1)
         return linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens)
 
+    def mean_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The training loss: mean NLL over scored tokens, with the per-token scores.
+
+        With ``loss_chunk_tokens`` set, the output layer and cross entropy run through
+        :func:`~mixlab.heads.loss.fused_linear_cross_entropy` (gradients computed chunk by chunk in
+        forward: no ``[B*T, vocab]`` logits, no recomputation); otherwise through :meth:`scores`.
+
+        Args:
+            inputs, targets: as :meth:`scores`.
+
+        Returns:
+            ``(loss [] float32, nll [B*T], valid [B*T] bool, hits [B*T] bool)``; ``loss`` is
+            ``nll.sum() / max(valid.sum(), 1)`` and carries the gradient.
+        """
+        if not self.loss_chunk_tokens:
+            nll, valid, hits = self.scores(inputs, targets)
+            return nll.sum() / valid.sum().clamp_min(1), nll, valid, hits
+        h = self.hidden(inputs).flatten(0, 1)
+        return fused_linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens)
+
     def _update_sums(self, stage: str, nll: Tensor, valid: Tensor, hits: Tensor) -> None:
         self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
         self.metric_sums[f"{stage}_count"].update(valid.sum().double())
@@ -163,11 +187,9 @@ class CausalLM(Head):
         self.token_unit = self.data_attr("token_unit", "token")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        nll, valid, hits = self._nll(batch)
-        n = valid.sum().clamp_min(1)
-        loss = nll.sum() / n
+        loss, _, valid, hits = self.mean_loss(*self._split(batch))
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
-        self.log("train/acc", hits.sum() / n)
+        self.log("train/acc", hits.sum() / valid.sum().clamp_min(1))
         return loss
 
     def _eval_step(self, batch: Tensor, stage: str) -> None:

@@ -6,6 +6,13 @@ many for their gradient) in training: at GPT-2's vocabulary, 8 x 2048 tokens tak
 exist at once: forward keeps the per-token NLL, backward recomputes each chunk's logits and turns
 them into that chunk's gradients of ``h`` and ``W`` (the same ops as the plain path, once more).
 
+The training loss (the mean NLL) takes a cheaper route, :func:`fused_linear_cross_entropy`: its
+gradient is known in forward (``(softmax - onehot) / n_scored`` per token), so each chunk's logits turn
+into ``d h`` and ``d W`` right away and are freed; backward only scales them by the upstream gradient.
+Three matmuls per chunk as in the plain path (no recomputation), one chunk's logits alive at a time
+(the technique of Liger-Kernel's and fla's fused linear cross entropy, written here in torch so that it
+runs on CPU and traces under ``torch.compile``).
+
 Notation: N tokens, D model width, V vocabulary.
 """
 
@@ -18,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixlab.heads.common import float_logits
 
-__all__ = ["linear_cross_entropy", "token_nll"]
+__all__ = ["fused_linear_cross_entropy", "linear_cross_entropy", "token_nll"]
 
 
 def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
@@ -78,3 +85,84 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore
         parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if recompute else _chunk_scores(*args))
     nll, valid, hits = (torch.cat(p) for p in zip(*parts))
     return nll, valid, hits
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Mean NLL over scored tokens with ``d hidden`` and ``d weight`` computed in forward, chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk: int):
+        n = hidden.shape[0]
+        # the matmul dtype: autocast's where it is on (as F.linear would run), else the inputs'
+        mm = hidden.dtype
+        if hidden.dtype != torch.float64 and torch.is_autocast_enabled(hidden.device.type):
+            mm = torch.get_autocast_dtype(hidden.device.type)
+        acc = torch.float64 if mm == torch.float64 else torch.float32  # logits and the d W accumulator
+        h_mm, w_mm = hidden.to(mm), weight.to(mm)
+        valid = targets != ignore_index
+        n_scored = valid.sum().clamp_min(1)
+        nll = torch.empty(n, dtype=acc, device=hidden.device)
+        hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=mm, device=hidden.device)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk):
+                e = min(s + chunk, n)
+                h, t, v = h_mm[s:e], targets[s:e], valid[s:e]
+                logits = (h @ w_mm.t()).to(acc)  # [n_c, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                t_safe = torch.where(v, t, 0)
+                nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
+                hits[s:e] = (logits.argmax(-1) == t) & v
+                # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere
+                g = torch.exp(logits - lse[:, None])
+                g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
+                g = (g * (v.to(acc) / n_scored)[:, None]).to(mm)
+                grad_h[s:e] = g @ w_mm
+                grad_w += (g.t() @ h).to(acc)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        ctx.mark_non_differentiable(nll, valid, hits)
+        return nll.sum() / n_scored, nll, valid, hits
+
+    @staticmethod
+    def backward(ctx, g_loss: Tensor, *_unused):
+        grad_h, grad_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        return (grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype), None, None, None
+
+
+def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
+                               chunk: int = 4096) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Mean next-token NLL of ``softmax(hidden @ weight^T)`` over scored tokens, with the gradients of
+    ``hidden`` and ``weight`` computed during forward, ``chunk`` tokens at a time.
+
+    ``loss`` equals ``F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=ignore_index)``
+    (mean over scored tokens; 0 when none is scored) in value and gradients, up to the summation order of
+    ``d weight`` over chunks. Per chunk: logits (one matmul in the autocast dtype, or the inputs'),
+    log-sum-exp and NLL in float32 (float64 for float64 inputs), then ``G = (softmax - onehot) / n`` and
+    ``d hidden = G W``, ``d weight += G^T hidden`` (float32 accumulator): three matmuls per chunk, as the
+    plain path's forward + backward, and at most one chunk's ``[chunk, V]`` logits alive at a time.
+    Backward multiplies the kept gradients by the upstream scalar. The per-token outputs carry no
+    gradient: use :func:`linear_cross_entropy` where a loss weights tokens differently.
+
+    Args:
+        hidden: ``[N, D]`` final hidden states (float32, bf16 or float64).
+        weight: ``[V, D]`` output matrix (no bias).
+        targets: ``[N]`` int64 token ids; ``ignore_index`` marks unscored positions.
+        ignore_index: target id that is not scored.
+        chunk: tokens per chunk (>= 1; need not divide ``N``).
+
+    Returns:
+        ``(loss [] float32 (float64 for float64 inputs), nll [N] (0 where ignored), valid [N] bool,
+        hits [N] bool)``; only ``loss`` is differentiable.
+
+    Raises:
+        ValueError: ``chunk < 1``; ``hidden`` not 2-D; ``targets`` not ``[N]``.
+    """
+    if chunk < 1:
+        raise ValueError(f"fused_linear_cross_entropy: chunk must be >= 1 tokens; got {chunk}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"fused_linear_cross_entropy: expected hidden [N, D] and targets [N]; got "
+                         f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
+    return _FusedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk)
