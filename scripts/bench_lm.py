@@ -16,7 +16,9 @@ with bf16 autocast over float32 parameters
 (:meth:`CausalLM.mean_loss`: output layer and cross entropy fused in chunks of ``loss_chunk_tokens``
 tokens, gradients computed in forward, automatic at this vocabulary); the anchor's is the plain full-logits one.
 
-Each model runs eagerly and under ``torch.compile`` (``--modes``). Every (model, mode) is built, warmed
+Each model runs eagerly and under ``torch.compile`` (``--modes``; ``compile-cudagraphs`` is
+``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs,
+which removes the host's launch cost that the compiled mixlab models pay beyond the plain one). Every (model, mode) is built, warmed
 up and its peak memory measured first (``torch.cuda.max_memory_allocated`` above what was allocated
 before it was built: its parameters, gradients, optimizer state and activations, as if alone); then
 ``--rounds`` interleaved rounds time ``--steps`` back-to-back training steps of each in turn, so
@@ -130,7 +132,8 @@ class Case:
         self.n_params = sum(p.numel() for p in self.module.parameters())  # tied weights counted once
         fused = dev.type == "cuda"
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
-        self.fn = torch.compile(self.module) if mode == "compile" else self.module
+        compiled = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}}
+        self.fn = torch.compile(self.module, **compiled[mode]) if mode in compiled else self.module
         g = torch.Generator().manual_seed(1)
         batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g).to(dev)
         self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
@@ -195,7 +198,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS,
                    help="mixlab models besides the plain anchor (always measured)")
     p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")
-    p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile"],
+    p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile", "compile-cudagraphs"],
                    help="default: eager compile (--quick: eager)")
     p.add_argument("--n-layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=768)

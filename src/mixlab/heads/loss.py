@@ -114,10 +114,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 t_safe = torch.where(v, t, 0)
                 nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
                 hits[s:e] = (logits.argmax(-1) == t) & v
-                # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere
-                g = torch.exp(logits - lse[:, None])
+                # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere,
+                # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
+                g = logits.sub_(lse[:, None]).exp_()
                 g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
-                g = (g * (v.to(acc) / n_scored)[:, None]).to(mm)
+                g = g.mul_((v.to(acc) / n_scored)[:, None]).to(mm)
                 grad_h[s:e] = g @ w_mm
                 grad_w += (g.t() @ h).to(acc)
         ctx.save_for_backward(grad_h, grad_w)
