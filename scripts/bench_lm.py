@@ -20,7 +20,8 @@ Each model runs eagerly and under ``torch.compile`` (``--modes``; ``compile-cuda
 ``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs,
 which removes the host's launch cost that the compiled mixlab models pay beyond the plain one). Every
 (model, mode) is built, warmed up and its peak memory measured first (``torch.cuda.max_memory_allocated``
-above what was allocated before it was built: its parameters, gradients, optimizer state and activations, as if alone); then
+above what was allocated before it was built: its parameters, gradients, optimizer state and activations,
+as if alone); then
 ``--rounds`` interleaved rounds time ``--steps`` back-to-back training steps of each in turn, so
 every ratio to the plain anchor (same mode, same round) sees the same state of the host and GPU.
 
