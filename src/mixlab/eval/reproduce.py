@@ -359,7 +359,8 @@ MAD_MODEL_ARGS = {"noisy_recall": [M + "vocab_size", "32"], "memorization": [M +
 def _mad_run(name: str, mixer: str, task: str, steps: int) -> RunSpec:
     return RunSpec(name, "configs/reproduce/mad.yaml",
                    [D + "task", task, M + "backbone.mixer", mixer, *MAD_MODEL_ARGS.get(task, [])], steps=steps,
-                   quick=[D + "n_train", "256", D + "n_test", "64", D + "n_val", "64", D + "batch_size", "16"])
+                   quick=[D + "n_train", "256", D + "n_test", "64", D + "n_val", "64", D + "batch_size", "16",
+                          D + "num_workers", "0"])
 
 
 def _fg2_suite() -> list[Experiment]:
@@ -382,7 +383,7 @@ def _mesa_suite() -> list[Experiment]:
     reg = [RunSpec(m, "configs/synthetic/regbench.yaml", [M + "backbone.mixer", m], steps=3000,
                    quick=[D + "n_train", "64", D + "n_test", "16", D + "n_val", "16"]) for m in ("rope", "gdn", "mesa")]
     parity = [RunSpec(n, f"configs/reproduce/parity_{n}.yaml", steps=10000 if n.startswith("delta") else 4000,
-                      quick=[D + "n_train", "512", D + "n_test", "64", D + "n_val", "64"])
+                      quick=[D + "n_train", "512", D + "n_test", "64", D + "n_val", "64", D + "num_workers", "0"])
               for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")]  # Mesa's negative gates: torch CG path
     cg = [RunSpec("mesa", "configs/genome/mesa.yaml", steps=1000, quick=[D + "context_length", "64"])]
     # 8,000 steps: RoPE reaches 0.9999 there on the H200 (0.775 after a 4,000-step schedule)
