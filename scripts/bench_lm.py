@@ -20,9 +20,9 @@ Each model runs eagerly and under ``torch.compile`` (``--modes``; ``compile-cuda
 ``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs,
 which removes the host's launch cost that the compiled mixlab models pay beyond the plain one). Every
 (model, mode) is built, warmed up and its peak memory measured first (``torch.cuda.max_memory_allocated``
-above what was allocated before it was built: its parameters, gradients, optimizer state and activations,
-as if alone); then
-``--rounds`` interleaved rounds time ``--steps`` back-to-back training steps of each in turn, so
+during one training step after the warm-up, above what was allocated before the model was built: its
+parameters, gradients, optimizer state and activations, as if alone, without the compiler's warm-up
+temporaries); then ``--rounds`` interleaved rounds time ``--steps`` back-to-back training steps of each in turn, so
 every ratio to the plain anchor (same mode, same round) sees the same state of the host and GPU.
 
 Reported per (model, mode): parameters N (tied embedding counted once), tokens/s (median over the
@@ -260,7 +260,10 @@ def main(argv: list[str] | None = None) -> str:
             case = Case(name, mode, args, dev)
             for _ in range(args.warmup):
                 case.step()
-            if dev.type == "cuda":
+            if dev.type == "cuda":  # the peak of one steady-state step (not the compiler's warm-up temporaries)
+                sync(dev)
+                torch.cuda.reset_peak_memory_stats()
+                case.step()
                 sync(dev)
                 case.peak_gib = (torch.cuda.max_memory_allocated() - base) / 2**30
             cases.append(case)
