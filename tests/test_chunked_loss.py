@@ -84,34 +84,36 @@ def test_fused_linear_cross_entropy_under_bf16_autocast_matches_the_plain_path()
     torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-4)
 
 
-def test_fused_linear_cross_entropy_keeps_no_logits_and_traces_in_one_graph():
-    """What backward keeps is d hidden and d weight only (no [chunk, V] logits), and torch.compile's
-    tracer takes the whole function without a graph break."""
-    n, d, v, chunk = 50, 8, 1000, 16
+def _saved_shapes(fn, n=50, d=8, v=1000):
+    """Shapes of the tensors autograd keeps for backward when ``fn(h [n, d], w [v, d], t [n])`` runs,
+    after a backward pass through its first output (which must reach ``h`` and ``w``)."""
     h = torch.randn(n, d, requires_grad=True)
     w = torch.randn(v, d, requires_grad=True)
     t = torch.randint(0, v, (n,))
     saved: list[tuple[int, ...]] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
-        loss = fused_linear_cross_entropy(h, w, t, chunk=chunk)[0]
+        out = fn(h, w, t)[0]
+    out.sum().backward()
+    assert h.grad is not None and w.grad is not None
+    return saved
+
+
+def test_fused_linear_cross_entropy_keeps_no_logits_and_traces_in_one_graph():
+    """What backward keeps is d hidden and d weight only (no [chunk, V] logits), and torch.compile's
+    tracer takes the whole function without a graph break."""
+    n, d, v, chunk = 50, 8, 1000, 16
+    saved = _saved_shapes(lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk=chunk), n, d, v)
     assert sorted(saved) == sorted([(n, d), (v, d)]), saved
-    loss.backward()
+    h, w, t = torch.randn(n, d), torch.randn(v, d), torch.randint(0, v, (n,))
     explained = torch._dynamo.explain(lambda a, b, c: fused_linear_cross_entropy(a, b, c, chunk=chunk)[0])(h, w, t)
     assert explained.graph_break_count == 0, explained.break_reasons
 
 
 def test_linear_cross_entropy_recomputes_instead_of_keeping_the_logits():
     """With chunks, what autograd keeps for backward holds no [chunk, V] tensor (the logits are recomputed)."""
-    n, d, v, chunk = 50, 8, 1000, 16
-    h = torch.randn(n, d, requires_grad=True)
-    w = torch.randn(v, d, requires_grad=True)
-    t = torch.randint(0, v, (n,))
-    saved: list[tuple[int, ...]] = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(tuple(x.shape)) or x, lambda x: x):
-        nll, _, _ = linear_cross_entropy(h, w, t, chunk=chunk)
+    v = 1000
+    saved = _saved_shapes(lambda h, w, t: linear_cross_entropy(h, w, t, chunk=16), v=v)
     assert saved and not [s for s in saved if len(s) == 2 and s[-1] == v], saved
-    nll.sum().backward()
-    assert h.grad is not None and w.grad is not None
 
 
 def test_linear_cross_entropy_rejects_a_bad_chunk_and_bad_shapes():
