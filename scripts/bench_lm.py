@@ -177,10 +177,11 @@ def table(cases: list[Case], args) -> str:
         plain = anchor.get(c.mode)
         ratios = [a / b for a, b in zip(c.tps, plain.tps)] if plain is not None else []
         ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-"
-        mfu = 100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12)
+        # MFU against the GPU's peak; "-" on CPU (the peak is a GPU's)
+        mfu = "-" if args.device == "cpu" else f"{100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12):.1f}"
         mem = "-" if c.peak_gib is None else f"{c.peak_gib:.2f}"
         label = f"hybrid `{args.hybrid}`" if c.name == "hybrid" else c.name
-        lines.append(f"| {label} | {c.mode} | {c.n_params / 1e6:.2f} | {tps:,.0f} | {ratio} | {mfu:.1f} | {mem} |")
+        lines.append(f"| {label} | {c.mode} | {c.n_params / 1e6:.2f} | {tps:,.0f} | {ratio} | {mfu} | {mem} |")
     rounds = min((len(c.tps) for c in cases), default=0)
     note = (f"\n{args.n_layers} layers x {args.d_model}, {args.n_heads} heads, vocabulary {args.vocab}, "
             f"T {args.seq_len}, batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, "
@@ -216,15 +217,28 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 rounds of 2 steps), eager, float32")
+                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 rounds of 2 steps), eager, float32; "
+                        "replaces the shape, rounds, steps and warm-up options")
     p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="after the rounds, profile 2 steps of each (model, mode) and print its K most expensive "
                         "device kernels (torch.profiler; with --out, also to <out>.profile.txt)")
     args = p.parse_args(argv)
-    for name in ("rounds", "steps"):
+    for name in ("rounds", "steps", "n_layers", "d_model", "n_heads", "vocab", "seq_len", "batch"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
+    for name in ("warmup", "profile"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name} must be >= 0; got {getattr(args, name)}")
+    if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
+        p.error("--loss-chunk-tokens must be >= 0 (0: full logits) or left out (automatic); "
+                f"got {args.loss_chunk_tokens}")
+    if args.d_model % args.n_heads:
+        p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
+    if not args.peak_tflops > 0:
+        p.error(f"--peak-tflops must be > 0; got {args.peak_tflops}")
+    if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available here (use --device cpu, or --quick)")
     if args.quick:
         args.n_layers, args.d_model, args.n_heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 512, 64, 2
         args.rounds, args.steps, args.warmup, args.amp = 2, 2, 1, False

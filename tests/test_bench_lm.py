@@ -33,7 +33,7 @@ def test_bench_lm_quick_writes_a_well_formed_table(tmp_path, monkeypatch, capsys
     assert [r[:2] for r in rows] == [["plain", "eager"], ["goat", "eager"], ["kda", "eager"]]
     assert lines[5] == "" and "2 interleaved rounds of 2 steps" in lines[6] and "device cpu" in lines[6]
     for name, mode, params, tps, ratio, mfu, mem in rows:
-        assert float(params) > 0 and float(tps.replace(",", "")) > 0 and float(mfu) >= 0 and mem == "-"
+        assert float(params) > 0 and float(tps.replace(",", "")) > 0 and mfu == mem == "-"  # no GPU peak on CPU
         med, lo, hi = map(float, re.fullmatch(r"([\d.]+) \[([\d.]+), ([\d.]+)\]", ratio).groups())
         assert 0 < lo <= med <= hi
     assert rows[0][4] == "1.000 [1.000, 1.000]"  # the anchor against itself, round by round
@@ -60,3 +60,20 @@ def test_the_plain_anchor_matches_mixlab_in_size_and_learns(monkeypatch):
         opt.zero_grad()
         losses.append(loss.item())
     assert abs(losses[0] - math.log(args.vocab)) < 0.1 and losses[-1] < losses[0] - 0.5
+
+
+def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
+    """Bad shapes and counts are argparse errors naming the option (were tracebacks from deep in the model)."""
+    import pytest
+
+    bench = _bench(monkeypatch)
+    cases = {("--seq-len", "0"): "--seq-len must be >= 1; got 0", ("--n-heads", "5"): "--d-model (768) must be "
+             "divisible by --n-heads (5)", ("--warmup", "-1"): "--warmup must be >= 0; got -1",
+             ("--loss-chunk-tokens", "-1"): "--loss-chunk-tokens must be >= 0", ("--peak-tflops", "0"): "must be > 0"}
+    if not bench.torch.cuda.is_available():
+        cases[("--device", "cuda")] = "no CUDA device is available here"
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse(list(argv))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv

@@ -43,9 +43,11 @@ class CausalLM(Head):
         abs_pos_len: > 0 adds learned absolute position embeddings for up to this many
             tokens (the "learned absolute" baseline; combine with ``mixer: nope``).
         loss_chunk_tokens: training and evaluation losses compute the output layer and the cross
-            entropy this many tokens at a time (:func:`mixlab.heads.loss.linear_cross_entropy`:
-            the ``[B*T, vocab]`` float32 logits never exist whole; each chunk's logits are recomputed
-            in backward, one more output matmul); ``0`` never chunks; ``None`` (default) chunks by
+            entropy this many tokens at a time, so the ``[B*T, vocab]`` float32 logits never exist
+            whole (training, :meth:`mean_loss`: :func:`mixlab.heads.loss.fused_linear_cross_entropy`,
+            each chunk's gradients formed in forward, no recomputation; per-token scores,
+            :meth:`scores`: :func:`mixlab.heads.loss.linear_cross_entropy`, each chunk recomputed in
+            backward where a gradient is asked for); ``0`` never chunks; ``None`` (default) chunks by
             :data:`AUTO_CHUNK_TOKENS` tokens for vocabularies of at least :data:`AUTO_CHUNK_MIN_VOCAB`
             ids and never for smaller ones. Same loss and gradients either way; :meth:`forward` still
             returns the whole logits.

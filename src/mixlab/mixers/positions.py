@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Literal
 
 import torch
@@ -556,7 +557,8 @@ class RotaryPositions(PositionScheme):
     ``rotary_impl``: ``"auto"`` (default: ``triton`` on CUDA outside ``torch.compile``, else ``torch``),
     ``"torch"`` (:class:`~mixlab.ops.goat_triton.QKVSplit` views, then a compiled rotation per tensor)
     or ``"triton"`` (q and k rotated in place in the packed projection by
-    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way: on the H200 the layer's forward +
+    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way; on CPU tensors it warns once and
+    takes the torch rotation, so a checkpoint trained with it runs anywhere: on the H200 the layer's forward +
     backward takes 1.03x the plain layer's, the torch path 1.42x; BENCHMARKS.md). Same values up to
     rounding (the kernel rotates in fp32).
 
@@ -604,9 +606,13 @@ class RotaryPositions(PositionScheme):
         place in ``qkv`` and returned as views of it (:class:`~mixlab.ops.rope_triton.RopeQKV`)."""
         impl = self.rotary_impl
         if impl == "triton" and not qkv.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("rope: position_args.rotary_impl 'triton' (the in-place Triton rotation) needs CUDA "
-                             f"tensors; got {qkv.device.type}. Use rotary_impl 'auto' (Triton on CUDA, torch "
-                             "elsewhere) or 'torch'")
+            # same values by torch ops: a model trained with the kernel still runs (and evaluates) on a CPU
+            if not self.__dict__.get("_warned_cpu"):
+                self.__dict__["_warned_cpu"] = True
+                warnings.warn(f"rope: position_args.rotary_impl 'triton' needs CUDA tensors; got {qkv.device.type}, "
+                              "so q and k are rotated by torch ops (the same values; 'auto' picks this silently)",
+                              stacklevel=2)
+            impl = "torch"
         fast = impl == "triton" or (impl == "auto" and qkv.is_cuda and not torch.compiler.is_compiling())
         if fast and qkv.dtype != torch.float64:
             cos, sin = self._cos_sin(coords, torch.float32)  # [B|1, 1, T, d/2]
