@@ -98,18 +98,22 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if hidden.dtype != torch.float64 and torch.is_autocast_enabled(hidden.device.type):
             mm = torch.get_autocast_dtype(hidden.device.type)
         acc = torch.float64 if mm == torch.float64 else torch.float32  # logits and the d W accumulator
+        # the gradient products: float16 would flush (softmax - onehot) / n_scored to zero, since no loss
+        # scale has reached it yet in forward (bf16 has float32's range)
+        gmm = acc if mm == torch.float16 else mm
         h_mm, w_mm = hidden.to(mm), weight.to(mm)
+        h_g, w_g = (h_mm, w_mm) if gmm == mm else (hidden.to(gmm), weight.to(gmm))
         valid = targets != ignore_index
         n_scored = valid.sum().clamp_min(1)
         nll = torch.empty(n, dtype=acc, device=hidden.device)
         hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
-        grad_h = torch.empty(hidden.shape, dtype=mm, device=hidden.device)
+        grad_h = torch.empty(hidden.shape, dtype=gmm, device=hidden.device)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
-                h, t, v = h_mm[s:e], targets[s:e], valid[s:e]
-                logits = (h @ w_mm.t()).to(acc)  # [n_c, V]
+                t, v = targets[s:e], valid[s:e]
+                logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
                 lse = torch.logsumexp(logits, dim=-1)
                 t_safe = torch.where(v, t, 0)
                 nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
@@ -118,9 +122,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
                 g = logits.sub_(lse[:, None]).exp_()
                 g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
-                g = g.mul_((v.to(acc) / n_scored)[:, None]).to(mm)
-                grad_h[s:e] = g @ w_mm
-                grad_w += (g.t() @ h).to(acc)
+                g = g.mul_((v.to(acc) / n_scored)[:, None]).to(gmm)
+                grad_h[s:e] = g @ w_g
+                grad_w += (g.t() @ h_g[s:e]).to(acc)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         ctx.mark_non_differentiable(nll, valid, hits)
@@ -142,7 +146,9 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
     (mean over scored tokens; 0 when none is scored) in value and gradients, up to the summation order of
     ``d weight`` over chunks. Per chunk: logits (one matmul in the autocast dtype, or the inputs'),
     log-sum-exp and NLL in float32 (float64 for float64 inputs), then ``G = (softmax - onehot) / n`` and
-    ``d hidden = G W``, ``d weight += G^T hidden`` (float32 accumulator): three matmuls per chunk, as the
+    ``d hidden = G W``, ``d weight += G^T hidden`` (float32 accumulator; the two gradient products in
+    float32 under float16 autocast, where ``G`` would underflow before any loss scale reaches it): three
+    matmuls per chunk, as the
     plain path's forward + backward, and at most one chunk's ``[chunk, V]`` logits alive at a time.
     Backward multiplies the kept gradients by the upstream scalar. The per-token outputs carry no
     gradient: use :func:`linear_cross_entropy` where a loss weights tokens differently.
