@@ -217,7 +217,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 rounds of 2 steps), eager, float32; "
+                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 warm-up steps, 2 rounds of 2), eager, float32; "
                         "replaces the shape, rounds, steps and warm-up options")
     p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
     p.add_argument("--profile", type=int, default=0, metavar="K",
@@ -241,7 +241,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--device cuda: no CUDA device is available here (use --device cpu, or --quick)")
     if args.quick:
         args.n_layers, args.d_model, args.n_heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 512, 64, 2
-        args.rounds, args.steps, args.warmup, args.amp = 2, 2, 1, False
+        args.rounds, args.steps, args.warmup, args.amp = 2, 2, 2, False
         args.device = args.device or "cpu"
         args.hybrid = "kda,goat" if args.hybrid == "kda*3,goat" else args.hybrid
         args.modes = args.modes or ["eager"]
