@@ -217,8 +217,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu (--quick: cpu)")
     p.add_argument("--no-amp", dest="amp", action="store_false", help="float32 instead of bf16 autocast")
     p.add_argument("--quick", action="store_true",
-                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 warm-up steps, 2 rounds of 2), eager, float32; "
-                        "replaces the shape, rounds, steps and warm-up options")
+                   help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 warm-up steps, 2 rounds of 2), "
+                        "eager, float32; replaces the shape, rounds, steps and warm-up options")
     p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="after the rounds, profile 2 steps of each (model, mode) and print its K most expensive "
