@@ -146,3 +146,33 @@ def test_test_with_a_checkpoint_says_when_its_hyperparameters_replace_the_given_
     assert lines[0].startswith(f"--ckpt_path {ckpt}: the model is built from the checkpoint's hyperparameters")
     assert "backbone.d_model: 48 -> 64" in lines[0] and "backbone.n_layers: 4 -> 1" in lines[0]
     assert "backbone.mixer_args.goat.position_args.abs_scale: 256 -> unset" in lines[0]
+
+
+def test_runtime_options_given_for_a_checkpoint_are_kept(monkeypatch, tmp_path, caplog):
+    """``validate/test --ckpt_path X`` builds the model from X's hyperparameters, but the options that only
+    choose how it computes (a kernel ``impl``, ``loss_chunk_tokens``, ``backbone.compile``) keep the values
+    given now (a user test: a checkpoint trained with ``rotary_impl: triton`` on a GPU, or with one loss
+    chunk size, could not be evaluated otherwise); what the config does not set stays the checkpoint's."""
+    from mixlab.backbone import BackboneConfig
+    from mixlab.heads import CausalLM
+    from mixlab.overrides import is_runtime_option
+
+    backbone = {"d_model": 32, "n_layers": 1, "n_heads": 2, "mixer": "goat", "compile": True,
+                "mixer_args": {"goat": {"impl": "reference", "position_args": {"n_modes": 1, "lane_impl": "triton"}}}}
+    hparams = {"_class_path": "mixlab.heads.CausalLM", "vocab_size": 5, "backbone": backbone, "loss_chunk_tokens": 100}
+    ckpt = tmp_path / "run.ckpt"
+    weights = CausalLM(vocab_size=5, backbone=BackboneConfig(**backbone)).state_dict()
+    torch.save({"hyper_parameters": hparams, "state_dict": weights}, ckpt)
+    with caplog.at_level(logging.INFO, logger="mixlab"):
+        t = _run(monkeypatch, tmp_path, "--ckpt_path", str(ckpt), "--model.init_args.loss_chunk_tokens", "7",
+                 f"{MIX}.goat.impl", "sdpa", command="test")
+    h = t.model_built.hparams
+    assert h["loss_chunk_tokens"] == 7 and h["backbone"]["compile"] is False  # given now / the config's default
+    assert h["backbone"]["mixer_args"]["goat"]["impl"] == "sdpa"
+    assert h["backbone"]["mixer_args"]["goat"]["position_args"] == {"n_modes": 1, "lane_impl": "triton"}  # unset now
+    assert h["backbone"]["d_model"] == 32  # a model option: the checkpoint's
+    kept = [r.getMessage() for r in caplog.records if "runtime options kept" in r.getMessage()]
+    assert len(kept) == 1 and "loss_chunk_tokens: 7" in kept[0] and "backbone.compile: False" in kept[0]
+    assert [is_runtime_option(k) for k in ("a.impl", "b.rotary_impl", "loss_chunk_tokens", "x.backbone.compile",
+                                           "backbone.d_model", "mixer_args.goat.position_args.n_modes")] == \
+        [True, True, True, True, False, False]

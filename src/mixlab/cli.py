@@ -17,7 +17,8 @@ Defaults added to every run:
   TensorBoard run directory;
 * the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
   nested mixer options (``mixer_args``) deep-merge, ``limit_*_batches: 1`` is one batch; a
-  checkpoint file's hyperparameters replace the config's model options, named in one warning line.
+  checkpoint file's hyperparameters replace the config's model options, named in one warning line
+  (runtime options, the kernels and ``loss_chunk_tokens``, keep the config's: ``overrides.keep_runtime_options``).
 * a resumed ``fit`` keeps the run's ``config.yaml`` and writes ``config_resume_<k>.yaml``; a
   command that fails before its new run folder holds anything (no checkpoint, no training step)
   removes that folder again.
@@ -174,7 +175,13 @@ class MixlabCLI(LightningCLI):
             super()._parse_ckpt_path()
         if checkpoint is not None:
             self._apply_legacy_defaults(sub, checkpoint)
-        changed = overrides.changed_leaves(before, self.config[sub].get("model") if sub else None)
+        after = self.config[sub].get("model") if sub else None
+        if before is not None and after is not None:  # how to compute stays the config's (overrides.py)
+            kept = overrides.keep_runtime_options(before, after)
+            if kept:
+                logging.getLogger("mixlab.cli").info("--ckpt_path %s: runtime options kept from the config: %s",
+                                                     path, "; ".join(kept))
+        changed = overrides.changed_leaves(before, after)
         if changed:
             logging.getLogger("mixlab.cli").warning(
                 "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "

@@ -15,6 +15,11 @@ exceptions that :class:`mixlab.cli.MixlabCLI` corrects through :func:`install`:
   held a plain value replaces it (the mixer then checks what it receives, e.g. a typo is a one-line
   error naming the options it accepts). The checkpoint's own hyperparameters, which LightningCLI parses
   over the config for ``--ckpt_path FILE``, still replace (see :func:`replacing_dicts`).
+* **runtime options at evaluation.** ``validate``/``test``/``--ckpt_path`` build the model from the
+  checkpoint's hyperparameters, but options that choose *how* the model computes, not *what*
+  (:func:`is_runtime_option`: the kernels, ``impl``/``*_impl``, ``loss_chunk_tokens`` and
+  ``backbone.compile``), keep the config's and command line's values (:func:`keep_runtime_options`):
+  a checkpoint trained with a GPU kernel evaluates on a CPU, a memory setting can change.
 * **trainer batch counts.** Lightning reads ``limit_val_batches=1`` as one batch and ``1.0`` as all
   of them, but its annotation ``Optional[Union[int, float]]`` reaches jsonargparse as
   ``Union[float, int, None]`` (``typing`` caches Unions by equality and an equal one with float first
@@ -30,7 +35,8 @@ import types
 import typing
 from typing import Any, Iterator
 
-__all__ = ["DEEP_MERGED", "deep_merge", "install", "replacing_dicts", "int_before_float", "changed_leaves"]
+__all__ = ["DEEP_MERGED", "deep_merge", "install", "replacing_dicts", "int_before_float", "changed_leaves",
+           "is_runtime_option", "keep_runtime_options"]
 
 DEEP_MERGED = frozenset({"mixer_args"})
 """Names of ``dict`` options deep-merged across sources (the last part of the option's key)."""
@@ -144,3 +150,34 @@ def changed_leaves(before: Any, after: Any) -> list[str]:
     old, new = _leaves(before), _leaves(after)
     return sorted(f"{k.replace('init_args.', '')}: {old[k]!r} -> {repr(new[k]) if k in new else 'unset'}"
                   for k in old if k not in new or old[k] != new[k])
+
+
+def is_runtime_option(key: str) -> bool:
+    """Whether the dotted model option ``key`` chooses how the model computes rather than what: a
+    kernel or code path (a last part named ``impl`` or ending in ``_impl``), ``loss_chunk_tokens`` or
+    the backbone's ``compile``. Same values up to rounding whichever is set."""
+    last = key.rsplit(".", 1)[-1]
+    return last == "impl" or last.endswith("_impl") or last == "loss_chunk_tokens" or key.endswith("backbone.compile")
+
+
+def _set_leaf(value: Any, key: str, leaf: Any) -> None:
+    *path, last = key.split(".")
+    for part in path:
+        value = value[part] if isinstance(value, dict) else getattr(value, part)
+    if isinstance(value, dict):
+        value[last] = leaf
+    else:
+        setattr(value, last, leaf)
+
+
+def keep_runtime_options(before: Any, after: Any) -> list[str]:
+    """Put back into ``after`` (in place) every runtime option (:func:`is_runtime_option`) that ``before``
+    sets and ``after`` changed; the options where ``after`` has no such key stay as they are. Returns
+    ``"key: value"`` for each one kept (dotted, ``init_args.`` left out), sorted."""
+    old, new = _leaves(before), _leaves(after)
+    kept = []
+    for key in sorted(old):
+        if is_runtime_option(key) and key in new and new[key] != old[key]:
+            _set_leaf(after, key, old[key])
+            kept.append(f"{key.replace('init_args.', '')}: {old[key]!r}")
+    return kept
