@@ -65,25 +65,6 @@ def test_fused_linear_cross_entropy_equals_the_mean_cross_entropy_in_float64(n, 
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
 
 
-def test_fused_linear_cross_entropy_under_bf16_autocast_matches_the_plain_path():
-    """Under bf16 autocast the logits matmul runs in bf16 as F.linear's would: loss within bf16 rounding
-    of the plain path's, gradients within a few bf16 ulps, dtypes those of the inputs."""
-    torch.manual_seed(3)
-    n, d, v = 96, 32, 257
-    h = torch.randn(n, d, requires_grad=True)
-    w = (0.2 * torch.randn(v, d)).requires_grad_()
-    t = torch.randint(0, v, (n,))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _, _, _ = fused_linear_cross_entropy(h, w, t, chunk=40)
-        ref = F.cross_entropy(F.linear(h, w).float(), t)
-    gh, gw = torch.autograd.grad(loss, (h, w))
-    rh, rw = torch.autograd.grad(ref, (h, w))
-    assert loss.dtype == torch.float32 and gh.dtype == gw.dtype == torch.float32
-    torch.testing.assert_close(loss, ref, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=2e-4)
-    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=2e-4)
-
-
 def _saved_shapes(fn, n=50, d=8, v=1000):
     """Shapes of the tensors autograd keeps for backward when ``fn(h [n, d], w [v, d], t [n])`` runs,
     after a backward pass through its first output (which must reach ``h`` and ``w``)."""
@@ -171,19 +152,34 @@ def test_loss_chunk_tokens_defaults_on_for_large_vocabularies_only():
         CausalLM(vocab_size=5, backbone=cfg, loss_chunk_tokens=-1)
 
 
-def test_fused_linear_cross_entropy_under_float16_autocast_keeps_small_gradients():
-    """Under float16 autocast (``16-mixed``) the gradient ``(softmax - onehot) / n`` is formed in forward,
-    before any loss scale multiplies it: in float16 its entries (~1/(V n)) would be flushed or lose their
-    digits. The gradient products run in float32 there: both gradients within 1e-3 of float64."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fused_linear_cross_entropy_under_autocast_matches_float64(dtype):
+    """Under autocast the logits matmul runs in the autocast dtype, as F.linear's would; the loss and both
+    gradients are in float32 and no further from the float64 cross entropy than the plain path's under
+    the same autocast (float16: within 1e-3 relative norm). Under float16
+    (``16-mixed``) the gradient ``(softmax - onehot) / n``, formed in forward before any loss scale
+    multiplies it, has entries ~1/(V n) that float16 flushes or rounds away: its products run in float32
+    (in float16, d W was 3e-3 off)."""
     torch.manual_seed(0)
     n, d, v = 8192, 16, 512
     h = torch.randn(n, d, requires_grad=True)
     w = (0.1 * torch.randn(v, d)).requires_grad_()
     t = torch.randint(0, v, (n,))
-    with torch.autocast("cpu", dtype=torch.float16):
+    with torch.autocast("cpu", dtype=dtype):
         loss = fused_linear_cross_entropy(h, w, t, chunk=3000)[0]
+        plain = F.cross_entropy(F.linear(h, w).float(), t)
     gh, gw = torch.autograd.grad(loss, (h, w))
+    ph, pw = torch.autograd.grad(plain, (h, w))
     hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    rh, rw = torch.autograd.grad(F.cross_entropy(F.linear(hd, wd), t), (hd, wd))
-    assert ((gw.double() - rw).norm() / rw.norm()).item() < 1e-3
-    assert ((gh.double() - rh).norm() / rh.norm()).item() < 1e-3
+    ref = F.cross_entropy(F.linear(hd, wd), t)
+    rh, rw = torch.autograd.grad(ref, (hd, wd))
+
+    def err(a, b):
+        return ((a.double() - b).norm() / b.norm()).item()
+
+    assert loss.dtype == gh.dtype == gw.dtype == torch.float32
+    assert abs(loss.item() - ref.item()) < 1e-3 * ref.item()
+    # no further from float64 than the plain path under the same autocast (bf16 itself: ~3e-3 for d W)
+    assert err(gw, rw) < max(1e-3, 1.5 * err(pw, rw)) and err(gh, rh) < max(1e-3, 1.5 * err(ph, rh))
+    if dtype == torch.float16:
+        assert err(gw, rw) < 1e-3 and err(gh, rh) < 1e-3
