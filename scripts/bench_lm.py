@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 import sys
 import time
@@ -178,21 +179,23 @@ def table(cases: list[Case], args) -> str:
         ratios = [a / b for a, b in zip(c.tps, plain.tps)] if plain is not None else []
         ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-"
         # MFU against the GPU's peak; "-" on CPU (the peak is a GPU's)
-        mfu = "-" if args.device == "cpu" else f"{100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12):.1f}"
+        on_gpu = args.device.startswith("cuda")
+        mfu = f"{100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12):.1f}" if on_gpu else "-"
         mem = "-" if c.peak_gib is None else f"{c.peak_gib:.2f}"
         label = f"hybrid `{args.hybrid}`" if c.name == "hybrid" else c.name
         lines.append(f"| {label} | {c.mode} | {c.n_params / 1e6:.2f} | {tps:,.0f} | {ratio} | {mfu} | {mem} |")
     rounds = min((len(c.tps) for c in cases), default=0)
     note = (f"\n{args.n_layers} layers x {args.d_model}, {args.n_heads} heads, vocabulary {args.vocab}, "
             f"T {args.seq_len}, batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, "
-            f"{'fused ' if args.device == 'cuda' else ''}AdamW; {rounds} interleaved rounds of {args.steps} steps "
+            f"{'fused ' if args.device.startswith('cuda') else ''}AdamW; "
+            f"{rounds} interleaved rounds of {args.steps} steps "
             f"after {args.warmup} warm-up steps; MFU = 6 N tokens/s / {args.peak_tflops:g} TFLOP/s; "
             f"device {device_name(args)}; torch {torch.__version__}.\n")
     return "\n".join(lines) + "\n" + note
 
 
 def device_name(args) -> str:
-    return torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    return torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -233,10 +236,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.loss_chunk_tokens is not None and args.loss_chunk_tokens < 0:
         p.error("--loss-chunk-tokens must be >= 0 (0: full logits) or left out (automatic); "
                 f"got {args.loss_chunk_tokens}")
-    if args.d_model % args.n_heads:
-        p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
     if not args.peak_tflops > 0:
         p.error(f"--peak-tflops must be > 0; got {args.peak_tflops}")
+    if args.device is not None and not (args.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", args.device)):
+        p.error(f"--device must be cpu, cuda or cuda:N; got {args.device!r}")
+    if "hybrid" in args.models:
+        from mixlab.backbone import mixer_names, parse_pattern
+
+        try:
+            parse_pattern(args.hybrid, len(mixer_names(args.hybrid)))  # registered names
+        except ValueError as err:
+            p.error(f"--hybrid {args.hybrid!r}: {err}")
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available here (use --device cpu, or --quick)")
     if args.quick:
@@ -245,9 +255,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.device = args.device or "cpu"
         args.hybrid = "kda,goat" if args.hybrid == "kda*3,goat" else args.hybrid
         args.modes = args.modes or ["eager"]
+    if args.d_model % args.n_heads:  # after --quick, which replaces both
+        p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = args.modes or ["eager", "compile"]
-    if args.device != "cuda" and "rope_triton" in args.models:  # the in-place Triton rotation needs CUDA
+    if not args.device.startswith("cuda") and "rope_triton" in args.models:  # the in-place Triton rotation needs CUDA
         print("bench_lm: rope_triton left out (needs CUDA)", file=sys.stderr)
         args.models = [m for m in args.models if m != "rope_triton"]
     return args
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> str:
     """Run the benchmark; returns the Markdown table (also printed, and written to ``--out``)."""
     args = parse(argv)
     dev = torch.device(args.device)
-    if args.device == "cuda":
+    if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         dynamo = torch._dynamo.config  # every (model, mode) is a new module: room for all their graphs
         dynamo.cache_size_limit = max(dynamo.cache_size_limit, 64)

@@ -69,7 +69,9 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
     bench = _bench(monkeypatch)
     cases = {("--seq-len", "0"): "--seq-len must be >= 1; got 0", ("--n-heads", "5"): "--d-model (768) must be "
              "divisible by --n-heads (5)", ("--warmup", "-1"): "--warmup must be >= 0; got -1",
-             ("--loss-chunk-tokens", "-1"): "--loss-chunk-tokens must be >= 0", ("--peak-tflops", "0"): "must be > 0"}
+             ("--loss-chunk-tokens", "-1"): "--loss-chunk-tokens must be >= 0", ("--peak-tflops", "0"): "must be > 0",
+             ("--device", "tpu"): "--device must be cpu, cuda or cuda:N; got 'tpu'",
+             ("--models", "hybrid", "--hybrid", "kda*3,bogus"): "--hybrid 'kda*3,bogus': unknown mixer 'bogus'"}
     if not bench.torch.cuda.is_available():
         cases[("--device", "cuda")] = "no CUDA device is available here"
     for argv, message in cases.items():

@@ -176,3 +176,20 @@ def test_runtime_options_given_for_a_checkpoint_are_kept(monkeypatch, tmp_path, 
     assert [is_runtime_option(k) for k in ("a.impl", "b.rotary_impl", "loss_chunk_tokens", "x.backbone.compile",
                                            "backbone.d_model", "mixer_args.goat.position_args.n_modes")] == \
         [True, True, True, True, False, False]
+
+
+def test_a_mixer_runtime_option_reaches_a_checkpoint_trained_with_the_defaults(monkeypatch, tmp_path):
+    """A checkpoint trained with the defaults records ``mixer_args: {}``; a kernel choice given now for one
+    of its mixers is added (it was dropped: a fresh-clone user test), one for a mixer it does not use is not."""
+    from mixlab.backbone import BackboneConfig
+    from mixlab.heads import CausalLM
+
+    backbone = {"d_model": 32, "n_layers": 1, "n_heads": 2, "mixer": "goat", "mixer_args": {}}
+    ckpt = tmp_path / "run.ckpt"
+    weights = CausalLM(vocab_size=5, backbone=BackboneConfig(**backbone)).state_dict()
+    torch.save({"hyper_parameters": {"_class_path": "mixlab.heads.CausalLM", "vocab_size": 5, "backbone": backbone},
+                "state_dict": weights}, ckpt)
+    t = _run(monkeypatch, tmp_path, "--ckpt_path", str(ckpt), f"{MIX}.goat.position_args.lane_impl", "torch",
+             f"{MIX}.rope.position_args.rotary_impl", "torch", command="test")
+    assert _mixer_args(t) == {"goat": {"position_args": {"lane_impl": "torch"}}}
+    assert t.model_built.backbone.blocks[0].mixer.pos.lane_impl == "torch"

@@ -177,7 +177,7 @@ class MixlabCLI(LightningCLI):
             self._apply_legacy_defaults(sub, checkpoint)
         after = self.config[sub].get("model") if sub else None
         if before is not None and after is not None:  # how to compute stays the config's (overrides.py)
-            kept = overrides.keep_runtime_options(before, after)
+            kept = overrides.keep_runtime_options(before, after, _pattern_mixers(after))
             if kept:
                 logging.getLogger("mixlab.cli").info("--ckpt_path %s: runtime options kept from the config: %s",
                                                      path, "; ".join(kept))
@@ -378,6 +378,18 @@ _CKPT_NAMES = ("last", "best", "hpc", "registry")
 
 _SIZE_KEYS = ("vocab_size", "num_classes")
 """Head hyperparameters that fix the output vocabulary; a checkpoint must agree with the config on them."""
+
+
+def _pattern_mixers(model: Any) -> set[str] | None:
+    """The mixer names of a model config's ``backbone.mixer`` pattern, or None where it has none."""
+    from mixlab.backbone import mixer_names
+
+    backbone = _get(_get(model, "init_args"), "backbone")
+    pattern = _get(backbone, "mixer")
+    try:
+        return set(mixer_names(pattern)) if pattern else None
+    except (ValueError, TypeError):
+        return None
 
 
 def _own_checkpoint_file(path: Any) -> bool:

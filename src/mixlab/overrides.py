@@ -161,23 +161,39 @@ def is_runtime_option(key: str) -> bool:
 
 
 def _set_leaf(value: Any, key: str, leaf: Any) -> None:
+    """Set the dotted ``key`` of a nested Namespace / dict to ``leaf``; missing dicts on the way are made."""
     *path, last = key.split(".")
     for part in path:
-        value = value[part] if isinstance(value, dict) else getattr(value, part)
+        if isinstance(value, dict):
+            if value.get(part) is None:
+                value[part] = {}
+            value = value[part]
+        else:
+            value = getattr(value, part)
     if isinstance(value, dict):
         value[last] = leaf
     else:
         setattr(value, last, leaf)
 
 
-def keep_runtime_options(before: Any, after: Any) -> list[str]:
+def keep_runtime_options(before: Any, after: Any, mixers: set[str] | None = None) -> list[str]:
     """Put back into ``after`` (in place) every runtime option (:func:`is_runtime_option`) that ``before``
-    sets and ``after`` changed; the options where ``after`` has no such key stay as they are. Returns
-    ``"key: value"`` for each one kept (dotted, ``init_args.`` left out), sorted."""
+    sets and ``after`` changed or lacks. A mixer's option (``...mixer_args.<name>....``) that ``after``
+    lacks is added only for the mixers in ``mixers`` (the model's pattern; None: any): a checkpoint
+    trained with the defaults records ``mixer_args: {}``. Returns ``"key: value"`` for each one put
+    back (dotted, ``init_args.`` left out), sorted."""
     old, new = _leaves(before), _leaves(after)
     kept = []
     for key in sorted(old):
-        if is_runtime_option(key) and key in new and new[key] != old[key]:
-            _set_leaf(after, key, old[key])
-            kept.append(f"{key.replace('init_args.', '')}: {old[key]!r}")
+        if not is_runtime_option(key) or (key in new and new[key] == old[key]):
+            continue
+        if key not in new:
+            parts = key.split(".")
+            if "mixer_args" not in parts[:-1]:
+                continue
+            name = parts[parts.index("mixer_args") + 1]
+            if mixers is not None and name not in mixers:
+                continue
+        _set_leaf(after, key, old[key])
+        kept.append(f"{key.replace('init_args.', '')}: {old[key]!r}")
     return kept
