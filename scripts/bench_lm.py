@@ -169,6 +169,7 @@ def timed(case: Case, steps: int, tokens: int) -> float:
 def table(cases: list[Case], args) -> str:
     """The Markdown table of everything measured so far."""
     anchor = {c.mode: c for c in cases if c.name == "plain"}
+    on_gpu = args.device.startswith("cuda")  # MFU against the GPU's peak; "-" on CPU
     head = ["model", "mode", "params (M)", "tokens/s", "ratio to plain: median [min, max]", "MFU %", "peak mem (GiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in cases:
@@ -178,8 +179,6 @@ def table(cases: list[Case], args) -> str:
         plain = anchor.get(c.mode)
         ratios = [a / b for a, b in zip(c.tps, plain.tps)] if plain is not None else []
         ratio = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]" if ratios else "-"
-        # MFU against the GPU's peak; "-" on CPU (the peak is a GPU's)
-        on_gpu = args.device.startswith("cuda")
         mfu = f"{100 * 6 * c.n_params * tps / (args.peak_tflops * 1e12):.1f}" if on_gpu else "-"
         mem = "-" if c.peak_gib is None else f"{c.peak_gib:.2f}"
         label = f"hybrid `{args.hybrid}`" if c.name == "hybrid" else c.name
@@ -187,7 +186,7 @@ def table(cases: list[Case], args) -> str:
     rounds = min((len(c.tps) for c in cases), default=0)
     note = (f"\n{args.n_layers} layers x {args.d_model}, {args.n_heads} heads, vocabulary {args.vocab}, "
             f"T {args.seq_len}, batch {args.batch}, {'bf16 autocast' if args.amp else 'float32'}, "
-            f"{'fused ' if args.device.startswith('cuda') else ''}AdamW; "
+            f"{'fused ' if on_gpu else ''}AdamW; "
             f"{rounds} interleaved rounds of {args.steps} steps "
             f"after {args.warmup} warm-up steps; MFU = 6 N tokens/s / {args.peak_tflops:g} TFLOP/s; "
             f"device {device_name(args)}; torch {torch.__version__}.\n")
