@@ -363,3 +363,28 @@ def test_retrieval_eval_chunked_and_cli(tmp_path):
     res = copy_prior(["--ckpt", str(ckpt), "--length", "12", "--out", str(tmp_path / "prior"), "--all-heads"])
     assert sorted(res) == [0, 1] and res[1]["causal_prior"].shape == (12, 12)
     assert (tmp_path / "prior" / "goat_prior_l0_h1.png").stat().st_size > 0
+
+
+def test_generated_datasets_pickle_for_forkserver_workers():
+    """DataLoader workers started by ``forkserver`` (the default on some images, and from Python
+    3.14) pickle the dataset, and a generated dataset calls back into its datamodule: before the
+    fix, the attached trainer came along and its optimizer's LambdaLR did not pickle (the parity
+    reproduce run crashed at the first batch on the H200)."""
+    import pickle
+
+    from torch.utils.data import DataLoader
+
+    class Trainer:  # stands for the attached trainer: holds an unpicklable closure
+        schedule = staticmethod(lambda step: 1.0)
+
+    dm = ParityDataModule(batch_size=4, n_train=16, num_workers=1)
+    dm.trainer = Trainer()
+    ds = dm.dataset("train")
+    with pytest.raises((AttributeError, pickle.PicklingError)):
+        pickle.dumps(Trainer.schedule)
+    again = pickle.loads(pickle.dumps(ds))
+    assert again.make.__self__.trainer is None and dm.trainer is not None
+    loader = DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context="forkserver")
+    first = next(iter(loader))
+    want = torch.stack([ds[i]["targets"] for i in range(4)])
+    assert torch.equal(first["targets"], want)

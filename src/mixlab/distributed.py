@@ -336,6 +336,18 @@ class ResumableDataModule(pl.LightningDataModule):
     _train_batch_size: int = 1
     _pending_sampler_state: dict[str, Any] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the attached trainer (its model and optimizer need not pickle).
+
+        DataLoader workers started by ``spawn`` or ``forkserver`` (the default start method
+        from Python 3.14, and on some images before) pickle the dataset, and datasets that
+        call back into their datamodule (e.g. :class:`~mixlab.datamodules.synthetic.GeneratedDataset`)
+        pickle it too; a worker never needs the trainer.
+        """
+        state = self.__dict__.copy()
+        state["trainer"] = None
+        return state
+
     @staticmethod
     def order_seed(seed: int) -> int:
         """Seed of the sample order: the data seed and ``seed_everything``'s
