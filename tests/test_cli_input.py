@@ -395,3 +395,24 @@ def test_commands_print_no_litlogger_tip_or_pytree_deprecation(caplog, capfd, mo
     assert "litlogger" not in out.out + out.err + caplog.text
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in caplog.text  # Lightning's own lines still come
     assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
+def test_ckpt_path_best_is_the_lowest_val_loss_checkpoint(capsys, monkeypatch, tmp_path):
+    """``--ckpt_path best`` in a new process (e.g. ``test`` after ``fit``) is the default ModelCheckpoint's
+    file of the run (lowest ``val/loss``); Lightning alone only knows it inside the fitting process.
+    Before validation has run it is a one-line error (and the traceback hint)."""
+    from mixlab.cli import MixlabCLI
+
+    runs = tmp_path / "runs"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs)]
+    err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "best")
+    assert err[0].startswith("error: --ckpt_path best: no best checkpoint (lowest val/loss) in "), err
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+                    "--trainer.limit_val_batches=1"])
+    ckpts = runs / "text" / "goat" / "version_0" / "checkpoints"
+    best = [p for p in ckpts.glob("*.ckpt") if p.name != "last.ckpt"]
+    assert len(best) == 1
+    tested = MixlabCLI(args=["test", *argv, "--ckpt_path", "best", "--trainer.limit_test_batches=1"])
+    assert tested.trainer.ckpt_path == str(best[0])
+    want = torch.load(best[0], weights_only=False)["global_step"]
+    assert want in (2, 4) and torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 4

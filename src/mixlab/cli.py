@@ -12,7 +12,8 @@ Defaults added to every run:
   every validation, the end of training and Ctrl-C) and the best on ``val/loss``; LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
-* ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name, and a
+* ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name (``best``: the
+  checkpoint with the lowest ``val/loss`` of that run), and a
   run resumed, validated or tested from its own checkpoint logs into the same
   TensorBoard run directory;
 * the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
@@ -164,8 +165,8 @@ class MixlabCLI(LightningCLI):
         ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if path == "last":  # resolve it now, so the model is built from that checkpoint as for an explicit path
-            path = self._resolve_last(sub) or path
+        if path in ("last", "best"):  # resolve it now, so the model is built from that checkpoint as for a file
+            path = self._resolve_named(sub, path) or path
             self.config[sub]["ckpt_path"] = path
         checkpoint = read_checkpoint(str(path)) if _own_checkpoint_file(path) else None
         if checkpoint is not None:
@@ -201,13 +202,13 @@ class MixlabCLI(LightningCLI):
             if key not in hparams and init is not None:
                 init[key] = value
 
-    def _resolve_last(self, sub: str) -> str | None:
-        """The file ``--ckpt_path last`` names: the newest ``last.ckpt`` of the run this config would
-        write (its task and run name come from the datamodule and model, built once here and dropped).
-        None when the config does not build (its error comes later, as without ``last``).
+    def _resolve_named(self, sub: str, which: str) -> str | None:
+        """The file ``--ckpt_path last|best`` names in the run this config would write (its task and
+        run name come from the datamodule and model, built once here and dropped): see
+        :func:`_latest_checkpoint`. None when the config does not build (its error comes later).
 
         Raises:
-            FileNotFoundError: that run has no ``last.ckpt`` yet.
+            FileNotFoundError: that run has no such checkpoint yet.
         """
         try:
             init = self.parser.instantiate_classes(self.config)[sub]
@@ -216,7 +217,7 @@ class MixlabCLI(LightningCLI):
         cfg, model, data = self.config[sub], init.get("model"), init.get("data")
         task = getattr(data, "task_name", type(data).__name__.lower())
         run = cfg.get("run_name") or getattr(model, "run_name", type(model).__name__.lower())
-        return _latest_checkpoint(Path(cfg.get("run_root") or "runs") / f"{task}/{run}")
+        return _latest_checkpoint(Path(cfg.get("run_root") or "runs") / f"{task}/{run}", which)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument("--run_root", type=str, default="runs",
@@ -232,8 +233,8 @@ class MixlabCLI(LightningCLI):
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
-        if cfg.get("ckpt_path") == "last":
-            cfg["ckpt_path"] = _latest_checkpoint(root / name)
+        if cfg.get("ckpt_path") in ("last", "best"):
+            cfg["ckpt_path"] = _latest_checkpoint(root / name, cfg["ckpt_path"])
         if _own_checkpoint_file(cfg.get("ckpt_path")):
             check_state_dict(cfg["ckpt_path"], read_checkpoint(cfg["ckpt_path"]), self.model)
             home = _checkpoint_run(cfg["ckpt_path"], task)
@@ -297,19 +298,37 @@ class MixlabCLI(LightningCLI):
             raise
 
 
-def _latest_checkpoint(run_dir: Path) -> str:
-    """``<run_dir>/version_N/checkpoints/last.ckpt`` of the highest N (``--ckpt_path last``).
+def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
+    """The checkpoint ``--ckpt_path last|best`` names, in ``<run_dir>/version_N/checkpoints/`` of the
+    highest N holding one: ``last.ckpt`` (the newest state), or for ``best`` the file the default
+    ``ModelCheckpoint`` keeps (lowest ``val/loss``, ``epoch=E-step=S.ckpt``; the one checkpoint there
+    not named ``last*``).
 
     Raises:
-        FileNotFoundError: no run of this task and mixer has a ``last.ckpt`` yet.
+        FileNotFoundError: no run of this task and run name has such a checkpoint yet (for ``best``:
+            validation never ran), or ``best`` is ambiguous (several candidates: pass the file).
     """
-    found = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"),
-                   key=lambda p: int(p.parent.parent.name.split("_")[-1])
-                   if p.parent.parent.name.split("_")[-1].isdigit() else -1)
+    def version(p: Path) -> int:
+        tail = p.parent.parent.name.split("_")[-1]
+        return int(tail) if tail.isdigit() else -1
+
+    if which == "last":
+        found = sorted(run_dir.glob("version_*/checkpoints/last.ckpt"), key=version)
+        if not found:
+            raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train "
+                                    f"first (fit) or pass the checkpoint file")
+        return str(found[-1])
+    found = sorted((p for p in run_dir.glob("version_*/checkpoints/*.ckpt") if not p.name.startswith("last")),
+                   key=version)
     if not found:
-        raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train first "
-                                f"(fit) or pass the checkpoint file")
-    return str(found[-1])
+        raise FileNotFoundError(f"--ckpt_path best: no best checkpoint (lowest val/loss) in "
+                                f"{run_dir}/version_*/checkpoints/; it is written at validation: train with "
+                                f"validation first, or pass the checkpoint file")
+    newest = [p for p in found if version(p) == version(found[-1])]
+    if len(newest) > 1:
+        raise FileNotFoundError(f"--ckpt_path best: {len(newest)} candidate checkpoints in {newest[0].parent} "
+                                f"({', '.join(p.name for p in newest)}); pass the file")
+    return str(newest[0])
 
 
 def _checkpoint_run(ckpt_path: str, task: str) -> tuple[Path, str] | None:
@@ -374,7 +393,7 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
 
 # ---------------------------------------------------------------------- --ckpt_path checks
 _CKPT_NAMES = ("last", "best", "hpc", "registry")
-"""``--ckpt_path`` values Lightning resolves itself (``last`` is mixlab's, see :func:`_latest_checkpoint`)."""
+"""``--ckpt_path`` names rather than files (``last`` and ``best`` are resolved by mixlab, :func:`_latest_checkpoint`)."""
 
 _SIZE_KEYS = ("vocab_size", "num_classes")
 """Head hyperparameters that fix the output vocabulary; a checkpoint must agree with the config on them."""
