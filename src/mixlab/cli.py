@@ -393,7 +393,7 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
 
 # ---------------------------------------------------------------------- --ckpt_path checks
 _CKPT_NAMES = ("last", "best", "hpc", "registry")
-"""``--ckpt_path`` names rather than files (``last`` and ``best`` are resolved by mixlab, :func:`_latest_checkpoint`)."""
+"""``--ckpt_path`` names rather than files (mixlab resolves ``last`` and ``best``: :func:`_latest_checkpoint`)."""
 
 _SIZE_KEYS = ("vocab_size", "num_classes")
 """Head hyperparameters that fix the output vocabulary; a checkpoint must agree with the config on them."""

@@ -11,7 +11,8 @@ gradient is known in forward (``(softmax - onehot) / n_scored`` per token), so e
 into ``d h`` and ``d W`` right away and are freed; backward only scales them by the upstream gradient.
 Three matmuls per chunk as in the plain path (no recomputation), one chunk's logits alive at a time
 (the technique of Liger-Kernel's and fla's fused linear cross entropy, written here in torch so that it
-runs on CPU and traces under ``torch.compile``).
+runs on CPU). It is a ``torch.library`` custom op, ``mixlab::fused_linear_cross_entropy``, so that
+``torch.compile`` keeps it whole and saves only ``d h`` and ``d W`` for backward, as eager autograd does.
 
 Notation: N tokens, D model width, V vocabulary.
 """
@@ -87,54 +88,73 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore
     return nll, valid, hits
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Mean NLL over scored tokens with ``d hidden`` and ``d weight`` computed in forward, chunk by chunk."""
+@torch.library.custom_op("mixlab::fused_linear_cross_entropy", mutates_args=())
+def _fused_forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk: int,
+                   mm: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, nll, valid, hits, d hidden, d weight)`` of the mean NLL, chunk by chunk, matmuls in ``mm``.
 
-    @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk: int):
-        n = hidden.shape[0]
-        # the matmul dtype: autocast's where it is on (as F.linear would run), else the inputs'
-        mm = hidden.dtype
-        if hidden.dtype != torch.float64 and torch.is_autocast_enabled(hidden.device.type):
-            mm = torch.get_autocast_dtype(hidden.device.type)
-        acc = torch.float64 if mm == torch.float64 else torch.float32  # logits and the d W accumulator
-        # the gradient products: float16 would flush (softmax - onehot) / n_scored to zero, since no loss
-        # scale has reached it yet in forward (bf16 has float32's range)
-        gmm = acc if mm == torch.float16 else mm
-        h_mm, w_mm = hidden.to(mm), weight.to(mm)
-        h_g, w_g = (h_mm, w_mm) if gmm == mm else (hidden.to(gmm), weight.to(gmm))
-        valid = targets != ignore_index
-        n_scored = valid.sum().clamp_min(1)
-        nll = torch.empty(n, dtype=acc, device=hidden.device)
-        hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
-        grad_h = torch.empty(hidden.shape, dtype=gmm, device=hidden.device)
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        with torch.autocast(hidden.device.type, enabled=False):
-            for s in range(0, n, chunk):
-                e = min(s + chunk, n)
-                t, v = targets[s:e], valid[s:e]
-                logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
-                lse = torch.logsumexp(logits, dim=-1)
-                t_safe = torch.where(v, t, 0)
-                nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
-                hits[s:e] = (logits.argmax(-1) == t) & v
-                # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere,
-                # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
-                g = logits.sub_(lse[:, None]).exp_()
-                g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
-                g = g.mul_((v.to(acc) / n_scored)[:, None]).to(gmm)
-                grad_h[s:e] = g @ w_g
-                grad_w += (g.t() @ h_g[s:e]).to(acc)
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.mark_non_differentiable(nll, valid, hits)
-        return nll.sum() / n_scored, nll, valid, hits
+    A ``torch.library`` op, opaque to ``torch.compile``: its partitioner then keeps what eager autograd
+    keeps for backward (``d hidden`` and ``d weight``). Traced through, it kept every chunk's partial
+    ``d weight`` (``[V, D]`` each) and slices of ``G`` instead, above the plain model's memory.
+    """
+    n = hidden.shape[0]
+    acc = torch.float64 if mm == torch.float64 else torch.float32  # logits and the d W accumulator
+    # the gradient products: float16 would flush (softmax - onehot) / n_scored to zero, since no loss
+    # scale has reached it yet in forward (bf16 has float32's range)
+    gmm = acc if mm == torch.float16 else mm
+    h_mm, w_mm = hidden.to(mm), weight.to(mm)
+    h_g, w_g = (h_mm, w_mm) if gmm == mm else (hidden.to(gmm), weight.to(gmm))
+    valid = targets != ignore_index
+    n_scored = valid.sum().clamp_min(1)
+    nll = torch.empty(n, dtype=acc, device=hidden.device)
+    hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
+    grad_h = torch.empty(hidden.shape, dtype=gmm, device=hidden.device)
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for s in range(0, n, chunk):
+            e = min(s + chunk, n)
+            t, v = targets[s:e], valid[s:e]
+            logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            t_safe = torch.where(v, t, 0)
+            nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
+            hits[s:e] = (logits.argmax(-1) == t) & v
+            # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere,
+            # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
+            g = logits.sub_(lse[:, None]).exp_()
+            g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
+            g = g.mul_((v.to(acc) / n_scored)[:, None]).to(gmm)
+            grad_h[s:e] = g @ w_g
+            grad_w += (g.t() @ h_g[s:e]).to(acc)
+    return nll.sum() / n_scored, nll, valid, hits, grad_h, grad_w
 
-    @staticmethod
-    def backward(ctx, g_loss: Tensor, *_unused):
-        grad_h, grad_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype), None, None, None
+
+@_fused_forward.register_fake
+def _(hidden, weight, targets, ignore_index, chunk, mm):
+    acc = torch.float64 if mm == torch.float64 else torch.float32
+    gmm = acc if mm == torch.float16 else mm
+    n = hidden.shape[0]
+    return (hidden.new_empty((), dtype=acc), hidden.new_empty(n, dtype=acc),
+            hidden.new_empty(n, dtype=torch.bool), hidden.new_empty(n, dtype=torch.bool),
+            hidden.new_empty(hidden.shape, dtype=gmm), weight.new_empty(weight.shape, dtype=acc))
+
+
+def _fused_setup_context(ctx, inputs, output):
+    hidden, weight = inputs[:2]
+    ctx.save_for_backward(output[4], output[5])
+    ctx.dtypes = (hidden.dtype, weight.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _fused_backward(ctx, g_loss, *_unused):
+    grad_h, grad_w = ctx.saved_tensors
+    h_dtype, w_dtype = ctx.dtypes
+    if g_loss is None:
+        return None, None, None, None, None, None
+    return (grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype), None, None, None, None
+
+
+_fused_forward.register_autograd(_fused_backward, setup_context=_fused_setup_context)
 
 
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
@@ -172,4 +192,10 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"fused_linear_cross_entropy: expected hidden [N, D] and targets [N]; got "
                          f"{tuple(hidden.shape)} and {tuple(targets.shape)}")
-    return _FusedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, chunk)
+    # the matmul dtype: autocast's where it is on (as F.linear would run), else the inputs'; read here,
+    # outside the op, where torch.compile's tracer sees the autocast state
+    mm = hidden.dtype
+    if hidden.dtype != torch.float64 and torch.is_autocast_enabled(hidden.device.type):
+        mm = torch.get_autocast_dtype(hidden.device.type)
+    loss, nll, valid, hits, _, _ = _fused_forward(hidden, weight, targets, ignore_index, chunk, mm)
+    return loss, nll.detach(), valid, hits  # the op's backward serves the mean loss only
