@@ -156,7 +156,20 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
     truncated = tmp_path / "cut.ckpt"
     truncated.write_bytes(Path(text).read_bytes()[:4096])
     assert "not a readable PyTorch checkpoint" in _one_line_error(["--ckpt", str(truncated), "--prompt", "a"], capsys)
-    assert "a directory; give a checkpoint file" in _one_line_error(["--ckpt", str(tmp_path), "--prompt", "a"], capsys)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "a directory; give a checkpoint file (no .ckpt file is below it)" in _one_line_error(
+        ["--ckpt", str(empty), "--prompt", "a"], capsys)
+    # the hint names a checkpoint that exists (it named <dir>/last.ckpt, which a run never writes)
+    run_dir = Path(text).parents[2]  # <run_root>/<task>/<run>/version_0/checkpoints/last.ckpt -> <run>
+    assert f"(e.g. {text})" in _one_line_error(["--ckpt", str(run_dir), "--prompt", "a"], capsys)
+    # the torch message is whole, not cut at 120 characters
+    assert _one_line_error(["--ckpt", str(not_ckpt), "--prompt", "a"], capsys).endswith(
+        "); give a .ckpt file written by python -m mixlab fit")
+    for option, value, need in (("--max-new-tokens", "-5", ">= 0"), ("--temperature", "-1", ">= 0"),
+                                ("--temperature", "nan", ">= 0"), ("--top-k", "0", ">= 1")):
+        line = _one_line_error(["--ckpt", text, "--prompt", "a", option, value], capsys)
+        assert line == f"error: {option} must be {need}; got {float(value) if option == '--temperature' else value}"
     if not torch.cuda.is_available():
         line = _one_line_error(["--ckpt", text, "--prompt", "a", "--device", "cuda"], capsys)
         assert "CUDA is not available on this machine" in line

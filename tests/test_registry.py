@@ -211,3 +211,33 @@ def test_the_cli_imports_a_users_mixer_package_named_in_mixlab_import(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.splitlines()[0] == ("error: MIXLAB_IMPORT=my_lab_mixers, no_such_pkg: cannot import "
                                           "'no_such_pkg': ModuleNotFoundError: No module named 'no_such_pkg'")
+
+
+def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys):
+    """``python -m mixlab mixers NAME...`` (``--print_config`` shows ``mixer_args: {}`` for a config that
+    keeps every default): its YAML is valid ``mixer_args``, building each mixer with it equals the default
+    build, and the values are the constructors' defaults (spot checks)."""
+    import yaml
+
+    from mixlab.cli import main as cli_main
+
+    names = list_mixers()
+    cli_main(["mixers", *names])
+    block = yaml.safe_load(capsys.readouterr().out)["mixer_args"]
+    assert list(block) == names
+    for name in names:
+        torch.manual_seed(0)
+        spelled = build_mixer(name, d_model=D, n_heads=H, causal=True, layer_idx=0, n_layers=2, **block[name])
+        plain = _mixer(name).float()
+        assert {k: v.shape for k, v in spelled.state_dict().items()} == \
+            {k: v.shape for k, v in plain.state_dict().items()}, name
+        for (k, a), b in zip(spelled.state_dict().items(), plain.state_dict().values()):
+            torch.testing.assert_close(a.float(), b.float(), msg=f"{name}.{k}")
+    assert block["goat"]["position"] == "goat" and block["goat"]["position_args"]["n_modes"] == 4
+    assert block["mesa"]["cg_iters"] == 30 and block["deltanet"]["allow_neg_eigval"] is False
+    cli_main(["mixers"])
+    listing = capsys.readouterr().out
+    assert all(f"\n{n} " in "\n" + listing for n in names) and "python -m mixlab mixers NAME" in listing
+    with pytest.raises(SystemExit) as info:
+        cli_main(["mixers", "gdnn"])
+    assert info.value.code == 2 and "unknown mixer 'gdnn'" in capsys.readouterr().err

@@ -814,3 +814,4 @@ register_command("figure", "mixlab.eval.figures:main")
 register_command("copy-prior", "mixlab.eval.figures:copy_prior")  # alias of "figure goat-prior"
 register_command("reproduce", "mixlab.eval.reproduce:main")
 register_command("generate", "mixlab.eval.generate:main")
+register_command("mixers", "mixlab.mixers:main")

@@ -134,6 +134,14 @@ class Registry:
         return [n for n, p in params.items() if n != "self" and n not in self.contract
                 and p.kind is not inspect.Parameter.VAR_POSITIONAL]
 
+    def option_defaults(self, name: str) -> dict[str, Any]:
+        """Each user option of ``name`` with the value it takes when a config leaves it out: the
+        registration's bound default, else the constructor's (``inspect.Parameter.empty`` for a
+        required one). ``{}`` for a constructor taking ``**kwargs``; ValueError for an unknown name."""
+        params = inspect.signature(self.get(name).__init__).parameters
+        bound = self._defaults[name]
+        return {opt: bound.get(opt, params[opt].default) for opt in self.options(name) or []}
+
     def build(self, name: str, /, **kwargs: Any) -> Any:
         """Instantiate ``name`` with its registered defaults updated by ``kwargs``.
 
@@ -169,3 +177,4 @@ register_position = POSITIONS.register
 get_mixer_cls = MIXERS.get
 list_mixers = MIXERS.names
 build_mixer = MIXERS.build
+

@@ -103,7 +103,9 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
     """
     path = Path(ckpt)
     if path.is_dir():
-        raise FileNotFoundError(f"--ckpt {ckpt}: a directory; give a checkpoint file (e.g. {path / 'last.ckpt'})")
+        found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
+        example = f"e.g. {found[-1]}" if found else "no .ckpt file is below it"
+        raise FileNotFoundError(f"--ckpt {ckpt}: a directory; give a checkpoint file ({example})")
     if not path.is_file():
         raise FileNotFoundError(f"--ckpt {ckpt}: file not found")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -111,7 +113,7 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
     try:
         raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({str(e).splitlines()[0][:120]}); "
+        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({(str(e).strip().splitlines() or [type(e).__name__])[0]}); "
                          "give a .ckpt file written by python -m mixlab fit") from None
     head_path, data, data_args = run_record_of(raw)
     if head_path is None:

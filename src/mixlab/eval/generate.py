@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     Raises:
         FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
-        ValueError: not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
+        ValueError: ``--max-new-tokens`` or ``--temperature`` below 0, ``--top-k`` below 1; not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """
@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="decode with eager static-cache steps instead of a replayed CUDA graph (CUDA only)")
     args = p.parse_args(argv)
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--temperature", args.temperature, 0),
+                                 ("--top-k", args.top_k, 1)):
+        if value is not None and not value >= least:  # `not >=`: NaN fails too
+            raise ValueError(f"{option} must be >= {least}; got {value}")
 
     from mixlab.heads.lm import CausalLM
 
