@@ -113,7 +113,8 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
     try:
         raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({(str(e).strip().splitlines() or [type(e).__name__])[0]}); "
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # torch's first line, whole
+        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({why}); "
                          "give a .ckpt file written by python -m mixlab fit") from None
     head_path, data, data_args = run_record_of(raw)
     if head_path is None:

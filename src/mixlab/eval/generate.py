@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     Raises:
         FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
-        ValueError: ``--max-new-tokens`` or ``--temperature`` below 0, ``--top-k`` below 1; not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
+        ValueError: ``--max-new-tokens`` or ``--temperature`` below 0, ``--top-k`` below 1; not an LM
+            checkpoint; an empty prompt; characters the tokenizer cannot encode;
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """
