@@ -416,3 +416,8 @@ def test_ckpt_path_best_is_the_lowest_val_loss_checkpoint(capsys, monkeypatch, t
     assert tested.trainer.ckpt_path == str(best[0])
     want = torch.load(best[0], weights_only=False)["global_step"]
     assert want in (2, 4) and torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 4
+    # a newer run that never validated: best does not fall back to the older run's file (a user test)
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps=2", "--trainer.val_check_interval=100"])
+    assert (runs / "text" / "goat" / "version_1" / "checkpoints" / "last.ckpt").is_file()
+    err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "best")
+    assert "--ckpt_path best: the newest run " in err[0] and "version_1" in err[0] and "has no best" in err[0], err

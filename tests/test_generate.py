@@ -152,10 +152,15 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
     # found by a user test: tracebacks before
     not_ckpt = tmp_path / "notes.txt"
     not_ckpt.write_text("not a checkpoint\n")
-    assert "not a readable PyTorch checkpoint" in _one_line_error(["--ckpt", str(not_ckpt), "--prompt", "a"], capsys)
+    assert "not a PyTorch Lightning checkpoint (not a torch.save zip archive)" in _one_line_error(
+        ["--ckpt", str(not_ckpt), "--prompt", "a"], capsys)
     truncated = tmp_path / "cut.ckpt"
     truncated.write_bytes(Path(text).read_bytes()[:4096])
-    assert "not a readable PyTorch checkpoint" in _one_line_error(["--ckpt", str(truncated), "--prompt", "a"], capsys)
+    assert "not a PyTorch Lightning checkpoint" in _one_line_error(["--ckpt", str(truncated), "--prompt", "a"], capsys)
+    plain = tmp_path / "plain.pt"  # a torch.save file that Lightning did not write (a KeyError traceback before)
+    torch.save({"a": 1}, plain)
+    assert "not a PyTorch Lightning checkpoint (no state_dict)" in _one_line_error(
+        ["--ckpt", str(plain), "--prompt", "a"], capsys)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "a directory; give a checkpoint file (no .ckpt file is below it)" in _one_line_error(
@@ -166,13 +171,32 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
     # the torch message is whole, not cut at 120 characters
     assert _one_line_error(["--ckpt", str(not_ckpt), "--prompt", "a"], capsys).endswith(
         "); give a .ckpt file written by python -m mixlab fit")
-    for option, value, need in (("--max-new-tokens", "-5", ">= 0"), ("--temperature", "-1", ">= 0"),
-                                ("--temperature", "nan", ">= 0"), ("--top-k", "0", ">= 1")):
+    for option, value in (("--max-new-tokens", "-5"), ("--top-k", "0")):
         line = _one_line_error(["--ckpt", text, "--prompt", "a", option, value], capsys)
-        assert line == f"error: {option} must be {need}; got {float(value) if option == '--temperature' else value}"
+        assert line == f"error: {option} must be >= {1 if option == '--top-k' else 0}; got {value}"
+    for value in ("-1", "nan", "inf"):
+        line = _one_line_error(["--ckpt", text, "--prompt", "a", "--temperature", value], capsys)
+        assert line == f"error: --temperature must be a finite number >= 0 (0: greedy); got {float(value)}"
     if not torch.cuda.is_available():
         line = _one_line_error(["--ckpt", text, "--prompt", "a", "--device", "cuda"], capsys)
         assert "CUDA is not available on this machine" in line
+
+
+def test_a_tiny_temperature_samples_the_argmax_instead_of_nan(text_ckpts):
+    """``--temperature 1e-45`` overflowed the scaled logits to inf and the softmax to NaN (a user test)."""
+    from mixlab.eval.generate import _next_token
+    from mixlab.eval.generate import main as generate_main
+
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
+    for t in (1e-45, 1e-30, 1e-6):
+        ids = _next_token(logits, t, None, torch.Generator().manual_seed(0))
+        assert ids.tolist() == [1, 0]
+
+    common = ["--ckpt", str(text_ckpts["goat"]), "--prompt", "the", "--max-new-tokens", "5", "--ignore-eos",
+              "--device", "cpu"]
+    out = generate_main([*common, "--temperature", "1e-45"])
+    greedy = generate_main([*common, "--temperature", "0"])
+    assert out["ids"] == greedy["ids"]
 
 
 def test_python_m_mixlab_generate_writes_text_to_stdout_and_progress_to_stderr(text_ckpts):

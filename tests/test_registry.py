@@ -233,7 +233,10 @@ def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys
             {k: v.shape for k, v in plain.state_dict().items()}, name
         for (k, a), b in zip(spelled.state_dict().items(), plain.state_dict().values()):
             torch.testing.assert_close(a.float(), b.float(), msg=f"{name}.{k}")
-    assert block["goat"]["position"] == "goat" and block["goat"]["position_args"]["n_modes"] == 4
+    assert "position" not in block["goat"] and block["goat"]["position_args"]["n_modes"] == 4
+    assert "decay" not in block["deltanet"]  # set by the name: deltanet with decay scalar is a GDN layer
+    with pytest.warns(UserWarning, match="mixer 'deltanet': decay='scalar' replaces the decay='none' its name sets"):
+        build_mixer("deltanet", d_model=D, n_heads=H, decay="scalar")
     assert block["mesa"]["cg_iters"] == 30 and block["deltanet"]["allow_neg_eigval"] is False
     cli_main(["mixers"])
     listing = capsys.readouterr().out

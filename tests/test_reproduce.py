@@ -72,6 +72,13 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     rows = reproduce._rows(exp, res)
     assert rows[0]["commands"][0] == "python -m mixlab fit deltanet_neg" and "failed" not in rows[0]["mixlab"]
     assert "lengths 203..256: 0.960" in rows[0]["mixlab"] and rows[0]["verdict"] == "reproduced"
+    # DeltaNet is tested at its best validation checkpoint: the row names its step and shows the test command
+    res["deltanet_neg"].update(ckpt="runs/parity/deltanet_neg/version_0/checkpoints/epoch=3-step=3000.ckpt",
+                               test_command="python -m mixlab test deltanet_neg --ckpt_path best")
+    best = reproduce._rows(exp, res)[0]
+    assert "0.960; checkpoint of step 3000)" in best["mixlab"]
+    assert best["commands"] == ["python -m mixlab fit deltanet_neg",
+                                "python -m mixlab test deltanet_neg --ckpt_path best", "... (2 runs)"]
     assert rows[1]["commands"][0] == "python -m mixlab fit mesa_neg"
     assert "runs that failed: mesa_neg" in rows[1]["mixlab"]
 

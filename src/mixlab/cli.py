@@ -302,11 +302,12 @@ def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
     """The checkpoint ``--ckpt_path last|best`` names, in ``<run_dir>/version_N/checkpoints/`` of the
     highest N holding one: ``last.ckpt`` (the newest state), or for ``best`` the file the default
     ``ModelCheckpoint`` keeps (lowest ``val/loss``, ``epoch=E-step=S.ckpt``; the one checkpoint there
-    not named ``last*``).
+    not named ``last*``) of the highest N holding any checkpoint (never an older run's).
 
     Raises:
         FileNotFoundError: no run of this task and run name has such a checkpoint yet (for ``best``:
-            validation never ran), or ``best`` is ambiguous (several candidates: pass the file).
+            validation never ran in the newest run), or ``best`` is ambiguous (several candidates: pass the
+            file).
     """
     def version(p: Path) -> int:
         tail = p.parent.parent.name.split("_")[-1]
@@ -318,13 +319,16 @@ def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
             raise FileNotFoundError(f"--ckpt_path last: no {run_dir}/version_*/checkpoints/last.ckpt; train "
                                     f"first (fit) or pass the checkpoint file")
         return str(found[-1])
-    found = sorted((p for p in run_dir.glob("version_*/checkpoints/*.ckpt") if not p.name.startswith("last")),
-                   key=version)
-    if not found:
+    every = sorted(run_dir.glob("version_*/checkpoints/*.ckpt"), key=version)
+    if not every:
         raise FileNotFoundError(f"--ckpt_path best: no best checkpoint (lowest val/loss) in "
                                 f"{run_dir}/version_*/checkpoints/; it is written at validation: train with "
                                 f"validation first, or pass the checkpoint file")
-    newest = [p for p in found if version(p) == version(found[-1])]
+    # the newest version's, as for last (an older version's best would silently test another run)
+    newest = [p for p in every if version(p) == version(every[-1]) and not p.name.startswith("last")]
+    if not newest:
+        raise FileNotFoundError(f"--ckpt_path best: the newest run {every[-1].parent} has no best checkpoint "
+                                f"(lowest val/loss; written at validation, which has not run there); pass a file")
     if len(newest) > 1:
         raise FileNotFoundError(f"--ckpt_path best: {len(newest)} candidate checkpoints in {newest[0].parent} "
                                 f"({', '.join(p.name for p in newest)}); pass the file")
@@ -418,27 +422,10 @@ def _own_checkpoint_file(path: Any) -> bool:
 
 
 def read_checkpoint(path: str) -> dict:
-    """The checkpoint dict at ``--ckpt_path path`` (memory-mapped, tensors not copied).
+    """The checkpoint dict at ``--ckpt_path path``: :func:`mixlab.eval.common.read_checkpoint`."""
+    from mixlab.eval.common import read_checkpoint as read
 
-    Raises:
-        FileNotFoundError: no such file (``"--ckpt_path <path>: file not found"``).
-        ValueError: not a PyTorch checkpoint (names the file and torch's reason).
-    """
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"--ckpt_path {path}: file not found")
-    try:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError as err:  # mmap needs the zip format (torch >= 1.6); older files load whole
-            if "mmap" not in str(err):
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for other files
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint ({reason})") from None
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"--ckpt_path {path}: not a PyTorch Lightning checkpoint (no state_dict)")
-    return checkpoint
+    return read(path, "--ckpt_path")
 
 
 def _get(node: Any, key: str) -> Any:

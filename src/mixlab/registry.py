@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
@@ -88,7 +89,7 @@ class Registry:
 
         ``defaults`` are keyword arguments bound for this name (e.g. the attention class is
         registered as ``rope``, ``alibi``, ``nope`` and ``goat`` with different
-        ``position=``); arguments given to :meth:`build` override them.
+        ``position=``); arguments given to :meth:`build` override them, with a warning.
 
         Raises:
             ValueError: ``name`` is already registered.
@@ -158,6 +159,12 @@ class Registry:
                 accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
                 raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
                                  f"{', '.join(map(repr, unknown))}; {accepts}")
+        bound = self._defaults[name]
+        replaced = {k: v for k, v in kwargs.items() if k in bound and v != bound[k]}
+        if replaced:  # e.g. deltanet with decay='scalar' is a GDN layer that still runs under the name deltanet
+            warnings.warn(f"{self.kind} {name!r}: " + ", ".join(f"{k}={v!r} replaces the {k}={bound[k]!r} its name "
+                                                               f"sets" for k, v in replaced.items())
+                          + f"; the run is still named after {name!r}", stacklevel=2)
         for arg in self.positive:
             value = kwargs.get(arg)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -4,7 +4,7 @@ the GOAT layers of a model, and the chunked forward."""
 from __future__ import annotations
 
 import importlib
-import pickle
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,8 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Run", "load_run", "run_record_of", "import_class", "pyplot", "goat_layers", "chunked_logits"]
+__all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
+           "chunked_logits"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -85,6 +86,35 @@ class Run:
         return import_class(path)(**{**self.data_args, **overrides})
 
 
+def read_checkpoint(path: str | Path, option: str = "--ckpt") -> dict:
+    """The Lightning checkpoint dict at ``path`` (memory-mapped, tensors not copied), for the command-line
+    option ``option`` that named it (``--ckpt``, ``--ckpt_path``), which every error message starts with.
+
+    Raises:
+        FileNotFoundError: no such file, or a directory (the message names a checkpoint below it, if any).
+        ValueError: not a ``torch.save`` zip archive, unreadable, or no ``state_dict`` (not written by
+            Lightning); the message names the file and the reason.
+    """
+    path = Path(path)
+    if path.is_dir():
+        found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
+        example = f"e.g. {found[-1]}" if found else "no .ckpt file is below it"
+        raise FileNotFoundError(f"{option} {path}: a directory; give a checkpoint file ({example})")
+    if not path.is_file():
+        raise FileNotFoundError(f"{option} {path}: file not found")
+    hint = "give a .ckpt file written by python -m mixlab fit"
+    if not zipfile.is_zipfile(path):  # torch's own message for this case suggests re-saving the file
+        raise ValueError(f"{option} {path}: not a PyTorch Lightning checkpoint (not a torch.save zip archive); {hint}")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError ... for damaged files
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]  # torch's first line, whole
+        raise ValueError(f"{option} {path}: not a readable PyTorch Lightning checkpoint ({why}); {hint}") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{option} {path}: not a PyTorch Lightning checkpoint (no state_dict); {hint}")
+    return checkpoint
+
+
 def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | None = None,
              hint: str = "") -> Run:
     """Read a mixlab run from a Lightning checkpoint (CLI or plain ``Trainer`` runs, old or new).
@@ -97,25 +127,14 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
         hint: that error's explanation (default: ``"expected a <head> run"``).
 
     Raises:
-        FileNotFoundError: no such file, or a directory (``"--ckpt <path>: file not found"``).
-        ValueError: the file is not a readable checkpoint; ``device`` is CUDA on a machine without it; the
+        FileNotFoundError: no such file, or a directory (:func:`read_checkpoint`).
+        ValueError: the file is not a Lightning checkpoint; ``device`` is CUDA on a machine without it; the
             checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint; <hint>"``).
     """
     path = Path(ckpt)
-    if path.is_dir():
-        found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
-        example = f"e.g. {found[-1]}" if found else "no .ckpt file is below it"
-        raise FileNotFoundError(f"--ckpt {ckpt}: a directory; give a checkpoint file ({example})")
-    if not path.is_file():
-        raise FileNotFoundError(f"--ckpt {ckpt}: file not found")
+    raw = read_checkpoint(path, "--ckpt")
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    try:
-        raw = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0]  # torch's first line, whole
-        raise ValueError(f"--ckpt {ckpt}: not a readable PyTorch checkpoint ({why}); "
-                         "give a .ckpt file written by python -m mixlab fit") from None
     head_path, data, data_args = run_record_of(raw)
     if head_path is None:
         head_path = f"{head.__module__}.{head.__qualname__}" if head is not None else _DEFAULT_HEAD

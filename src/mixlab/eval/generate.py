@@ -26,6 +26,7 @@ encode (named with their position), ``--fasta`` for a run that is not a genome L
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -128,7 +129,10 @@ def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator
     """``logits [B, V]`` float -> ``[B]`` int64 ids: argmax at temperature 0, else a top-k sample."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature
+    # shift by the row maximum first: at a tiny temperature the division overflows to inf, and inf - inf
+    # in the softmax gave NaN probabilities; shifted, the maximum stays 0 and the rest go to -inf
+    logits = logits.float()
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -165,15 +169,16 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
         ``[B, n]`` int64 new token ids, ``n <= max_new_tokens`` (the prompt not included).
 
     Raises:
-        ValueError: an empty prompt; a negative ``max_new_tokens`` or ``temperature``; ``top_k < 1``;
+        ValueError: an empty prompt; a negative ``max_new_tokens``; a negative, NaN or infinite ``temperature``;
+            ``top_k < 1``;
             prompt + ``max_new_tokens`` beyond the model's learned absolute positions; static caches
             larger than the free memory; ``static=True`` for a model without static steps.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"generate: the prompt is empty (shape {tuple(prompt.shape)}); give at least one token")
-    if max_new_tokens < 0 or temperature < 0 or (top_k is not None and top_k < 1):
-        raise ValueError(f"generate: need max_new_tokens >= 0, temperature >= 0, top_k >= 1; got {max_new_tokens}, "
-                         f"{temperature}, {top_k}")
+    if max_new_tokens < 0 or not 0 <= temperature < math.inf or (top_k is not None and top_k < 1):
+        raise ValueError(f"generate: need max_new_tokens >= 0, a finite temperature >= 0, top_k >= 1; got "
+                         f"{max_new_tokens}, {temperature}, {top_k}")
     from mixlab.eval import decode
 
     use_static = static is not False and max_new_tokens > 1 and decode.supports_static(model)
@@ -266,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     Raises:
         FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
-        ValueError: ``--max-new-tokens`` or ``--temperature`` below 0, ``--top-k`` below 1; not an LM
+        ValueError: ``--max-new-tokens`` below 0, ``--temperature`` not a finite number >= 0, ``--top-k``
+            below 1; not an LM
             checkpoint; an empty prompt; characters the tokenizer cannot encode;
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
@@ -288,10 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="decode with eager static-cache steps instead of a replayed CUDA graph (CUDA only)")
     args = p.parse_args(argv)
-    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--temperature", args.temperature, 0),
-                                 ("--top-k", args.top_k, 1)):
-        if value is not None and not value >= least:  # `not >=`: NaN fails too
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1)):
+        if value is not None and value < least:
             raise ValueError(f"{option} must be >= {least}; got {value}")
+    if not 0 <= args.temperature < math.inf:  # NaN fails too
+        raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
 
     from mixlab.heads.lm import CausalLM
 

@@ -33,6 +33,7 @@ import csv
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -40,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from mixlab.cli import _latest_checkpoint
 
 __all__ = ["RunSpec", "Experiment", "SUITES", "select", "run_suites", "main"]
 
@@ -299,11 +302,13 @@ def _parity_rows(res: dict) -> list[tuple]:
     acc = {n: _get(res, n, "test", "test/acc") for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")}
     d_neg, d_pos, m_neg, m_pos = acc.values()
     d_span, d_long = _longest_bucket(res, "deltanet_neg")
+    step = re.search(r"step=(\d+)", str(res.get("deltanet_neg", {}).get("ckpt")))
     m_span, m_long = _longest_bucket(res, "mesa_neg")
     rows = [("DeltaNet parity accuracy at lengths 40..256 (and its longest quarter), beta in [0, 2) vs (0, 1); "
              "tested at the lowest val/loss checkpoint",
              "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
-             f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}), without {_fmt(d_pos)}",
+             f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}"
+             + (f"; checkpoint of step {step.group(1)}" if step else "") + f"), without {_fmt(d_pos)}",
              _verdict(None not in (d_neg, d_pos, d_long) and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6,
                       d_neg is not None and d_pos is not None and d_neg > d_pos), ["deltanet_neg", "deltanet"]),
             ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
@@ -475,7 +480,9 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
         entry: dict[str, Any] = {"command": "python -m mixlab " + shlex.join(argv), "fit_rc": rc}
         if rc == 0:
             log = out / "logs" / f"{exp.name}-{spec.name}.test.log"
-            entry["test_rc"], test_text = launch(test_argv(spec, root, quick, scale), log)
+            test = test_argv(spec, root, quick, scale)
+            entry["test_command"] = "python -m mixlab " + shlex.join(test)
+            entry["test_rc"], test_text = launch(test, log)
             if entry["test_rc"] != 0:
                 entry["error"] = "\n".join(test_text.strip().splitlines()[-5:])
         else:
@@ -483,8 +490,10 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
         run_dirs = sorted(root.glob(f"*/{spec.name}"))
         if run_dirs:
             entry.update(_collect(run_dirs[0]))
-            ckpts = sorted(run_dirs[0].glob("version_*/checkpoints/last.ckpt"))
-            entry["ckpt"] = str(ckpts[-1]) if ckpts else None
+            try:  # the checkpoint the test read (and evaluation commands read): last.ckpt or the best one
+                entry["ckpt"] = _latest_checkpoint(run_dirs[0], spec.test_ckpt)
+            except FileNotFoundError:
+                entry["ckpt"] = None
         results[spec.name] = entry
 
     with ThreadPoolExecutor(workers) as pool:
@@ -522,11 +531,14 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
     for measure, paper, value, verdict, *names in exp_rows:  # an optional 5th item: the row's run names
         mine = [s for s in exp.runs if s.name in res and (not names or s.name in names[0])]
         commands = [res[s.name]["command"] for s in mine]
+        if mine and mine[0].test_ckpt != "last" and res[mine[0].name].get("test_command"):
+            commands.insert(1, res[mine[0].name]["test_command"])  # the test reads another checkpoint: show how
         bad = [s.name for s in mine if s.name in failed]
         if bad:
             value += f" (runs that failed: {', '.join(bad)}; see logs/)"
         rows.append({"experiment": exp.title, "measure": measure, "paper": paper, "mixlab": value, "verdict": verdict,
-                     "commands": commands[:1] + ([f"... ({len(commands)} runs)"] if len(commands) > 1 else []),
+                     "commands": commands[:len(commands) - len(mine) + 1]
+                     + ([f"... ({len(mine)} runs)"] if len(mine) > 1 else []),
                      "failed": [f"{exp.name}/{n}" for n in bad]})
     return rows
 

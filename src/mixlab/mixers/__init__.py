@@ -38,24 +38,28 @@ def _yaml_value(value: Any) -> Any:
 
 
 def mixer_options(name: str) -> dict[str, Any]:
-    """The options of mixer ``name`` with their defaults, as a ``mixer_args`` entry; an attention
-    mixer's ``position_args`` hold its position scheme's options (``position_args: {}`` in a config
-    means these). Required options (none today) read ``"<required>"``.
+    """The options of mixer ``name`` with their defaults, as a ``mixer_args`` entry. Options the name
+    itself sets (e.g. ``deltanet``'s ``decay: none``, ``goat``'s ``position: goat``) are left out: another
+    value makes another layer under the same name (:meth:`mixlab.registry.Registry.build` warns). An
+    attention mixer's ``position_args`` hold its position scheme's options (``position_args: {}`` in a
+    config means these). Required options (none today) read ``"<required>"``.
 
     Raises:
         ValueError: unknown mixer (the message lists the registered ones).
     """
+    bound = MIXERS.defaults(name)
     opts = MIXERS.option_defaults(name)
     scheme = opts.get("position")
     if "position_args" in opts and isinstance(scheme, str) and scheme in POSITIONS:
         opts["position_args"] = POSITIONS.option_defaults(scheme)
-    return {k: "<required>" if v is inspect.Parameter.empty else _yaml_value(v) for k, v in opts.items()}
+    return {k: "<required>" if v is inspect.Parameter.empty else _yaml_value(v) for k, v in opts.items()
+            if k not in bound}
 
 
 def main(argv: list[str] | None = None) -> str:
     """``python -m mixlab mixers [NAME ...]``: the registered mixers, or the named mixers' options with
     their defaults as a ``mixer_args:`` block to paste into a config (``--print_config`` shows only the
-    options a config sets: ``mixer_args: {}`` when it keeps every default). Returns what it prints.
+    options a config sets: ``mixer_args: {}`` when it keeps every default). Returns the printed text.
 
     Raises:
         ValueError: an unknown mixer name (one line, listing the registered ones).
@@ -64,7 +68,9 @@ def main(argv: list[str] | None = None) -> str:
 
     import yaml
 
-    p = argparse.ArgumentParser(prog="python -m mixlab mixers", description=main.__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mixlab mixers",
+                                description="List the registered mixers, or print the named mixers' options with "
+                                            "their defaults as a mixer_args block to paste into a config.")
     p.add_argument("names", nargs="*", help="mixers whose options to show (default: list every mixer)")
     args = p.parse_args(argv)
     load_plugins()
@@ -79,6 +85,15 @@ def main(argv: list[str] | None = None) -> str:
                          + (f": {doc}" if doc else ""))
         text = "\n".join(lines) + "\n\noptions and defaults of one: python -m mixlab mixers NAME\n"
     else:
-        text = yaml.safe_dump({"mixer_args": {n: mixer_options(n) for n in args.names}}, sort_keys=False)
+        parts = ["mixer_args:"]
+        for name in args.names:
+            entry = yaml.safe_dump({name: mixer_options(name)}, sort_keys=False)
+            bound = MIXERS.defaults(name)
+            if bound:
+                fixed = ", ".join(f"{k}: {v}" for k, v in bound.items())
+                parts.append(f"  # {name} sets {fixed} by its name (another value warns: it makes another "
+                             f"layer under this name)")
+            parts += ["  " + line for line in entry.splitlines()]
+        text = "\n".join(parts) + "\n"
     print(text, end="")
     return text
