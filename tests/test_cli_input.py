@@ -421,3 +421,18 @@ def test_ckpt_path_best_is_the_lowest_val_loss_checkpoint(capsys, monkeypatch, t
     assert (runs / "text" / "goat" / "version_1" / "checkpoints" / "last.ckpt").is_file()
     err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "best")
     assert "--ckpt_path best: the newest run " in err[0] and "version_1" in err[0] and "has no best" in err[0], err
+
+
+def test_ckpt_path_directory_is_one_line_naming_a_checkpoint_below_it(capsys, monkeypatch, tmp_path, trained):
+    """A run folder (not a sharded checkpoint) as ``--ckpt_path``: one line naming a checkpoint below it (it
+    was an IsADirectoryError traceback, a user test); an empty folder says so."""
+    run = trained["text"].parents[1]  # .../version_0
+    argv = ["test", "--config", str(TEXT), *TINY, "--run_root", str(tmp_path / "runs")]
+    err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(run))
+    assert err[0].startswith("error: --ckpt_path ") and "a directory; give a checkpoint file (e.g. " in err[0], err
+    assert err[0].endswith("last.ckpt)"), err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(empty))
+    assert "a directory; give a checkpoint file (no .ckpt file is below it)" in err[0], err
+    assert not (tmp_path / "runs").exists()

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -213,7 +215,7 @@ def test_the_cli_imports_a_users_mixer_package_named_in_mixlab_import(tmp_path):
                                           "'no_such_pkg': ModuleNotFoundError: No module named 'no_such_pkg'")
 
 
-def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys):
+def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys, caplog):
     """``python -m mixlab mixers NAME...`` (``--print_config`` shows ``mixer_args: {}`` for a config that
     keeps every default): its YAML is valid ``mixer_args``, building each mixer with it equals the default
     build, and the values are the constructors' defaults (spot checks)."""
@@ -235,8 +237,12 @@ def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys
             torch.testing.assert_close(a.float(), b.float(), msg=f"{name}.{k}")
     assert "position" not in block["goat"] and block["goat"]["position_args"]["n_modes"] == 4
     assert "decay" not in block["deltanet"]  # set by the name: deltanet with decay scalar is a GDN layer
-    with pytest.warns(UserWarning, match="mixer 'deltanet': decay='scalar' replaces the decay='none' its name sets"):
-        build_mixer("deltanet", d_model=D, n_heads=H, decay="scalar")
+    with caplog.at_level(logging.WARNING, logger="mixlab.registry"):
+        for _ in range(2):
+            build_mixer("deltanet", d_model=D, n_heads=H, decay="scalar")
+    assert [r.getMessage() for r in caplog.records] == [
+        "mixer 'deltanet': decay='scalar' replaces the decay='none' its name sets; the run is still named after "
+        "'deltanet'"]
     assert block["mesa"]["cg_iters"] == 30 and block["deltanet"]["allow_neg_eigval"] is False
     cli_main(["mixers"])
     listing = capsys.readouterr().out

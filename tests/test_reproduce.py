@@ -76,9 +76,14 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     res["deltanet_neg"].update(ckpt="runs/parity/deltanet_neg/version_0/checkpoints/epoch=3-step=3000.ckpt",
                                test_command="python -m mixlab test deltanet_neg --ckpt_path best")
     best = reproduce._rows(exp, res)[0]
-    assert "0.960; checkpoint of step 3000)" in best["mixlab"]
+    assert best["mixlab"].startswith("with 0.970 at step 3000 (lengths 203..256: 0.960), without 0.500")
     assert best["commands"] == ["python -m mixlab fit deltanet_neg",
                                 "python -m mixlab test deltanet_neg --ckpt_path best", "... (2 runs)"]
+    # a row whose runs were all left out by --runs says so (it said "not reproduced")
+    only_delta = {n: res[n] for n in ("deltanet_neg", "deltanet")}
+    mesa_row = reproduce._rows(exp, only_delta)[1]
+    assert mesa_row["verdict"] == "not run" and mesa_row["mixlab"] == "not run (left out by --runs)"
+    assert mesa_row["commands"] == []
     assert rows[1]["commands"][0] == "python -m mixlab fit mesa_neg"
     assert "runs that failed: mesa_neg" in rows[1]["mixlab"]
 

@@ -416,9 +416,14 @@ def _pattern_mixers(model: Any) -> set[str] | None:
 
 
 def _own_checkpoint_file(path: Any) -> bool:
-    """True for a ``--ckpt_path`` that names one file to check (not ``best``/``hpc``/..., not a sharded
-    checkpoint folder)."""
-    return bool(path) and str(path) not in _CKPT_NAMES and not Path(str(path)).is_dir()
+    """True for a ``--ckpt_path`` that mixlab checks before Lightning reads it: a file, or a folder that is
+    not a sharded (FSDP) checkpoint, which :func:`read_checkpoint` refuses in one line; not ``best``/``hpc``/...
+    """
+    if not path or str(path) in _CKPT_NAMES:
+        return False
+    folder = Path(str(path))
+    sharded = folder.is_dir() and ((folder / "meta.pt").is_file() or (folder / ".metadata").is_file())
+    return not sharded
 
 
 def read_checkpoint(path: str) -> dict:

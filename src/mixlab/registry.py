@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import os
-import warnings
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
@@ -83,13 +83,14 @@ class Registry:
         self.positive = positive
         self._classes: dict[str, type] = {}
         self._defaults: dict[str, dict[str, Any]] = {}
+        self._noted: set[str] = set()
 
     def register(self, name: str, **defaults: Any) -> Callable[[type], type]:
         """Class decorator registering the class under ``name``.
 
         ``defaults`` are keyword arguments bound for this name (e.g. the attention class is
         registered as ``rope``, ``alibi``, ``nope`` and ``goat`` with different
-        ``position=``); arguments given to :meth:`build` override them, with a warning.
+        ``position=``); arguments given to :meth:`build` override them (logged once as a warning).
 
         Raises:
             ValueError: ``name`` is already registered.
@@ -162,9 +163,12 @@ class Registry:
         bound = self._defaults[name]
         replaced = {k: v for k, v in kwargs.items() if k in bound and v != bound[k]}
         if replaced:  # e.g. deltanet with decay='scalar' is a GDN layer that still runs under the name deltanet
-            warnings.warn(f"{self.kind} {name!r}: " + ", ".join(f"{k}={v!r} replaces the {k}={bound[k]!r} its name "
-                                                               f"sets" for k, v in replaced.items())
-                          + f"; the run is still named after {name!r}", stacklevel=2)
+            note = (f"{self.kind} {name!r}: " + ", ".join(f"{k}={v!r} replaces the {k}={bound[k]!r} its name sets"
+                                                          for k, v in replaced.items())
+                    + f"; the run is still named after {name!r}")
+            if note not in self._noted:  # once per process, not once per layer
+                self._noted.add(note)
+                logging.getLogger("mixlab.registry").warning(note)
         for arg in self.positive:
             value = kwargs.get(arg)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -126,8 +126,9 @@ def codec_for(data: str | None, data_args: dict, model_vocab: int) -> Codec:
 
 
 def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator) -> Tensor:
-    """``logits [B, V]`` float -> ``[B]`` int64 ids: argmax at temperature 0, else a top-k sample."""
-    if temperature == 0:
+    """``logits [B, V]`` float -> ``[B]`` int64 ids: argmax at temperature 0 (and below float32's smallest
+    normal number, 1.2e-38, which float32 division would turn into 0/0), else a top-k sample."""
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or a temperature float32 holds only as 0
         return logits.argmax(-1)
     # shift by the row maximum first: at a tiny temperature the division overflows to inf, and inf - inf
     # in the softmax gave NaN probabilities; shifted, the maximum stays 0 and the rest go to -inf

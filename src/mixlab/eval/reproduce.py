@@ -302,13 +302,17 @@ def _parity_rows(res: dict) -> list[tuple]:
     acc = {n: _get(res, n, "test", "test/acc") for n in ("deltanet_neg", "deltanet", "mesa_neg", "mesa")}
     d_neg, d_pos, m_neg, m_pos = acc.values()
     d_span, d_long = _longest_bucket(res, "deltanet_neg")
-    step = re.search(r"step=(\d+)", str(res.get("deltanet_neg", {}).get("ckpt")))
+
+    def at(run: str) -> str:  # the step of a best-checkpoint test
+        step = re.search(r"step=(\d+)", str(res.get(run, {}).get("ckpt")))
+        return f" at step {step.group(1)}" if step else ""
+
     m_span, m_long = _longest_bucket(res, "mesa_neg")
     rows = [("DeltaNet parity accuracy at lengths 40..256 (and its longest quarter), beta in [0, 2) vs (0, 1); "
              "tested at the lowest val/loss checkpoint",
              "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
-             f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}"
-             + (f"; checkpoint of step {step.group(1)}" if step else "") + f"), without {_fmt(d_pos)}",
+             f"with {_fmt(d_neg)}{at('deltanet_neg')} (lengths {d_span}: {_fmt(d_long)}), "
+             f"without {_fmt(d_pos)}{at('deltanet')}",
              _verdict(None not in (d_neg, d_pos, d_long) and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6,
                       d_neg is not None and d_pos is not None and d_neg > d_pos), ["deltanet_neg", "deltanet"]),
             ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
@@ -530,6 +534,8 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
     rows = []
     for measure, paper, value, verdict, *names in exp_rows:  # an optional 5th item: the row's run names
         mine = [s for s in exp.runs if s.name in res and (not names or s.name in names[0])]
+        if names and not mine:  # every run of the row left out (--runs)
+            value, verdict = "not run (left out by --runs)", "not run"
         commands = [res[s.name]["command"] for s in mine]
         if mine and mine[0].test_ckpt != "last" and res[mine[0].name].get("test_command"):
             commands.insert(1, res[mine[0].name]["test_command"])  # the test reads another checkpoint: show how

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> str:
             entry = yaml.safe_dump({name: mixer_options(name)}, sort_keys=False)
             bound = MIXERS.defaults(name)
             if bound:
-                fixed = ", ".join(f"{k}: {v}" for k, v in bound.items())
+                fixed = ", ".join(f"{k}: {yaml.safe_dump(v).splitlines()[0]}" for k, v in bound.items())
                 parts.append(f"  # {name} sets {fixed} by its name (another value warns: it makes another "
                              f"layer under this name)")
             parts += ["  " + line for line in entry.splitlines()]
