@@ -188,4 +188,3 @@ register_position = POSITIONS.register
 get_mixer_cls = MIXERS.get
 list_mixers = MIXERS.names
 build_mixer = MIXERS.build
-

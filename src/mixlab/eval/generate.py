@@ -171,8 +171,7 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
 
     Raises:
         ValueError: an empty prompt; a negative ``max_new_tokens``; a negative, NaN or infinite ``temperature``;
-            ``top_k < 1``;
-            prompt + ``max_new_tokens`` beyond the model's learned absolute positions; static caches
+            ``top_k < 1``; prompt + ``max_new_tokens`` beyond the model's learned absolute positions; static caches
             larger than the free memory; ``static=True`` for a model without static steps.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -273,8 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
     Raises:
         FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
         ValueError: ``--max-new-tokens`` below 0, ``--temperature`` not a finite number >= 0, ``--top-k``
-            below 1; not an LM
-            checkpoint; an empty prompt; characters the tokenizer cannot encode;
+            below 1; not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """

@@ -536,15 +536,14 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
         mine = [s for s in exp.runs if s.name in res and (not names or s.name in names[0])]
         if names and not mine:  # every run of the row left out (--runs)
             value, verdict = "not run (left out by --runs)", "not run"
-        commands = [res[s.name]["command"] for s in mine]
+        shown = [res[s.name]["command"] for s in mine[:1]]
         if mine and mine[0].test_ckpt != "last" and res[mine[0].name].get("test_command"):
-            commands.insert(1, res[mine[0].name]["test_command"])  # the test reads another checkpoint: show how
+            shown.append(res[mine[0].name]["test_command"])  # the test reads another checkpoint: show how
         bad = [s.name for s in mine if s.name in failed]
         if bad:
             value += f" (runs that failed: {', '.join(bad)}; see logs/)"
         rows.append({"experiment": exp.title, "measure": measure, "paper": paper, "mixlab": value, "verdict": verdict,
-                     "commands": commands[:len(commands) - len(mine) + 1]
-                     + ([f"... ({len(mine)} runs)"] if len(mine) > 1 else []),
+                     "commands": shown + ([f"... ({len(mine)} runs)"] if len(mine) > 1 else []),
                      "failed": [f"{exp.name}/{n}" for n in bad]})
     return rows
 
