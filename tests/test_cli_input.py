@@ -406,7 +406,7 @@ def test_ckpt_path_best_is_the_lowest_val_loss_checkpoint(capsys, monkeypatch, t
     runs = tmp_path / "runs"
     argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs)]
     err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "best")
-    assert err[0].startswith("error: --ckpt_path best: no best checkpoint (lowest val/loss) in "), err
+    assert err[0].startswith("error: --ckpt_path best: no best checkpoint (best on checkpoint.monitor) in "), err
     MixlabCLI(args=["fit", *argv, "--trainer.max_steps=4", "--trainer.val_check_interval=2",
                     "--trainer.limit_val_batches=1"])
     ckpts = runs / "text" / "goat" / "version_0" / "checkpoints"
@@ -421,6 +421,31 @@ def test_ckpt_path_best_is_the_lowest_val_loss_checkpoint(capsys, monkeypatch, t
     assert (runs / "text" / "goat" / "version_1" / "checkpoints" / "last.ckpt").is_file()
     err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "best")
     assert "--ckpt_path best: the newest run " in err[0] and "version_1" in err[0] and "has no best" in err[0], err
+
+
+def test_checkpoint_monitor_and_mode_choose_the_best_checkpoint(tmp_path):
+    """``checkpoint.monitor`` / ``checkpoint.mode`` (Lightning's ModelCheckpoint as a CLI group) decide
+    which file is kept and what ``--ckpt_path best`` reads: here the *highest* val/loss of two validations."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mixlab.callbacks import LastCheckpoint
+    from mixlab.cli import MixlabCLI
+    from mixlab.eval.compare import load_scalars
+
+    runs = tmp_path / "runs"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs),
+            "--checkpoint.monitor", "val/loss", "--checkpoint.mode", "max"]
+    cli = MixlabCLI(args=["fit", *argv, "--trainer.max_steps=4", "--trainer.val_check_interval=2",
+                          "--trainer.limit_val_batches=1"])
+    kept = [c for c in cli.trainer.callbacks if isinstance(c, ModelCheckpoint) and not isinstance(c, LastCheckpoint)]
+    assert [(c.monitor, c.mode, c.save_top_k) for c in kept] == [("val/loss", "max", 1)]
+    run = runs / "text" / "goat" / "version_0"
+    val = {step: v for _, step, v in load_scalars(run)["val/loss"]}
+    assert len(val) == 2 and val[1] != val[3], val  # validations after steps 2 and 4 (logged at step 1 and 3)
+    worst = max(val, key=val.get) + 1
+    tested = MixlabCLI(args=["test", *argv, "--ckpt_path", "best", "--trainer.limit_test_batches=1"])
+    assert torch.load(tested.trainer.ckpt_path, weights_only=False)["global_step"] == worst
+    assert float(kept[0].best_model_score) == pytest.approx(max(val.values()), rel=1e-6)
 
 
 def test_ckpt_path_directory_is_one_line_naming_a_checkpoint_below_it(capsys, monkeypatch, tmp_path, trained):

@@ -76,9 +76,21 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     res["deltanet_neg"].update(ckpt="runs/parity/deltanet_neg/version_0/checkpoints/epoch=3-step=3000.ckpt",
                                test_command="python -m mixlab test deltanet_neg --ckpt_path best")
     best = reproduce._rows(exp, res)[0]
-    assert best["mixlab"].startswith("with 0.970 at step 3000 (lengths 203..256: 0.960), without 0.500")
+    assert best["mixlab"].startswith("with 0.970 (lengths 203..256: 0.960), without 0.500. "
+                                     "With: seed 0: 0.970 (0.960, step 3000). Without: seed 0: 0.500 (n/a, last)")
     assert best["commands"] == ["python -m mixlab fit deltanet_neg",
                                 "python -m mixlab test deltanet_neg --ckpt_path best", "... (2 runs)"]
+    # the DeltaNet row is the median over the model seeds' runs (each shown)
+    seeds = dict(res)
+    for k, (a, lg) in ((1, (0.99, 0.97)), (2, (0.90, 0.80))):
+        seeds[f"deltanet_neg_s{k}"] = {"command": "c", "fit_rc": 0, "test_rc": 0,
+                                       "test": {"test/acc": a, "test/acc_len_203_256": lg}}
+    med = reproduce._rows(exp, seeds)[0]
+    assert med["mixlab"].startswith("with 0.970 (lengths 203..256: 0.960), without 0.500. With: seed 0: 0.970 "
+                                    "(0.960, step 3000); seed 1: 0.990 (0.970, last); seed 2: 0.900 (0.800, last)")
+    assert med["verdict"] == "reproduced" and med["commands"][-1] == "... (4 runs)"
+    seeds["deltanet_neg_s1"]["test"]["test/acc_len_203_256"] = 0.94
+    assert reproduce._rows(exp, seeds)[0]["verdict"] == "same direction"  # median 0.94 at the longest lengths
     # a row whose runs were all left out by --runs says so (it said "not reproduced")
     only_delta = {n: res[n] for n in ("deltanet_neg", "deltanet")}
     mesa_row = reproduce._rows(exp, only_delta)[1]

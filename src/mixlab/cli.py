@@ -9,11 +9,13 @@ Defaults added to every run:
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
   config sets ``trainer.logger``;
 * checkpoints: ``last.ckpt`` with the newest state (:class:`~mixlab.callbacks.LastCheckpoint`:
-  every validation, the end of training and Ctrl-C) and the best on ``val/loss``; LearningRateMonitor,
+  every validation, the end of training and Ctrl-C) and the best one, kept by the ``checkpoint``
+  group (Lightning's ``ModelCheckpoint``; default lowest ``val/loss``, ``checkpoint.monitor`` and
+  ``checkpoint.mode`` change it, e.g. ``val/acc`` / ``max``); LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name (``best``: the
-  checkpoint with the lowest ``val/loss`` of that run), and a
+  checkpoint the ``checkpoint`` group kept in that run), and a
   run resumed, validated or tested from its own checkpoint logs into the same
   TensorBoard run directory;
 * the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
@@ -91,8 +93,8 @@ class MixlabCLI(LightningCLI):
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
             "callbacks": [
-                # best on val/loss; last.ckpt = newest state (Lightning 2.6's save_last follows the best only)
-                ModelCheckpoint(filename="{epoch}-{step}", monitor="val/loss", mode="min", save_top_k=1),
+                # the best checkpoint is the `checkpoint` group's (add_arguments_to_parser); last.ckpt = the
+                # newest state (Lightning 2.6's save_last follows the best only)
                 LastCheckpoint(),
                 LearningRateMonitor(logging_interval="step"),
                 ThroughputMemory(),
@@ -224,6 +226,11 @@ class MixlabCLI(LightningCLI):
                             help="Root directory of TensorBoard runs: <run_root>/<task>/<run_name>/version_N")
         parser.add_argument("--run_name", type=str | None, default=None,
                             help="Override the run name (default: the model's mixer pattern)")
+        # the best checkpoint: `checkpoint.monitor` / `checkpoint.mode` in a config or on the command line
+        # (e.g. parity keeps its highest val/acc); `--ckpt_path best` reads the file it keeps
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.filename": "{epoch}-{step}", "checkpoint.monitor": "val/loss",
+                             "checkpoint.mode": "min", "checkpoint.save_top_k": 1})
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -300,9 +307,10 @@ class MixlabCLI(LightningCLI):
 
 def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
     """The checkpoint ``--ckpt_path last|best`` names, in ``<run_dir>/version_N/checkpoints/`` of the
-    highest N holding one: ``last.ckpt`` (the newest state), or for ``best`` the file the default
-    ``ModelCheckpoint`` keeps (lowest ``val/loss``, ``epoch=E-step=S.ckpt``; the one checkpoint there
-    not named ``last*``) of the highest N holding any checkpoint (never an older run's).
+    highest N holding one: ``last.ckpt`` (the newest state), or for ``best`` the file the ``checkpoint``
+    group's ``ModelCheckpoint`` keeps (its ``monitor``, default lowest ``val/loss``; ``epoch=E-step=S.ckpt``,
+    the one checkpoint there not named ``last*``) of the highest N holding any checkpoint (never an older
+    run's).
 
     Raises:
         FileNotFoundError: no run of this task and run name has such a checkpoint yet (for ``best``:
@@ -321,14 +329,15 @@ def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
         return str(found[-1])
     every = sorted(run_dir.glob("version_*/checkpoints/*.ckpt"), key=version)
     if not every:
-        raise FileNotFoundError(f"--ckpt_path best: no best checkpoint (lowest val/loss) in "
+        raise FileNotFoundError(f"--ckpt_path best: no best checkpoint (best on checkpoint.monitor) in "
                                 f"{run_dir}/version_*/checkpoints/; it is written at validation: train with "
                                 f"validation first, or pass the checkpoint file")
     # the newest version's, as for last (an older version's best would silently test another run)
     newest = [p for p in every if version(p) == version(every[-1]) and not p.name.startswith("last")]
     if not newest:
         raise FileNotFoundError(f"--ckpt_path best: the newest run {every[-1].parent} has no best checkpoint "
-                                f"(lowest val/loss; written at validation, which has not run there); pass a file")
+                                f"(best on checkpoint.monitor; written at validation, which has not run there); "
+                                f"pass a file")
     if len(newest) > 1:
         raise FileNotFoundError(f"--ckpt_path best: {len(newest)} candidate checkpoints in {newest[0].parent} "
                                 f"({', '.join(p.name for p in newest)}); pass the file")
