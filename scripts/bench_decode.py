@@ -6,6 +6,7 @@ For each dtype (float32, bfloat16) and mixer (goat, rope, nope, kda, mesa) one r
 a random 128-token prompt greedily for 256 new tokens by each path, in the same process::
 
     python scripts/bench_decode.py --out bench_out/decode          # on the GPU
+    python scripts/bench_decode.py --compile --mixers rope kda     # adds the torch.compile'd step (+ CUDA graph)
     python scripts/bench_decode.py --quick --out /tmp/decode       # CPU, tiny model, < 30 s
 
 Reported per row: decode tokens/s of each path (``batch * (new - 1)`` tokens over the time of ``new``
@@ -34,7 +35,9 @@ from mixlab.heads.lm import CausalLM
 
 MIXERS = ["goat", "rope", "nope", "kda", "mesa"]
 PATHS = {"dict": {"static": False}, "eager": {"static": True, "cuda_graph": False},
-         "graph": {"static": True, "cuda_graph": True}}
+         "graph": {"static": True, "cuda_graph": True},
+         "compiled": {"static": True, "cuda_graph": None, "compile_step": True}}  # --compile; graph on CUDA
+TITLES = {"dict": "dict loop", "eager": "static eager", "graph": "CUDA graph", "compiled": "compiled step"}
 _T0 = time.perf_counter()
 
 
@@ -100,16 +103,19 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--new", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="also the static step through torch.compile (captured as a CUDA graph on CUDA)")
     p.add_argument("--out", default=None, help="directory for bench_decode.md (or a path ending in .md)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.layers, args.d_model, args.head_dim, args.vocab = 2, 2, 64, 32, 97
         args.prompt, args.new, args.repeats, args.device = 9, 12, 1, "cpu"
     device = torch.device(args.device)
-    graph_ok = device.type == "cuda"
-    head = ("| dtype | mixer | dict loop tok/s | static eager tok/s | CUDA graph tok/s | eager / dict | graph / dict "
-            "| ids = dict (eager) | ids = dict (graph) |")
-    lines, notes = [head, "|" + "---|" * 9], []
+    paths = [k for k in PATHS if (k != "graph" or device.type == "cuda") and (k != "compiled" or args.compile)]
+    fast = paths[1:]
+    head = ("| dtype | mixer | " + " | ".join(f"{TITLES[k]} tok/s" for k in paths) + " | "
+            + " | ".join(f"{k} / dict" for k in fast) + " | ids = dict (" + " / ".join(fast) + ") |")
+    lines, notes = [head, "|" + "---|" * (3 + 2 * len(fast))], []
     for dname in args.dtypes:
         dtype = getattr(torch, dname)
         for mixer in args.mixers:
@@ -117,21 +123,16 @@ def main(argv: list[str] | None = None) -> str:
             g = torch.Generator().manual_seed(1)
             prompt = torch.randint(0, args.vocab, (args.batch, args.prompt), generator=g).to(device)
             rate, ids = {}, {}
-            for path, kw in PATHS.items():
-                if path == "graph" and not graph_ok:
-                    continue
+            for path in paths:
                 log(f"{dname} {mixer} {path}")
                 failed = len(FAILED_CAPTURES)
-                rate[path], ids[path] = measure(model, prompt, args.new, kw, args.repeats)
+                rate[path], ids[path] = measure(model, prompt, args.new, PATHS[path], args.repeats)
                 if len(FAILED_CAPTURES) > failed:
-                    notes.append(f"{dname} {mixer}: the CUDA graph capture failed, the graph column is eager "
+                    notes.append(f"{dname} {mixer}: the CUDA graph capture failed, the {path} column is eager "
                                  f"({FAILED_CAPTURES[-1]})")
-            same = {k: float((ids[k] == ids["dict"]).double().mean()) for k in ids if k != "dict"}
-            ratio = {k: rate[k] / rate["dict"] for k in rate if k != "dict"}
-            lines.append(f"| {dname} | {mixer} | {_fmt(rate['dict'])} | {_fmt(rate['eager'])} | "
-                         f"{_fmt(rate.get('graph'))} | {ratio['eager']:.2f}x | "
-                         + (f"{ratio['graph']:.2f}x" if "graph" in ratio else "-")
-                         + f" | {same['eager']:.3f} | " + (f"{same['graph']:.3f}" if "graph" in same else "-") + " |")
+            same = " / ".join(f"{float((ids[k] == ids['dict']).double().mean()):.3f}" for k in fast)
+            lines.append(f"| {dname} | {mixer} | " + " | ".join(_fmt(rate[k]) for k in paths) + " | "
+                         + " | ".join(f"{rate[k] / rate['dict']:.2f}x" for k in fast) + f" | {same} |")
             log(lines[-1])
             del model
             if device.type == "cuda":
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> str:
     lines += ["", f"Greedy decoding, batch {args.batch}, {args.layers} layers, d_model {args.d_model}, head dim "
               f"{args.head_dim}, vocabulary {args.vocab}, prompt {args.prompt}, {args.new} new tokens; decode tokens/s "
               f"(prefill excluded), median of {args.repeats}; ids = dict: fraction of generated ids equal to the dict "
-              f"loop's; the graph path's time includes its capture (once per generate call); device {device} "
+              f"loop's; the graph paths' time includes their capture (once per generate call), the compiled step's "
+              f"compilation happens in the untimed warm-up call; device {device} "
               f"({name}), torch {torch.__version__}.", *notes]
     md = "\n".join(lines) + "\n"
     print(md, end="", flush=True)

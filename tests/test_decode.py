@@ -148,7 +148,8 @@ def test_cli_has_a_no_cuda_graph_switch(capsys):
 
     with pytest.raises(SystemExit):
         main(["--help"])
-    assert "--no-cuda-graph" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--no-cuda-graph" in out and "--compile" in out
 
 
 _TRITON_CHECK = """
@@ -237,3 +238,19 @@ def test_cuda_graph_decoding_is_captured_and_equals_the_eager_step(mixer, capsys
         for _ in range(5):
             dec.step()
         assert dec.graphed and int(dec.pos) == 12
+
+
+@pytest.mark.parametrize("mixer", ["rope", "kda"])
+def test_compiled_static_step_gives_the_eager_static_ids(mixer):
+    """``compile_step=True`` (the step through torch.compile / Inductor; on CUDA then captured as a graph)
+    decodes the same greedy ids as the eager static step and the parallel forward's argmax (CPU, float64)."""
+    from torch._dynamo.utils import counters
+
+    model = _model(mixer)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
+    eager = generate(model, prompt, 9, temperature=0, static=True)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = generate(model, prompt, 9, temperature=0, static=True, compile_step=True)
+    assert counters["stats"]["unique_graphs"] > graphs  # Dynamo traced the step
+    assert compiled.tolist() == eager.tolist() == _parallel_argmax(model, prompt, eager).tolist()
+    assert len(set(eager.flatten().tolist())) >= 3

@@ -19,7 +19,12 @@ still prefilled by that path (one parallel forward filling the dict caches), the
    on a side stream (real decoding steps, not discarded) and replayed per token. Greedy decoding
    takes the argmax inside the graph (the next input token never leaves the device); sampling
    (temperature, top-k, the caller's generator) runs eagerly on the graph's logits. Without CUDA,
-   or with ``cuda_graph=False``, the same step runs eagerly.
+   or with ``cuda_graph=False``, the same step runs eagerly;
+4. optionally (``compile_step=True``) the step goes through ``torch.compile`` (Inductor, static shapes)
+   before it is captured: a captured graph replays every kernel of the step back to back, and at batch
+   8 a step of small kernels is bound by their count, which Inductor's fusion of the element-wise work
+   (norms, rotations, gates, residuals, the state updates) cuts. The first call compiles (tens of
+   seconds, once per model and shape in a process).
 
 Static steps: attention ``goat``/``rope``/``alibi``/``nope`` (``impl="sdpa"``), the delta-rule family
 (``deltanet``, ``gdn``, ``kda``, ``fg2gdn``, ...), ``mesa`` (its own in-place steps), and ``hawk``,
@@ -124,6 +129,7 @@ class StaticDecoder:
         greedy: take the argmax inside the step and feed it back as the next input (``token``).
         cuda_graph: capture the step in a CUDA graph (CUDA only) after ``warmup`` eager steps.
         warmup: eager steps (on a side stream) before the capture; they are real decoding steps.
+        compile_step: run the step through ``torch.compile`` (module docstring, item 4); on any device.
 
     Attributes:
         pos: ``[1]`` int64 device tensor, position of the next input token (incremented by the step).
@@ -136,7 +142,7 @@ class StaticDecoder:
 
     def __init__(self, model, states: list[dict[str, Tensor]], start: int, capacity: int,
                  vocab_limit: int | None = None, greedy: bool = True, cuda_graph: bool = False,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, compile_step: bool = False) -> None:
         self.model, self.states, self.capacity = model, states, capacity
         dev = model.embed.weight.device
         batch = next(iter(states[0].values())).shape[0]
@@ -150,6 +156,7 @@ class StaticDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._stream = torch.cuda.Stream(dev) if self.want_graph else None
         self._eager_steps = 0
+        self._run = torch.compile(self._body, dynamic=False) if compile_step else self._body
 
     # ------------------------------------------------------------------ the step
     def _body(self) -> Tensor:
@@ -184,12 +191,12 @@ class StaticDecoder:
             self._graph.replay()
             return self.logits
         if not self.want_graph:
-            self.logits = self._body()
+            self.logits = self._run()
             return self.logits
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up on a side stream (Triton/cuBLAS initialisation off the capture)
-            self.logits = self._body()
+            self.logits = self._run()
         torch.cuda.current_stream().wait_stream(stream)
         self._eager_steps += 1
         if self._eager_steps >= self.warmup and self.fed < self.capacity:
@@ -202,7 +209,7 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                out = self._body()
+                out = self._run()
         except Exception as err:  # noqa: BLE001 - a step that cannot be captured decodes eagerly
             print(f"generate: CUDA graph capture failed ({type(err).__name__}: {err}); decoding eagerly",
                   file=sys.stderr, flush=True)

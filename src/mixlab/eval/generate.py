@@ -1,7 +1,8 @@
 """Sample a continuation from a trained decoder LM: text, DNA or a character-level synthetic task.
 
 ``python -m mixlab generate --ckpt X.ckpt (--prompt TEXT | --fasta FILE) --max-new-tokens N
-[--temperature T --top-k K --seed S --device D --dtype float32|float64|bfloat16 --ignore-eos --no-cuda-graph]``
+[--temperature T --top-k K --seed S --device D --dtype float32|float64|bfloat16 --ignore-eos --no-cuda-graph
+--compile]``
 
 The prompt is encoded with the checkpoint's own tokenizer (:func:`codec_for`: the text datamodule's
 GPT-2 BPE or bytes, DNA letters for genome runs, the passkey/NIAH characters, whitespace-separated
@@ -10,8 +11,8 @@ cache: attention keys/values, recurrent states), then decoded one token per step
 (the mixers' recurrent paths; equal to the parallel forward, see ``tests/test_registry.py``). When every
 layer has a static decoding step (attention goat/rope/alibi/nope, the delta-rule family, Mesa, Hawk, GLA,
 Mamba2) the steps run on fixed buffers of prompt + ``--max-new-tokens`` positions, on CUDA as one
-replayed CUDA graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps); the ids are
-the same.
+replayed CUDA graph per token (:mod:`mixlab.eval.decode`; ``--no-cuda-graph``: eager steps; ``--compile``:
+the step through ``torch.compile`` first, worth it for long generations); the ids are the same.
 Temperature 0 is greedy decoding; otherwise the logits are divided by the temperature, cut to the
 ``top_k`` largest and sampled with a generator seeded by ``--seed``. Ids the tokenizer cannot decode
 (a model vocabulary padded beyond the tokenizer's) are never sampled; generation stops at the
@@ -144,7 +145,8 @@ def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator
 @torch.no_grad()
 def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None, vocab_limit: int | None = None,
-             eos_id: int | None = None, cuda_graph: bool | None = None, static: bool | None = None) -> Tensor:
+             eos_id: int | None = None, cuda_graph: bool | None = None, static: bool | None = None,
+             compile_step: bool = False) -> Tensor:
     """Continue ``prompt`` with up to ``max_new_tokens`` tokens: one parallel forward of the prompt fills
     the per-layer caches, then one cached step per new token.
 
@@ -165,6 +167,9 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
             path runs; False: eager static steps. True on a model without a static step is ignored (dict loop).
         static: None (default): static caches when every layer has a static step; False: the dict-cache
             loop (the reference; what ``cuda_graph`` is compared with); True: static or a ValueError.
+        compile_step: run the static step through ``torch.compile`` (then captured as a CUDA graph on CUDA;
+            :mod:`mixlab.eval.decode`); the first call per model compiles (tens of seconds). Ignored by the
+            dict-cache loop.
 
     Returns:
         ``[B, n]`` int64 new token ids, ``n <= max_new_tokens`` (the prompt not included).
@@ -207,7 +212,8 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
         return _dict_loop(model, caches, out, pick, vocab_limit, eos_id)
     del caches
     graph = prompt.is_cuda if cuda_graph is None else (cuda_graph and prompt.is_cuda)
-    dec = decode.StaticDecoder(model, states, p, capacity, vocab_limit, greedy=temperature == 0, cuda_graph=graph)
+    dec = decode.StaticDecoder(model, states, p, capacity, vocab_limit, greedy=temperature == 0, cuda_graph=graph,
+                               compile_step=compile_step)
     dec.token.copy_(out[:, 0])
     for n in range(1, max_new_tokens + 1):
         if eos_id is not None and (n % 16 == 0 or n == max_new_tokens or n == 1):  # a host sync every 16 tokens
@@ -292,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="parameter and activation dtype (float64: exact comparisons with a parallel forward)")
     p.add_argument("--no-cuda-graph", action="store_true",
                    help="decode with eager static-cache steps instead of a replayed CUDA graph (CUDA only)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the static decoding step with torch.compile (fewer, fused kernels per token; "
+                        "the compilation takes tens of seconds, once)")
     args = p.parse_args(argv)
     for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1)):
         if value is not None and value < least:
@@ -336,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     t1 = time.perf_counter()
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, gen, codec.vocab_size,
                    None if args.ignore_eos else codec.eos_id,
-                   cuda_graph=False if args.no_cuda_graph else None)[0].tolist()
+                   cuda_graph=False if args.no_cuda_graph else None, compile_step=args.compile)[0].tolist()
     dt = time.perf_counter() - t1
     stopped = not args.ignore_eos and codec.eos_id is not None and bool(new) and new[-1] == codec.eos_id
     if stopped:
