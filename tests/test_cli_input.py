@@ -448,6 +448,22 @@ def test_checkpoint_monitor_and_mode_choose_the_best_checkpoint(tmp_path):
     assert float(kept[0].best_model_score) == pytest.approx(max(val.values()), rel=1e-6)
 
 
+def test_bad_checkpoint_options_are_one_line_before_training(capsys, monkeypatch, tmp_path):
+    """A ``checkpoint.mode`` other than min/max, and a ``checkpoint.monitor`` that validation never logs, end
+    the command with one line naming the option (Lightning raised MisconfigurationException tracebacks, the
+    monitor only after training up to the first validation); the monitor is checked at the sanity check,
+    before any training step, and the empty run folder is removed."""
+    runs = tmp_path / "runs"
+    argv = ["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs),
+            "--trainer.max_steps=2", "--trainer.val_check_interval=1"]
+    err = _main(capsys, monkeypatch, *argv, "--checkpoint.mode", "best")
+    assert err[0] == "error: checkpoint.mode must be 'min' or 'max'; got 'best'", err
+    err = _main(capsys, monkeypatch, *argv, "--checkpoint.monitor", "val/acc_len_203_256")
+    assert err[0] == ("error: checkpoint.monitor 'val/acc_len_203_256' is not logged by validation; it logs val/acc, "
+                      "val/bits_per_byte, val/bits_per_token, val/loss, val/ppl"), err
+    assert not list(runs.rglob("*.ckpt")) and not list(runs.rglob("version_*"))
+
+
 def test_ckpt_path_directory_is_one_line_naming_a_checkpoint_below_it(capsys, monkeypatch, tmp_path, trained):
     """A run folder (not a sharded checkpoint) as ``--ckpt_path``: one line naming a checkpoint below it (it
     was an IsADirectoryError traceback, a user test); an empty folder says so."""

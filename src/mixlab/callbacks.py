@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["ThroughputMemory", "MixerMetrics", "LastCheckpoint"]
+__all__ = ["ThroughputMemory", "MixerMetrics", "LastCheckpoint", "BestCheckpoint"]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -117,3 +117,29 @@ class LastCheckpoint(ModelCheckpoint):
             what = "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted"
             print(f"mixlab: {what} at step {trainer.global_step}; {self.dirpath}/last.ckpt holds step "
                   f"{self._last_global_step_saved} (resume: the same command with --ckpt_path last)", file=sys.stderr)
+
+
+class BestCheckpoint(ModelCheckpoint):
+    """The best checkpoint of a run: Lightning's ``ModelCheckpoint`` as the CLI's ``checkpoint`` group
+    (``checkpoint.monitor``, ``checkpoint.mode``, ...; ``--ckpt_path best`` reads the file it keeps).
+
+    Bad settings are one-line errors naming the option before any training step, where Lightning raised
+    ``MisconfigurationException`` tracebacks: a ``mode`` other than ``min``/``max`` when it is built, a
+    ``monitor`` that validation does not log at the first validation (the sanity check, which Lightning runs
+    before training; else the first real one, after ``last.ckpt`` is written).
+
+    Raises:
+        ValueError: ``mode`` not ``min``/``max``; ``monitor`` not among the validation metrics.
+    """
+
+    def __init__(self, *args, mode: str = "min", **kwargs) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"checkpoint.mode must be 'min' or 'max'; got {mode!r}")
+        super().__init__(*args, mode=mode, **kwargs)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        logged = trainer.callback_metrics
+        if self.monitor is not None and self.monitor not in logged and any(k.startswith("val/") for k in logged):
+            names = ", ".join(sorted(k for k in logged if k.startswith("val/")))
+            raise ValueError(f"checkpoint.monitor {self.monitor!r} is not logged by validation; it logs {names}")
+        super().on_validation_end(trainer, pl_module)

@@ -61,13 +61,13 @@ from typing import Any, Callable
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from mixlab import overrides
-from mixlab.callbacks import LastCheckpoint, MixerMetrics, ThroughputMemory
+from mixlab.callbacks import BestCheckpoint, LastCheckpoint, MixerMetrics, ThroughputMemory
 from mixlab.registry import load_plugins
 from mixlab.tb import HParams
 
@@ -228,7 +228,7 @@ class MixlabCLI(LightningCLI):
                             help="Override the run name (default: the model's mixer pattern)")
         # the best checkpoint: `checkpoint.monitor` / `checkpoint.mode` in a config or on the command line
         # (e.g. parity keeps its highest val/acc); `--ckpt_path best` reads the file it keeps
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(BestCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.filename": "{epoch}-{step}", "checkpoint.monitor": "val/loss",
                              "checkpoint.mode": "min", "checkpoint.save_top_k": 1})
 
@@ -396,7 +396,7 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
             for frame in reversed(frames):
                 owner = frame.f_locals.get("self")
                 for cls, field in ((pl.LightningModule, "model"), (pl.LightningDataModule, "data"),
-                                   (pl.Callback, "trainer.callbacks")):
+                                   (BestCheckpoint, None), (pl.Callback, "trainer.callbacks")):
                     if isinstance(owner, cls):
                         return field, exc
             return None, exc
