@@ -118,6 +118,25 @@ def test_runs_filter_and_wall_time_cap():
     assert argv[argv.index("--model.init_args.backbone.mixer_args.goat.position_args.bos_bias") + 1] == "false"
 
 
+def test_resume_continues_the_runs_that_have_a_last_checkpoint(tmp_path):
+    """``--resume``: a run with ``last.ckpt`` under ``--out`` is fit with ``--ckpt_path last``, the others start."""
+    exp = next(e for e in reproduce.SUITES["mesa"]() if e.name == "parity")
+    ckpts = tmp_path / "runs" / "parity" / "parity" / "deltanet_neg" / "version_0" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "last.ckpt").write_bytes(b"")
+    seen = {}
+
+    def launch(argv, log):
+        if argv[0] == "fit":
+            seen[argv[argv.index("--run_name") + 1]] = argv
+        return 0, ""
+
+    for resume in (False, True):
+        reproduce.run_experiment(exp, tmp_path, launch, False, 1.0, 2, ["deltanet_neg", "deltanet"], resume=resume)
+        assert ("--ckpt_path" in seen["deltanet_neg"]) is resume and "--ckpt_path" not in seen["deltanet"]
+    assert seen["deltanet_neg"][-2:] == ["--ckpt_path", "last"]
+
+
 def test_a_tie_is_not_a_direction():
     tie = {"eval": {"goat": {"24": 50.0, "48": 12.5}, "ape": {"24": 50.0, "48": 12.5}}}
     assert [r[3] for r in reproduce._resolution_rows(tie)] == ["not reproduced", "not reproduced"]

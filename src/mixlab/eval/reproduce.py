@@ -23,7 +23,10 @@ the runs (TensorBoard) under ``OUT/runs``. A verdict is ``reproduced`` (the pape
 at its stated margin), ``same direction`` (the ordering holds, the margin does not) or ``not
 reproduced``. Full budgets are sized for one H200 (each suite's runs side by side in about ten
 minutes); ``--quick`` runs every experiment for a few steps on CPU (checks the pipeline, not the
-numbers); ``--scale F`` multiplies every step budget.
+numbers); ``--scale F`` multiplies every step budget. ``--resume`` continues the runs that have a
+``last.ckpt`` under ``--out`` (``fit --ckpt_path last``): a schedule longer than one session (e.g. the
+papers' 20,000 parity steps) runs in parts, each capped by ``--max-minutes``, which counts the run's
+total training time over all parts.
 """
 
 from __future__ import annotations
@@ -504,14 +507,17 @@ def _collect(run_dir: Path) -> dict:
 
 
 def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float, workers: int,
-                   runs: list[str] | None = None, max_minutes: float | None = None) -> dict:
+                   runs: list[str] | None = None, max_minutes: float | None = None, resume: bool = False) -> dict:
     """Train and test the runs of ``exp`` (all, or those named in ``runs``; side by side), then its
-    evaluation command; returns results."""
+    evaluation command; returns results. With ``resume`` a run whose ``last.ckpt`` is already under ``out``
+    continues from it (``fit --ckpt_path last``: same TensorBoard run, schedule and data position)."""
     root = out / "runs" / exp.name
     results: dict[str, Any] = {}
 
     def one(spec: RunSpec) -> None:
         argv = fit_argv(spec, root, quick, scale, max_minutes)
+        if resume and any(root.glob(f"*/{spec.name}/version_*/checkpoints/last.ckpt")):
+            argv += ["--ckpt_path", "last"]
         rc, text = launch(argv, out / "logs" / f"{exp.name}-{spec.name}.fit.log")
         entry: dict[str, Any] = {"command": "python -m mixlab " + shlex.join(argv), "fit_rc": rc}
         if rc == 0:
@@ -616,7 +622,7 @@ def select(suites: list[str], only: list[str] | None, runs: list[str] | None = N
 
 def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float = 1.0, workers: int = 12,
                only: list[str] | None = None, timeout: float = 3600, runs: list[str] | None = None,
-               max_minutes: float | None = None) -> list[dict]:
+               max_minutes: float | None = None, resume: bool = False) -> list[dict]:
     """Run the experiments of ``suites`` side by side; write ``REPRODUCTION_<suite>.md`` and
     ``reproduce_<suite>.json`` per suite into ``out``, rewritten as each experiment finishes (a run
     stopped early keeps what finished).
@@ -652,7 +658,7 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
 
     jobs = [(x, e) for x, exps in chosen.items() for e in exps]
     with ThreadPoolExecutor(len(jobs)) as pool:  # experiments side by side; the launcher bounds the processes
-        futures = {pool.submit(run_experiment, e, out, launch, quick, scale, workers, runs, max_minutes): (x, e)
+        futures = {pool.submit(run_experiment, e, out, launch, quick, scale, workers, runs, max_minutes, resume): (x, e)
                    for x, e in jobs}
         for fut in as_completed(futures):
             suite, exp = futures[fut]
@@ -678,7 +684,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--workers", type=int, default=12, help="runs at a time")
     p.add_argument("--runs", nargs="+", default=None, help="run names to run (default: every run of the experiments)")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="cap each training run's wall time (it stops, checkpoints and is tested as usual)")
+                   help="cap each training run's wall time (it stops, checkpoints and is tested as usual); with "
+                        "--resume the cap is the run's total over all its resumes (Lightning's timer is checkpointed)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue every run that has a last.ckpt under --out (a schedule split over several "
+                        "sessions); the others start")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per command")
     args = p.parse_args(argv)
     if not (math.isfinite(args.scale) and args.scale > 0):
@@ -692,7 +702,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     suites = list(SUITES) if args.suite == "all" else [args.suite]
     try:
         rows = run_suites(suites, Path(args.out), args.quick, args.scale, args.workers, args.only, args.timeout,
-                          args.runs, args.max_minutes)
+                          args.runs, args.max_minutes, args.resume)
     except ValueError as e:
         p.error(str(e))
     bad = sorted({name for row in rows for name in row.get("failed", [])})
