@@ -84,3 +84,20 @@ def test_old_vit_checkpoints_through_the_resolution_command(tmp_path):
     for got, want in zip(rows, EXPECTED["resolution"]):
         _close([got["top1"], got["top5"], got["loss"]], [want["top1"], want["top5"], want["loss"]], str(want))
     assert (tmp_path / "prior_goat2d_layer0.png").stat().st_size > 0
+
+
+def test_fit_refuses_to_resume_a_checkpoint_with_the_separate_swiglu_projections(tmp_path, capsys, monkeypatch):
+    """The fixtures predate the packed SwiGLU (``mlp.fc1_g``/``fc1_x``): their weights load for test (above), but
+    ``fit --ckpt_path`` cannot restore their optimizer state: one line, exit status 2, no run folder left."""
+    import sys
+
+    from mixlab import cli
+
+    exp = EXPECTED["genome_fg2gdn_goat"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", str(ROOT / exp["config"]), *exp["overrides"], *make_fixtures.TINY,
+                  "--run_root", str(tmp_path / "runs"), "--ckpt_path", str(FIXTURES / "genome_fg2gdn_goat.ckpt")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert info.value.code == 2 and "written before the SwiGLU's gate and value projections were packed" in err[0]
+    assert "fit cannot resume its optimizer state" in err[0] and not list((tmp_path / "runs").rglob("version_*"))

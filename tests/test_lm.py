@@ -240,3 +240,31 @@ def test_last_ckpt_holds_the_newest_state_not_the_best(tmp_path, monkeypatch):
     assert steps["last.ckpt"] == 7  # the end of training (step 7 is mid-epoch, after the last validation)
     best = [s for n, s in steps.items() if n != "last.ckpt"]
     assert len(best) == 1 and best[0] in (3, 6)  # validations at steps 3 and 6 only
+
+
+def test_packed_swiglu_loads_the_separate_projections_of_older_checkpoints():
+    """The backbone's SwiGLU is timm's ``SwiGLUPacked`` (gate and value projections as the two halves of one
+    ``fc1``: one matmul); a state dict with timm ``SwiGLU``'s separate ``fc1_g`` / ``fc1_x`` (checkpoints
+    written before) loads strictly into it and gives the same output, and the packed layer equals timm's
+    ``SwiGLU`` with those weights."""
+    from timm.layers import SwiGLU
+
+    from mixlab.backbone import Backbone, BackboneConfig
+
+    torch.manual_seed(0)
+    cfg = BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="rope", bias=True)
+    new = Backbone(cfg).double().eval()
+    old = {}
+    for k, v in new.state_dict().items():
+        if ".mlp.fc1." in k:
+            h = v.shape[0] // 2
+            old[k.replace(".fc1.", ".fc1_g.")], old[k.replace(".fc1.", ".fc1_x.")] = v[:h] + 0.1, v[h:] - 0.1
+        else:
+            old[k] = v
+    loaded = Backbone(cfg).double().eval()
+    loaded.load_state_dict(old, strict=True)
+    ref = SwiGLU(32, loaded.blocks[0].mlp.fc2.in_features, bias=True).double()
+    ref.load_state_dict({k.split("mlp.", 1)[1]: v for k, v in old.items() if k.startswith("blocks.0.mlp.")})
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    torch.testing.assert_close(loaded.blocks[0].mlp(x), ref(x), rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(loaded(x), new(x))  # the shifted weights did arrive

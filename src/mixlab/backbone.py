@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from timm.layers import DropPath, Mlp, SwiGLU
+from timm.layers import DropPath, Mlp, SwiGLUPacked
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
@@ -90,7 +90,8 @@ class BackboneConfig:
         mixer_args: keyword arguments per mixer name, e.g.
             ``{"goat": {"position_args": {"n_modes": 2}}}``.
         causal: causal (LMs) or bidirectional (ViT, VQA).
-        mlp: ``"swiglu"`` (timm SwiGLU) or ``"gelu"`` (timm Mlp), hidden ``mlp_ratio * D``
+        mlp: ``"swiglu"`` (timm ``SwiGLUPacked``: the gate and value projections as one ``fc1`` of
+            ``2 x`` the branch width, one matmul) or ``"gelu"`` (timm Mlp), hidden ``mlp_ratio * D``
             (SwiGLU uses ``2/3`` of it per branch to match parameters).
         mlp_ratio: MLP expansion.
         norm: ``"rmsnorm"`` (default, LM practice) or ``"layernorm"`` (ViT/DeiT practice, as
@@ -204,13 +205,22 @@ class Block(nn.Module):
         hidden = int(cfg.mlp_ratio * d)
         if cfg.mlp == "swiglu":
             hidden = 8 * math.ceil(2 * hidden / 3 / 8)
-            self.mlp = SwiGLU(d, hidden, bias=cfg.bias)
+            self.mlp = SwiGLUPacked(d, 2 * hidden, bias=cfg.bias)  # silu(fc1[:h]) * fc1[h:] -> fc2
         elif cfg.mlp == "gelu":
             self.mlp = Mlp(d, hidden, bias=cfg.bias)
         else:
             raise ValueError(f"BackboneConfig.mlp must be 'swiglu' or 'gelu'; got {cfg.mlp!r}")
         self.mlp.fc2._is_residual = True  # type: ignore[attr-defined]
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # noqa: ANN001
+        """Also load checkpoints written before the SwiGLU was packed (timm ``SwiGLU``: separate
+        ``mlp.fc1_g`` and ``mlp.fc1_x``, now the two halves of ``mlp.fc1``; the same function)."""
+        for kind in ("weight", "bias"):
+            gate, value = f"{prefix}mlp.fc1_g.{kind}", f"{prefix}mlp.fc1_x.{kind}"
+            if gate in state_dict and value in state_dict:
+                state_dict[f"{prefix}mlp.fc1.{kind}"] = torch.cat([state_dict.pop(gate), state_dict.pop(value)])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: Tensor, coords: Coords | None, cache: dict | None = None) -> Tensor:
         x = x + self.drop_path(self.mixer(self.norm1(x), coords, cache))

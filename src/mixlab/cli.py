@@ -243,7 +243,12 @@ class MixlabCLI(LightningCLI):
         if cfg.get("ckpt_path") in ("last", "best"):
             cfg["ckpt_path"] = _latest_checkpoint(root / name, cfg["ckpt_path"])
         if _own_checkpoint_file(cfg.get("ckpt_path")):
-            check_state_dict(cfg["ckpt_path"], read_checkpoint(cfg["ckpt_path"]), self.model)
+            checkpoint = read_checkpoint(cfg["ckpt_path"])
+            check_state_dict(cfg["ckpt_path"], checkpoint, self.model)
+            if self.subcommand == "fit" and any(".mlp.fc1_g." in k for k in checkpoint.get("state_dict") or {}):
+                raise ValueError(f"--ckpt_path {cfg['ckpt_path']}: written before the SwiGLU's gate and value "
+                                 "projections were packed into one (mlp.fc1_g / fc1_x -> mlp.fc1); its weights load "
+                                 "for validate, test and generate, but fit cannot resume its optimizer state")
             home = _checkpoint_run(cfg["ckpt_path"], task)
             if self.subcommand in ("validate", "test") and not cfg.get("run_name") and home \
                     and home != (root.resolve(), name):
