@@ -194,3 +194,26 @@ def test_validate_and_test_from_a_checkpoint_log_at_its_training_step(tmp_path):
                              limit_test_batches=1, enable_model_summary=False)
         getattr(trainer, fn)(model, _lm_data(tmp_path), ckpt_path=str(tmp_path / "run" / "last.ckpt"), verbose=False)
         assert [step for step, tags in logger.calls if tag in tags] == [7], (fn, logger.calls)
+
+
+@pytest.mark.parametrize("val_every", [5, 4])
+def test_a_resumed_run_logs_at_the_steps_of_the_uninterrupted_run(tmp_path, val_every):
+    """Stopped at step 10 and extended to 20 through the CLI, the run's TensorBoard curves hold one point per
+    step 0..19 (train) and the validations at the uninterrupted run's steps. The stop's ``last.ckpt`` is
+    written by the validation at step 10 (``val_every`` 5: the resumed run logged every step one too early
+    and overwrote step 9, a user test) or at the end of training (4)."""
+    from mixlab.cli import MixlabCLI
+    from mixlab.eval.compare import load_scalars
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
+            "--trainer.val_check_interval", str(val_every), "--trainer.log_every_n_steps", "1",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+            "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
+            "--data.init_args.num_workers", "0", "--data.init_args.n_train", "2560", "--data.init_args.batch_size", "8"]
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "10"])
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "20", "--ckpt_path", "last"])
+    scalars = load_scalars(next(tmp_path.glob("*/*/version_0")))
+    assert [s for _, s, _ in scalars["train/loss"]] == list(range(20))
+    assert [s for _, s, _ in scalars["val/loss"]] == list(range(val_every - 1, 20, val_every))

@@ -238,7 +238,10 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
         return  # written at a batch end or a validation (completed lags), or before any batch
     for counts in (batches["total"], batches["current"]):
         counts["completed"] -= 1
-    if not trainer.fit_loop.epoch_loop._should_accumulate():  # the last batch stepped: Lightning counts it again
+    # the last batch stepped: Lightning counts it again on resume, unless the checkpoint is written by a
+    # validation inside that step, before Lightning counted it (the resumed run then logged every step one
+    # too early, its first loss over the stopped run's last one; a user test)
+    if not trainer.fit_loop.epoch_loop._should_accumulate() and not trainer.validating:
         loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
     epochs = loops["epoch_progress"]
     for counts in (epochs["total"], epochs["current"]):
