@@ -477,3 +477,22 @@ def test_ckpt_path_directory_is_one_line_naming_a_checkpoint_below_it(capsys, mo
     err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(empty))
     assert "a directory; give a checkpoint file (no .ckpt file is below it)" in err[0], err
     assert not (tmp_path / "runs").exists()
+
+
+def test_resume_with_another_checkpoint_monitor_is_one_line(capsys, monkeypatch, tmp_path):
+    """A run whose best checkpoint was kept by ``--checkpoint.monitor val/acc --checkpoint.mode max`` (given on
+    the command line) resumed without those options: one line naming both settings, nothing written (Lightning
+    warned, kept a second "best" file by val/loss and ``--ckpt_path best`` became ambiguous; a user test)."""
+    from mixlab.cli import MixlabCLI
+
+    runs = tmp_path / "runs"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs),
+            "--trainer.val_check_interval=2"]
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps=2", "--checkpoint.monitor", "val/acc",
+                    "--checkpoint.mode", "max"])
+    run = runs / "text" / "goat" / "version_0"
+    before = sorted(p.name for p in run.rglob("*"))
+    err = _main(capsys, monkeypatch, "fit", *argv, "--trainer.max_steps=4", "--ckpt_path", "last")
+    assert err[0].endswith("that run kept its best checkpoint by checkpoint.monitor val/acc (max); this command says "
+                           "val/loss (min): resume with --checkpoint.monitor val/acc --checkpoint.mode max"), err
+    assert sorted(p.name for p in run.rglob("*")) == before

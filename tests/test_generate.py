@@ -171,6 +171,9 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
     # the torch message is whole, not cut at 120 characters
     assert _one_line_error(["--ckpt", str(not_ckpt), "--prompt", "a"], capsys).endswith(
         "); give a .ckpt file written by python -m mixlab fit")
+    # a device string torch cannot parse (a RuntimeError traceback before; seventh session's user test)
+    assert "--device 'banana' is not a device: use cpu, cuda or cuda:N" in _one_line_error(
+        ["--ckpt", text, "--prompt", "a", "--device", "banana"], capsys)
     for option, value in (("--max-new-tokens", "-5"), ("--top-k", "0")):
         line = _one_line_error(["--ckpt", text, "--prompt", "a", option, value], capsys)
         assert line == f"error: {option} must be >= {1 if option == '--top-k' else 0}; got {value}"

@@ -58,6 +58,12 @@ def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkey
             reproduce.main(["mesa", *bad, "--out", str(tmp_path)])
         assert info.value.code == 2 and msg in capsys.readouterr().err, bad
     assert not any(tmp_path.iterdir())  # nothing written on bad input
+    afile = tmp_path / "notes.txt"  # --out a file, or below one: tracebacks before (a user test)
+    afile.write_text("x")
+    for out, msg in ((afile, "is a file; give a folder"), (afile / "x", ": Not a directory")):
+        with pytest.raises(SystemExit) as info:
+            reproduce.main(["mesa", "--quick", "--only", "parity", "--out", str(out)])
+        assert info.value.code == 2 and f"--out {out}" in (err := capsys.readouterr().err) and msg in err, err
 
 
 def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypatch, capsys):

@@ -245,6 +245,8 @@ class MixlabCLI(LightningCLI):
         if _own_checkpoint_file(cfg.get("ckpt_path")):
             checkpoint = read_checkpoint(cfg["ckpt_path"])
             check_state_dict(cfg["ckpt_path"], checkpoint, self.model)
+            if self.subcommand == "fit":
+                _check_resumed_monitor(cfg["ckpt_path"], checkpoint, cfg.get("checkpoint"))
             if self.subcommand == "fit" and any(".mlp.fc1_g." in k for k in checkpoint.get("state_dict") or {}):
                 raise ValueError(f"--ckpt_path {cfg['ckpt_path']}: written before the SwiGLU's gate and value "
                                  "projections were packed into one (mlp.fc1_g / fc1_x -> mlp.fc1); its weights load "
@@ -341,12 +343,38 @@ def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
     newest = [p for p in every if version(p) == version(every[-1]) and not p.name.startswith("last")]
     if not newest:
         raise FileNotFoundError(f"--ckpt_path best: the newest run {every[-1].parent} has no best checkpoint "
-                                f"(best on checkpoint.monitor; written at validation, which has not run there); "
-                                f"pass a file")
+                                f"(best on checkpoint.monitor, kept at validation: none ran there, or "
+                                f"checkpoint.save_top_k is 0); pass a file")
     if len(newest) > 1:
         raise FileNotFoundError(f"--ckpt_path best: {len(newest)} candidate checkpoints in {newest[0].parent} "
                                 f"({', '.join(p.name for p in newest)}); pass the file")
     return str(newest[0])
+
+
+def _check_resumed_monitor(path: str, checkpoint: dict, group: Any) -> None:
+    """Refuse to resume ``fit`` from a checkpoint whose best-checkpoint callback watched another metric or
+    direction than this command's ``checkpoint`` group (options given on the command line of the first
+    fit and left out of the resume): Lightning would warn, keep a second "best" file by the other rule,
+    and ``--ckpt_path best`` would then be ambiguous.
+
+    Raises:
+        ValueError: one line naming both settings.
+    """
+    import ast
+
+    for key in checkpoint.get("callbacks") or {}:
+        if not (isinstance(key, str) and key.startswith(f"{BestCheckpoint.__name__}{{")):
+            continue
+        try:
+            was = ast.literal_eval(key[len(BestCheckpoint.__name__):])
+        except (ValueError, SyntaxError):
+            continue
+        now = {"monitor": _get(group, "monitor"), "mode": _get(group, "mode")}
+        if (was.get("monitor"), was.get("mode")) != (now["monitor"], now["mode"]):
+            raise ValueError(f"--ckpt_path {path}: that run kept its best checkpoint by checkpoint.monitor "
+                             f"{was.get('monitor')} ({was.get('mode')}); this command says {now['monitor']} "
+                             f"({now['mode']}): resume with --checkpoint.monitor {was.get('monitor')} "
+                             f"--checkpoint.mode {was.get('mode')}")
 
 
 def _checkpoint_run(ckpt_path: str, task: str) -> tuple[Path, str] | None:

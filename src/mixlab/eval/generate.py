@@ -27,6 +27,7 @@ encode (named with their position), ``--fasta`` for a run that is not a genome L
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 import time
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> dict:
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """
-    p = argparse.ArgumentParser(prog="python -m mixlab generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m mixlab generate", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint of a CausalLM / SyntheticLM run")
     src = p.add_mutually_exclusive_group(required=True)
@@ -311,7 +312,11 @@ def main(argv: list[str] | None = None) -> dict:
     from mixlab.heads.lm import CausalLM
 
     t0 = time.perf_counter()
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
     run = load_run(args.ckpt, "cpu", head=CausalLM, hint=_LM_HINT)
     model = run.model
@@ -343,6 +348,13 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     t1 = time.perf_counter()
+    from mixlab.eval.decode import supports_static
+
+    if args.compile and not supports_static(model):
+        _log(f"--compile: {model.run_name} has a layer without a static decoding step; it decodes through the "
+             "dict caches, not compiled")
+    elif args.compile and device.type == "cpu":  # torch's note about the missing CUDA runtime, once per compile
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, gen, codec.vocab_size,
                    None if args.ignore_eos else codec.eos_id,
                    cuda_graph=False if args.no_cuda_graph else None, compile_step=args.compile)[0].tolist()
@@ -351,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     if stopped:
         new = new[:-1]  # the end-of-document id is not text
     text = codec.decode(new)
-    _log(f"{len(new)} new tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill included)"
+    _log(f"{len(new)} new tokens in {dt:.2f}s ({len(new) / max(dt, 1e-9):.1f} tokens/s, prefill"
+         + (" and compilation" if args.compile else "") + " included)"
          + (", stopped at end-of-document" if stopped else ""))
     print(text, flush=True)
     return {"prompt_ids": ids, "ids": new, "text": text}

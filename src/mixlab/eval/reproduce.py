@@ -334,18 +334,21 @@ def _parity_rows(res: dict) -> list[tuple]:
 
     d_neg, d_long, d_span, d_each = seeds("deltanet_neg")
     d_pos, _, _, p_each = seeds("deltanet")
+    ran = sorted({k for n in ("deltanet_neg", "deltanet") for k in PARITY_SEEDS
+                  if _get(res, _seeded(n, k), "test", "test/acc") is not None})
     acc = {n: _get(res, n, "test", "test/acc") for n in ("mesa_neg", "mesa")}
     m_neg, m_pos = acc.values()
     m_span, m_long = _longest_bucket(res, "mesa_neg")
     delta_runs = [_seeded(n, k) for n in ("deltanet_neg", "deltanet") for k in PARITY_SEEDS]
     rows = [("DeltaNet parity accuracy at lengths 40..256 (and its longest quarter), beta in [0, 2) vs (0, 1); "
-             f"median over model seeds {'/'.join(map(str, PARITY_SEEDS))}, each tested at its highest val/acc "
-             "checkpoint",
+             f"median over model seeds {'/'.join(map(str, ran or PARITY_SEEDS))}, each tested at its highest "
+             "val/acc checkpoint",
              "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
              f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}), without {_fmt(d_pos)}. "
              f"With: {d_each}. Without: {p_each}",
-             _verdict(None not in (d_neg, d_pos, d_long) and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6,
-                      d_neg is not None and d_pos is not None and d_neg > d_pos), delta_runs),
+             "not run" if d_neg is None or d_pos is None else  # one side left out (--runs) or failed
+             _verdict(d_long is not None and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6, d_neg > d_pos),
+             delta_runs),
             ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
              "negative forget gates enable parity; Fig. 8 (right)",
              f"with {_fmt(m_neg)} (lengths {m_span}: {_fmt(m_long)}), without {_fmt(m_pos)}",
@@ -675,7 +678,8 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab reproduce SUITE [--quick] [--out DIR] [--only NAME ...] [--scale F] [--workers N]``."""
-    p = argparse.ArgumentParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0],
+                                allow_abbrev=False)
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--out", default="runs/reproduce", help="output folder")
     p.add_argument("--quick", action="store_true", help="a few steps per run on CPU (checks the pipeline)")
@@ -700,11 +704,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         p.error(f"--timeout must be a finite number of seconds > 0; got {args.timeout}")
     suites = list(SUITES) if args.suite == "all" else [args.suite]
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        p.error(f"--out {args.out} is a file; give a folder")
     try:
         rows = run_suites(suites, Path(args.out), args.quick, args.scale, args.workers, args.only, args.timeout,
                           args.runs, args.max_minutes, args.resume)
     except ValueError as e:
         p.error(str(e))
+    except OSError as e:  # --out cannot be created (a file on its path, no permission)
+        p.error(f"--out {args.out}: {e.strerror or e}")
     bad = sorted({name for row in rows for name in row.get("failed", [])})
     if bad:
         print(f"reproduce: {len(bad)} run(s) failed ({', '.join(bad)}); the tables mark them, logs in "
