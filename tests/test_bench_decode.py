@@ -19,13 +19,27 @@ def test_bench_decode_quick_writes_a_well_formed_table(tmp_path, monkeypatch, ca
     captured = capsys.readouterr()
     assert md in captured.out and "float32 goat dict" in captured.err  # table on stdout, progress on stderr
     lines = md.splitlines()
-    assert lines[0].startswith("| dtype | mixer | dict loop tok/s | static eager tok/s | CUDA graph tok/s |")
+    # on CPU: the dict loop and the eager static path (no CUDA graph column)
+    assert lines[0] == ("| dtype | mixer | dict loop tok/s | static eager tok/s | eager / dict | "
+                        "ids = dict (eager) |")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:12]]
     assert [r[:2] for r in rows] == [[d, m] for d in ("float32", "bfloat16")
                                      for m in ("goat", "rope", "nope", "kda", "mesa")]
-    for _, _, old, eager, graph, r_eager, r_graph, same_eager, same_graph in rows:
+    for _, _, old, eager, r_eager, same_eager in rows:
         assert float(old.replace(",", "")) > 0 and float(eager.replace(",", "")) > 0
-        assert graph == r_graph == same_graph == "-"  # no CUDA graph on CPU
         assert r_eager.endswith("x") and float(r_eager[:-1]) >= 0  # (timings are not asserted)
         assert same_eager == "1.000"  # the same greedy ids as the dict loop
     assert lines[12] == "" and "batch 2, 2 layers, d_model 64" in lines[13] and "device cpu" in lines[13]
+
+
+def test_bench_decode_compile_adds_the_compiled_step_column(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("bench_decode", None)
+    import bench_decode
+
+    md = bench_decode.main(["--quick", "--compile", "--mixers", "rope", "--dtypes", "float32"])
+    head, _, row = md.splitlines()[:3]
+    assert head == ("| dtype | mixer | dict loop tok/s | static eager tok/s | compiled step tok/s | eager / dict | "
+                    "compiled / dict | ids = dict (eager / compiled) |")
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["float32", "rope"] and cells[-1] == "1.000 / 1.000" and float(cells[4].replace(",", "")) > 0
