@@ -362,9 +362,11 @@ def _check_resumed_monitor(path: str, checkpoint: dict, group: Any) -> None:
     """
     import ast
 
-    for key in checkpoint.get("callbacks") or {}:
+    for key, state in (checkpoint.get("callbacks") or {}).items():
         if not (isinstance(key, str) and key.startswith(f"{BestCheckpoint.__name__}{{")):
             continue
+        if not (isinstance(state, dict) and state.get("best_model_path")):
+            continue  # it kept no file (e.g. a monitor that was never logged): nothing to be consistent with
         try:
             was = ast.literal_eval(key[len(BestCheckpoint.__name__):])
         except (ValueError, SyntaxError):
