@@ -501,12 +501,12 @@ def test_resume_with_another_checkpoint_monitor_is_one_line(capsys, monkeypatch,
 def test_resumed_monitor_check_needs_a_kept_best_file():
     """The resume check compares the configured monitor with the one that kept a best file; a checkpoint whose
     best-checkpoint callback kept none (its monitor was never logged) does not block the corrected resume."""
-    from mixlab.cli import _check_resumed_monitor
+    from mixlab.cli import _check_resumable
 
     key = "BestCheckpoint{'monitor': 'val/acc', 'mode': 'max', 'every_n_train_steps': 0}"
     group = {"monitor": "val/loss", "mode": "min"}
-    _check_resumed_monitor("x.ckpt", {"callbacks": {key: {"best_model_path": ""}}}, group)
+    _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": ""}}}, group)
     with pytest.raises(ValueError, match=r"checkpoint.monitor val/acc \(max\); this command says val/loss \(min\)"):
-        _check_resumed_monitor("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}}, group)
-    _check_resumed_monitor("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}},
+        _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}}, group)
+    _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}},
                            {"monitor": "val/acc", "mode": "max"})

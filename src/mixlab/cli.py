@@ -246,11 +246,7 @@ class MixlabCLI(LightningCLI):
             checkpoint = read_checkpoint(cfg["ckpt_path"])
             check_state_dict(cfg["ckpt_path"], checkpoint, self.model)
             if self.subcommand == "fit":
-                _check_resumed_monitor(cfg["ckpt_path"], checkpoint, cfg.get("checkpoint"))
-            if self.subcommand == "fit" and any(".mlp.fc1_g." in k for k in checkpoint.get("state_dict") or {}):
-                raise ValueError(f"--ckpt_path {cfg['ckpt_path']}: written before the SwiGLU's gate and value "
-                                 "projections were packed into one (mlp.fc1_g / fc1_x -> mlp.fc1); its weights load "
-                                 "for validate, test and generate, but fit cannot resume its optimizer state")
+                _check_resumable(cfg["ckpt_path"], checkpoint, cfg.get("checkpoint"))
             home = _checkpoint_run(cfg["ckpt_path"], task)
             if self.subcommand in ("validate", "test") and not cfg.get("run_name") and home \
                     and home != (root.resolve(), name):
@@ -351,17 +347,25 @@ def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
     return str(newest[0])
 
 
-def _check_resumed_monitor(path: str, checkpoint: dict, group: Any) -> None:
-    """Refuse to resume ``fit`` from a checkpoint whose best-checkpoint callback watched another metric or
-    direction than this command's ``checkpoint`` group (options given on the command line of the first
-    fit and left out of the resume): Lightning would warn, keep a second "best" file by the other rule,
-    and ``--ckpt_path best`` would then be ambiguous.
+def _check_resumable(path: str, checkpoint: dict, group: Any) -> None:
+    """Refuse to resume ``fit`` from a checkpoint whose training state this command cannot continue:
+
+    * written before the SwiGLU's gate and value projections were packed into one ``mlp.fc1`` (its weights
+      load, :meth:`mixlab.backbone.Block._load_from_state_dict`, but its optimizer state has one tensor more
+      per block);
+    * its best-checkpoint callback watched another metric or direction than this command's ``checkpoint``
+      group (options given on the command line of the first fit and left out of the resume): Lightning
+      would warn, keep a second "best" file by the other rule, and ``--ckpt_path best`` would be ambiguous.
 
     Raises:
-        ValueError: one line naming both settings.
+        ValueError: one line naming the reason (both settings for the second).
     """
     import ast
 
+    if any(".mlp.fc1_g." in k for k in checkpoint.get("state_dict") or {}):
+        raise ValueError(f"--ckpt_path {path}: written before the SwiGLU's gate and value projections were packed "
+                         "into one (mlp.fc1_g / fc1_x -> mlp.fc1); its weights load for validate, test and "
+                         "generate, but fit cannot resume its optimizer state")
     for key, state in (checkpoint.get("callbacks") or {}).items():
         if not (isinstance(key, str) and key.startswith(f"{BestCheckpoint.__name__}{{")):
             continue

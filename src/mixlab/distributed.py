@@ -227,7 +227,10 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
     started, not processed (``checkpoint["epoch"]`` too); Lightning then finishes that batch's
     bookkeeping on resume and continues inside the epoch, or with the next one after its last batch,
     as the uninterrupted run does, and the data states (:func:`sampler_state`, streams) agree.
-    Checkpoints written at a batch end or at a validation are left as they are. Called by
+    A checkpoint written by a validation after the last batch (Lightning 2.6 has counted the batch
+    completed by then) is treated the same, except ``_batches_that_stepped``: Lightning advances it only
+    after that validation, so it is kept (taken back, the resumed run logged every step one too early).
+    Checkpoints written at a batch end are left as they are. Called by
     :meth:`mixlab.heads.common.Head.on_save_checkpoint`.
     """
     if trainer is None or getattr(trainer.state, "fn", None) != "fit" or "loops" not in checkpoint:
@@ -235,12 +238,11 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
     loops = checkpoint["loops"]["fit_loop"]
     batches = loops["epoch_loop.batch_progress"]
     if not (0 < batches["current"]["processed"] == batches["current"]["completed"]):
-        return  # written at a batch end or a validation (completed lags), or before any batch
+        return  # written at a batch end (completed lags), or before any batch
     for counts in (batches["total"], batches["current"]):
         counts["completed"] -= 1
-    # the last batch stepped: Lightning counts it again on resume, unless the checkpoint is written by a
-    # validation inside that step, before Lightning counted it (the resumed run then logged every step one
-    # too early, its first loss over the stopped run's last one; a user test)
+    # the last batch stepped: Lightning counts it again on resume, unless a validation inside that step wrote
+    # the checkpoint before Lightning counted it (docstring)
     if not trainer.fit_loop.epoch_loop._should_accumulate() and not trainer.validating:
         loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
     epochs = loops["epoch_progress"]

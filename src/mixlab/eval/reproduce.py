@@ -321,8 +321,9 @@ def _parity_rows(res: dict) -> list[tuple]:
         step = re.search(r"step=(\d+)", str(res.get(run, {}).get("ckpt")))
         return f"step {step.group(1)}" if step else "last"
 
-    def seeds(name: str) -> tuple[float | None, float | None, str, str]:
-        """(median accuracy over 40..256, median of the longest quarter, the quarter, per-seed text)."""
+    def seeds(name: str) -> tuple[float | None, float | None, str, str, list[int]]:
+        """(median accuracy over 40..256, median of the longest quarter, the quarter, per-seed text, the seeds
+        that were tested)."""
         runs = {k: _seeded(name, k) for k in PARITY_SEEDS
                 if _get(res, _seeded(name, k), "test", "test/acc") is not None}
         acc = [_get(res, r, "test", "test/acc") for r in runs.values()]
@@ -330,12 +331,11 @@ def _parity_rows(res: dict) -> list[tuple]:
         span = longest[0][0] if longest else "longest"
         each = "; ".join(f"seed {k}: {_fmt(a)} ({_fmt(lg)}, {at(r)})"
                          for (k, r), a, (_, lg) in zip(runs.items(), acc, longest))
-        return _median(acc), _median([lg for _, lg in longest if lg is not None]), span, each
+        return _median(acc), _median([lg for _, lg in longest if lg is not None]), span, each, list(runs)
 
-    d_neg, d_long, d_span, d_each = seeds("deltanet_neg")
-    d_pos, _, _, p_each = seeds("deltanet")
-    ran = sorted({k for n in ("deltanet_neg", "deltanet") for k in PARITY_SEEDS
-                  if _get(res, _seeded(n, k), "test", "test/acc") is not None})
+    d_neg, d_long, d_span, d_each, neg_seeds = seeds("deltanet_neg")
+    d_pos, _, _, p_each, pos_seeds = seeds("deltanet")
+    ran = sorted({*neg_seeds, *pos_seeds})
     acc = {n: _get(res, n, "test", "test/acc") for n in ("mesa_neg", "mesa")}
     m_neg, m_pos = acc.values()
     m_span, m_long = _longest_bucket(res, "mesa_neg")
