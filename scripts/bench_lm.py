@@ -9,7 +9,9 @@ Run on a CUDA device from the project root::
 Models: ``plain`` (the anchor, written below in ~60 lines: token embedding, pre-norm blocks of RMSNorm,
 fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) and
 :class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa``,
-the hybrid ``--hybrid`` (default ``kda*3,goat``) and ``rope_triton`` (RoPE with ``rotary_impl: triton``),
+the hybrid ``--hybrid`` (default ``kda*3,goat``), ``rope_triton`` (RoPE with ``rotary_impl: triton``) and, on
+request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss) and
+``goat_full_loss`` / ``rope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the anchor),
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
@@ -48,6 +50,11 @@ import torch.nn.functional as F
 from torch import nn
 
 MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_triton"]
+#: also measurable (not by default): ``<mixer>_fla_loss``, the model with ``loss_kernel="fla"`` (fla's Triton
+#: cross-entropy kernels inside the chunked training loss; CUDA), and ``<mixer>_full_loss``, the model with
+#: ``loss_chunk_tokens=0`` (whole logits, as the anchor: what Inductor can fuse when compiled)
+FLA_LOSS = ["goat_fla_loss", "rope_fla_loss"]
+FULL_LOSS = ["goat_full_loss", "rope_full_loss"]
 _T0 = time.perf_counter()
 
 
@@ -116,12 +123,16 @@ def build(name: str, args) -> nn.Module:
     from mixlab.backbone import BackboneConfig
     from mixlab.heads.lm import CausalLM
 
+    kernel = "fla" if name.endswith("_fla_loss") else "torch"
+    chunk = 0 if name.endswith("_full_loss") else args.loss_chunk_tokens
+    name = name.removesuffix("_fla_loss").removesuffix("_full_loss")
     mixer, mixer_args = (args.hybrid if name == "hybrid" else name), {}
     if name == "rope_triton":  # RoPE rotated in place in the packed qkv (position_args.rotary_impl)
         mixer, mixer_args = "rope", {"rope": {"position_args": {"rotary_impl": "triton"}}}
     cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, mixer=mixer,
                          mixer_args=mixer_args)
-    return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=args.loss_chunk_tokens))
+    return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=chunk,
+                               loss_kernel=kernel))
 
 
 # ---------------------------------------------------------------------- measuring
@@ -199,7 +210,7 @@ def device_name(args) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS,
+    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS,
                    help="mixlab models besides the plain anchor (always measured)")
     p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")
     p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile", "compile-cudagraphs"],
@@ -258,9 +269,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = args.modes or ["eager", "compile"]
-    if not args.device.startswith("cuda") and "rope_triton" in args.models:  # the in-place Triton rotation needs CUDA
-        print("bench_lm: rope_triton left out (needs CUDA)", file=sys.stderr)
-        args.models = [m for m in args.models if m != "rope_triton"]
+    cuda_only = {"rope_triton", *FLA_LOSS}  # the in-place Triton rotation and fla's loss kernels need CUDA
+    if not args.device.startswith("cuda") and cuda_only & set(args.models):
+        print(f"bench_lm: {', '.join(m for m in args.models if m in cuda_only)} left out (needs CUDA)", file=sys.stderr)
+        args.models = [m for m in args.models if m not in cuda_only]
     return args
 
 

@@ -3,6 +3,8 @@ equals the plain full cross entropy: loss, hits and the gradients of the hidden 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -249,3 +251,104 @@ def test_fused_linear_cross_entropy_on_correlated_states_and_peaked_logits_in_fl
     assert torch.isfinite(loss) and abs(loss.item() - ref.item()) < 1e-4 * max(ref.item(), 1.0)
     torch.testing.assert_close(gh.double(), rh, rtol=1e-3, atol=1e-6)
     torch.testing.assert_close(gw.double(), rw, rtol=1e-3, atol=1e-6)
+
+
+_FLA_SCRIPT = r"""
+import json, torch, torch.nn.functional as F
+from mixlab.backbone import BackboneConfig
+from mixlab.heads.lm import CausalLM
+from mixlab.heads.loss import fused_linear_cross_entropy
+
+g = torch.Generator().manual_seed(5)
+n, d, v, rank = 301, 48, 700, 4  # correlated states, logits up to +-60, mostly the argmax as target, ignored rows
+basis = torch.randn(rank, d, dtype=torch.float64, generator=g)
+h64 = torch.randn(n, rank, dtype=torch.float64, generator=g) @ basis + 0.05 * torch.randn(n, d, dtype=torch.float64,
+                                                                                           generator=g)
+w64 = 3.0 * torch.randn(v, d, dtype=torch.float64, generator=g)
+t = torch.where(torch.rand(n, generator=g) < 0.8, (h64 @ w64.t()).argmax(-1), torch.randint(0, v, (n,), generator=g))
+t[::13] = -100
+hd, wd = h64.clone().requires_grad_(), w64.clone().requires_grad_()
+ref = F.cross_entropy(F.linear(hd, wd), t, ignore_index=-100)
+rh, rw = torch.autograd.grad(ref, (hd, wd))
+rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+res = {"peak": (h64 @ w64.t()).abs().max().item()}
+for name, dt in (("fp32", None), ("bf16", torch.bfloat16)):
+    out = {}
+    for kernel in ("torch", "fla"):
+        h, w = h64.float().requires_grad_(), w64.float().requires_grad_()
+        with torch.autocast("cpu", dtype=dt or torch.bfloat16, enabled=dt is not None):
+            loss, nll, valid, hits = fused_linear_cross_entropy(h, w, t, chunk=64, kernel=kernel)
+        out[kernel] = (loss, nll, hits, *torch.autograd.grad(loss, (h, w)))
+    (lt, nt, ht, ght, gwt), (lf, nf, hf, ghf, gwf) = out["torch"], out["fla"]
+    res[name] = {"loss_ref": abs(lf.item() - ref.item()) / ref.item(), "loss_torch": abs(lf.item() - lt.item()),
+                 "nll": (nf - nt).abs().max().item(), "hits_equal": bool(torch.equal(hf, ht)),
+                 "gh_torch": rel(ghf, ght), "gw_torch": rel(gwf, gwt), "gh_ref": rel(ghf, rh), "gw_ref": rel(gwf, rw),
+                 "gh_ref_torch": rel(ght, rh), "gw_ref_torch": rel(gwt, rw), "dtype": str(lf.dtype)}
+# the LM head: a training step's loss and every parameter's gradient, loss_kernel fla vs torch (bf16 autocast)
+grads = {}
+for kernel in ("torch", "fla"):
+    torch.manual_seed(0)
+    m = CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat"),
+                 loss_chunk_tokens=16, loss_kernel=kernel)
+    x = torch.randint(0, 300, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = m.mean_loss(x[:, :-1], x[:, 1:])[0]
+    loss.backward()
+    grads[kernel] = (loss.item(), {k: p.grad.clone() for k, p in m.named_parameters()})
+res["lm_loss"] = abs(grads["fla"][0] - grads["torch"][0])
+res["lm_grad"] = max(rel(grads["fla"][1][k], grads["torch"][1][k]) for k in grads["torch"][1])
+print(json.dumps(res))
+"""
+
+
+def test_fla_loss_kernel_equals_the_torch_kernel_and_float64_under_the_interpreter():
+    """``kernel="fla"`` (fla's Triton cross-entropy kernels, run on CPU by Triton's interpreter) against the torch
+    kernel and the float64 cross entropy, on correlated hidden states with logits up to +-60, ignored targets and
+    301 tokens in chunks of 64: float32 loss within 1e-5 of float64 and gradients within 1e-4; under bf16 autocast
+    the same loss as the torch kernel to float32 rounding, the same hits, gradients within one bf16 rounding of
+    ``G`` of the torch kernel's and no further from float64. A CausalLM training step with ``loss_kernel: fla``
+    gives the torch kernel's loss and parameter gradients."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    out = subprocess.run([sys.executable, "-c", _FLA_SCRIPT], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["peak"] > 60
+    f32, b16 = r["fp32"], r["bf16"]
+    assert f32["dtype"] == b16["dtype"] == "torch.float32"
+    assert f32["loss_ref"] < 1e-5 and f32["loss_torch"] < 1e-5 and f32["nll"] < 1e-4 and f32["hits_equal"]
+    assert max(f32["gh_ref"], f32["gw_ref"], f32["gh_torch"], f32["gw_torch"]) < 1e-4
+    assert b16["loss_torch"] < 1e-5 and b16["nll"] < 1e-4 and b16["hits_equal"]
+    assert b16["gh_torch"] < 1e-2 and b16["gw_torch"] < 1e-2
+    assert b16["gh_ref"] < 1.5 * b16["gh_ref_torch"] + 1e-3 and b16["gw_ref"] < 1.5 * b16["gw_ref_torch"] + 1e-3
+    assert r["lm_loss"] < 1e-5 and r["lm_grad"] < 2e-2
+
+
+def test_loss_kernel_bad_names_and_fla_off_cuda_are_one_line_errors():
+    h, w, t = torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="kernel must be one of torch, fla, auto; got 'triton'"):
+        fused_linear_cross_entropy(h, w, t, chunk=2, kernel="triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="kernel 'fla' needs CUDA tensors"):
+            fused_linear_cross_entropy(h, w, t, chunk=2, kernel="fla")
+    with pytest.raises(ValueError, match="needs CUDA tensors"):  # float64 matmuls never take fla's kernels
+        fused_linear_cross_entropy(h.double(), w.double(), t, chunk=2, kernel="fla")
+    # auto on CPU is the torch kernel: the same numbers
+    a, b = (fused_linear_cross_entropy(h, w, t, chunk=2, kernel=k)[0] for k in ("auto", "torch"))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="loss_kernel must be one of torch, fla, auto; got 'liger'"):
+        CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2), loss_kernel="liger")
+    # a fit on CPU with loss_kernel fla stops at on_fit_start (before the sanity check), naming the option
+    m = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), loss_chunk_tokens=4,
+                 loss_kernel="fla")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ValueError, match="model.init_args.loss_kernel: 'fla' .* needs a CUDA device"):
+            m.on_fit_start()

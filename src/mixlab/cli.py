@@ -21,7 +21,8 @@ Defaults added to every run:
 * the sources of options combine as :mod:`mixlab.overrides` says: the last value given wins,
   nested mixer options (``mixer_args``) deep-merge, ``limit_*_batches: 1`` is one batch; a
   checkpoint file's hyperparameters replace the config's model options, named in one warning line
-  (runtime options, the kernels and ``loss_chunk_tokens``, keep the config's: ``overrides.keep_runtime_options``).
+  (runtime options, the kernels, ``loss_chunk_tokens`` and ``loss_kernel``, keep the config's:
+  ``overrides.keep_runtime_options``).
 * a resumed ``fit`` keeps the run's ``config.yaml`` and writes ``config_resume_<k>.yaml``; a
   command that fails before its new run folder holds anything (no checkpoint, no training step)
   removes that folder again.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor, nn
@@ -11,7 +12,7 @@ from torchmetrics import SumMetric
 from mixlab.backbone import Backbone, BackboneConfig, pattern_name
 from mixlab.coords import Coords
 from mixlab.heads.common import Head, as_config, float_logits, plain_hparams
-from mixlab.heads.loss import fused_linear_cross_entropy, linear_cross_entropy, token_nll
+from mixlab.heads.loss import LOSS_KERNELS, fused_linear_cross_entropy, linear_cross_entropy, token_nll
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
@@ -51,10 +52,15 @@ class CausalLM(Head):
             :data:`AUTO_CHUNK_TOKENS` tokens for vocabularies of at least :data:`AUTO_CHUNK_MIN_VOCAB`
             ids and never for smaller ones. Same loss and gradients either way; :meth:`forward` still
             returns the whole logits.
+        loss_kernel: the chunked training loss's cross-entropy kernel (``kernel`` of
+            :func:`~mixlab.heads.loss.fused_linear_cross_entropy`): ``"torch"`` (default; float32 logits,
+            any device), ``"fla"`` (fla's Triton kernels over the bf16 logits: fewer passes over the
+            ``[chunk, vocab]`` buffer; CUDA), ``"auto"`` (``"fla"`` where it applies, else ``"torch"``).
+            Same loss to float32 rounding.
 
     Raises:
         ValueError: vocab mismatch with the datamodule; a sequence longer than
-            ``abs_pos_len``; a negative ``loss_chunk_tokens``.
+            ``abs_pos_len``; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto.
     """
 
     def __init__(
@@ -65,11 +71,14 @@ class CausalLM(Head):
         tie_embeddings: bool = True,
         abs_pos_len: int = 0,
         loss_chunk_tokens: int | None = None,
+        loss_kernel: str = "torch",
     ) -> None:
         super().__init__()
         if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be >= 0 (0: no chunking) or null (automatic); "
                              f"got {loss_chunk_tokens}")
+        if loss_kernel not in LOSS_KERNELS:
+            raise ValueError(f"loss_kernel must be one of {', '.join(LOSS_KERNELS)}; got {loss_kernel!r}")
         self.save_hyperparameters()
         plain_hparams(self)
         backbone, optim = as_config(BackboneConfig, backbone), as_config(OptimConfig, optim)
@@ -88,7 +97,7 @@ class CausalLM(Head):
             nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
         if loss_chunk_tokens is None:
             loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
-        self.loss_chunk_tokens = loss_chunk_tokens
+        self.loss_chunk_tokens, self.loss_kernel = loss_chunk_tokens, loss_kernel
         self.run_name = pattern_name(backbone.mixer) + ("-ape" if abs_pos_len > 0 else "")
         self.token_unit = "token"
         self.metric_sums = nn.ModuleDict(
@@ -172,7 +181,8 @@ class CausalLM(Head):
             nll, valid, hits = self.scores(inputs, targets)
             return nll.sum() / valid.sum().clamp_min(1), nll, valid, hits
         h = self.hidden(inputs).flatten(0, 1)
-        return fused_linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens)
+        return fused_linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens,
+                                          kernel=self.loss_kernel)
 
     def _update_sums(self, stage: str, nll: Tensor, valid: Tensor, hits: Tensor) -> None:
         self.metric_sums[f"{stage}_nll"].update(nll.sum().double())
@@ -187,6 +197,13 @@ class CausalLM(Head):
                              f"vocab_size={dm_vocab} ({type(self.data).__name__}); "
                              f"set model.init_args.vocab_size: {dm_vocab}")
         self.token_unit = self.data_attr("token_unit", "token")
+
+    def on_fit_start(self) -> None:
+        """``loss_kernel: fla`` needs CUDA: refused in one line before the sanity check and any step."""
+        if (self.loss_kernel == "fla" and self.loss_chunk_tokens and self.device.type != "cuda"
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError(f"model.init_args.loss_kernel: 'fla' (fla's Triton cross entropy) needs a CUDA device; "
+                             f"this run trains on {self.device.type}: use 'torch' or 'auto'")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss, _, valid, hits = self.mean_loss(*self._split(batch))

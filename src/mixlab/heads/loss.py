@@ -19,6 +19,8 @@ Notation: N tokens, D model width, V vocabulary.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mixlab.heads.common import float_logits
 
-__all__ = ["fused_linear_cross_entropy", "linear_cross_entropy", "token_nll"]
+__all__ = ["fused_linear_cross_entropy", "linear_cross_entropy", "token_nll", "LOSS_KERNELS"]
 
 
 def token_nll(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,8 +92,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore
 
 @torch.library.custom_op("mixlab::fused_linear_cross_entropy", mutates_args=())
 def _fused_forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int, chunk: int,
-                   mm: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``(loss, nll, valid, hits, d hidden, d weight)`` of the mean NLL, chunk by chunk, matmuls in ``mm``.
+                   mm: torch.dtype, kernel: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(loss, nll, valid, hits, d hidden, d weight)`` of the mean NLL, chunk by chunk, matmuls in ``mm``;
+    each chunk's cross entropy and ``G`` in torch (``kernel="torch"``) or fla's Triton kernels (``"fla"``).
 
     A ``torch.library`` op, opaque to ``torch.compile``: its partitioner then keeps what eager autograd
     keeps for backward (``d hidden`` and ``d weight``). Traced through, it kept every chunk's partial
@@ -110,10 +113,25 @@ def _fused_forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index
     hits = torch.empty(n, dtype=torch.bool, device=hidden.device)
     grad_h = torch.empty(hidden.shape, dtype=gmm, device=hidden.device)
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+    if kernel == "fla":
+        from fla.modules.fused_cross_entropy.ops import cross_entropy_bwd, cross_entropy_fwd
+
+        d_nll = (1.0 / n_scored.to(torch.float32)).expand(min(chunk, n))  # d mean / d nll_i, stride 0
     with torch.autocast(hidden.device.type, enabled=False):
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
             t, v = targets[s:e], valid[s:e]
+            if kernel == "fla":  # 3 passes over the [n_c, V] logits in ``mm`` (torch: ~10 in float32)
+                logits = h_mm[s:e] @ w_mm.t()  # [n_c, V]
+                hits[s:e] = (logits.argmax(-1) == t) & v  # = the float32 copy's argmax: the cast is exact
+                # fla: per-row NLL (0 where ignored) and log-sum-exp in float32 from the mm-dtype logits, then
+                # G = (softmax - onehot) * d_nll written over the logits (one rounding to ``mm``, as below)
+                nll[s:e], _, lse, _, _ = cross_entropy_fwd(logits, t, ignore_index=ignore_index)
+                g = cross_entropy_bwd(logits, t, lse, d_nll[:e - s], ignore_index=ignore_index,
+                                      inplace_backward=True)
+                grad_h[s:e] = g @ w_g
+                grad_w += (g.t() @ h_g[s:e]).to(acc)
+                continue
             logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
             lse = torch.logsumexp(logits, dim=-1)
             t_safe = torch.where(v, t, 0)
@@ -130,7 +148,7 @@ def _fused_forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index
 
 
 @_fused_forward.register_fake
-def _(hidden, weight, targets, ignore_index, chunk, mm):
+def _(hidden, weight, targets, ignore_index, chunk, mm, kernel):
     acc = torch.float64 if mm == torch.float64 else torch.float32
     gmm = acc if mm == torch.float16 else mm
     n = hidden.shape[0]
@@ -150,15 +168,19 @@ def _fused_backward(ctx, g_loss, *_unused):
     grad_h, grad_w = ctx.saved_tensors
     h_dtype, w_dtype = ctx.dtypes
     if g_loss is None:
-        return None, None, None, None, None, None
-    return (grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype), None, None, None, None
+        return None, None, None, None, None, None, None
+    return (grad_h * g_loss).to(h_dtype), (grad_w * g_loss).to(w_dtype), None, None, None, None, None
 
 
 _fused_forward.register_autograd(_fused_backward, setup_context=_fused_setup_context)
 
 
+#: Choices of :func:`fused_linear_cross_entropy`'s ``kernel`` (``loss_kernel`` of :class:`~mixlab.heads.lm.CausalLM`).
+LOSS_KERNELS = ("torch", "fla", "auto")
+
+
 def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index: int = -100,
-                               chunk: int = 4096) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                               chunk: int = 4096, kernel: str = "torch") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Mean next-token NLL of ``softmax(hidden @ weight^T)`` over scored tokens, with the gradients of
     ``hidden`` and ``weight`` computed during forward, ``chunk`` tokens at a time.
 
@@ -179,13 +201,22 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
         targets: ``[N]`` int64 token ids; ``ignore_index`` marks unscored positions.
         ignore_index: target id that is not scored.
         chunk: tokens per chunk (>= 1; need not divide ``N``).
+        kernel: each chunk's cross entropy and ``G``: ``"torch"`` (float32 logits, ~10 elementwise passes
+            over them; any device); ``"fla"`` (flash-linear-attention's Triton cross-entropy kernels, the
+            Liger-Kernel technique: log-sum-exp and NLL in one pass over the ``mm``-dtype logits, ``G``
+            written over them in a second; CUDA, or Triton's interpreter with ``TRITON_INTERPRET=1``;
+            bf16 or float32 matmuls); ``"auto"``: ``"fla"`` where it applies on CUDA, else ``"torch"``.
+            The two agree to float32 rounding in ``loss`` and to one ``mm`` rounding of ``G`` in the
+            gradients.
 
     Returns:
         ``(loss [] float32 (float64 for float64 inputs), nll [N] (0 where ignored), valid [N] bool,
         hits [N] bool)``; only ``loss`` is differentiable.
 
     Raises:
-        ValueError: ``chunk < 1``; ``hidden`` not 2-D; ``targets`` not ``[N]``.
+        ValueError: ``chunk < 1``; ``hidden`` not 2-D; ``targets`` not ``[N]``; ``kernel`` not one of
+            :data:`LOSS_KERNELS`, or ``"fla"`` off CUDA (without the interpreter) or with float16/float64
+            matmuls.
     """
     if chunk < 1:
         raise ValueError(f"fused_linear_cross_entropy: chunk must be >= 1 tokens; got {chunk}")
@@ -197,5 +228,18 @@ def fused_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
     mm = hidden.dtype
     if hidden.dtype != torch.float64 and torch.is_autocast_enabled(hidden.device.type):
         mm = torch.get_autocast_dtype(hidden.device.type)
-    loss, nll, valid, hits, _, _ = _fused_forward(hidden, weight, targets, ignore_index, chunk, mm)
+    loss, nll, valid, hits, _, _ = _fused_forward(hidden, weight, targets, ignore_index, chunk, mm,
+                                                  _loss_kernel(kernel, hidden, mm))
     return loss, nll.detach(), valid, hits  # the op's backward serves the mean loss only
+
+
+def _loss_kernel(kernel: str, hidden: Tensor, mm: torch.dtype) -> str:
+    """``"torch"`` or ``"fla"`` for :func:`fused_linear_cross_entropy`'s ``kernel`` (see there)."""
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"fused_linear_cross_entropy: kernel must be one of {', '.join(LOSS_KERNELS)}; got {kernel!r}")
+    fla_device = hidden.is_cuda or (kernel == "fla" and os.environ.get("TRITON_INTERPRET") == "1")
+    fla_ok = fla_device and mm in (torch.bfloat16, torch.float32)
+    if kernel == "fla" and not fla_ok:
+        raise ValueError(f"fused_linear_cross_entropy: kernel 'fla' needs CUDA tensors (or TRITON_INTERPRET=1) and "
+                         f"bf16 or float32 matmuls; got {hidden.device.type} and {mm}: use kernel 'torch' or 'auto'")
+    return "fla" if kernel == "fla" or (kernel == "auto" and fla_ok) else "torch"
