@@ -269,10 +269,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = args.modes or ["eager", "compile"]
+    from mixlab.heads.lm import AUTO_CHUNK_MIN_VOCAB
+
+    chunked = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else args.vocab >= AUTO_CHUNK_MIN_VOCAB
+    if not chunked and set(FLA_LOSS) & set(args.models):  # fla's kernels run inside the chunked loss only
+        p.error(f"{', '.join(m for m in args.models if m in FLA_LOSS)} need the chunked loss: --loss-chunk-tokens > 0 "
+                f"or --vocab >= {AUTO_CHUNK_MIN_VOCAB} (got --vocab {args.vocab}, --loss-chunk-tokens "
+                f"{args.loss_chunk_tokens})")
     cuda_only = {"rope_triton", *FLA_LOSS}  # the in-place Triton rotation and fla's loss kernels need CUDA
     if not args.device.startswith("cuda") and cuda_only & set(args.models):
+        left = [m for m in args.models if m not in cuda_only]
+        if not left:
+            p.error(f"{', '.join(args.models)} need CUDA; nothing besides the plain anchor is left to measure on "
+                    f"{args.device}")
         print(f"bench_lm: {', '.join(m for m in args.models if m in cuda_only)} left out (needs CUDA)", file=sys.stderr)
-        args.models = [m for m in args.models if m not in cuda_only]
+        args.models = left
     return args
 
 

@@ -350,5 +350,20 @@ def test_loss_kernel_bad_names_and_fla_off_cuda_are_one_line_errors():
     m = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), loss_chunk_tokens=4,
                  loss_kernel="fla")
     if os.environ.get("TRITON_INTERPRET") != "1":
-        with pytest.raises(ValueError, match="model.init_args.loss_kernel: 'fla' .* needs a CUDA device"):
+        with pytest.raises(ValueError, match="loss_kernel 'fla' .* needs a CUDA device; this run trains on cpu"):
             m.on_fit_start()
+    # float16 precision: refused too (checked after the device; the interpreter stands in for CUDA here)
+    import types
+
+    m._trainer = types.SimpleNamespace(precision="16-mixed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        with pytest.raises(ValueError, match="loss_kernel 'fla' supports bf16 and float32 matmuls; precision 16-mixed"):
+            m.on_fit_start()
+        m._trainer = types.SimpleNamespace(precision="bf16-mixed")
+        m.on_fit_start()  # accepted
+    m._trainer = None
+    # fla without chunking would be silently the torch path: refused at construction (vocabulary 5: no auto chunks)
+    with pytest.raises(ValueError, match="loss_kernel 'fla' runs inside the chunked training loss, but "
+                                         "loss_chunk_tokens is 0 .* this one has 5"):
+        CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), loss_kernel="fla")

@@ -55,12 +55,14 @@ class CausalLM(Head):
         loss_kernel: the chunked training loss's cross-entropy kernel (``kernel`` of
             :func:`~mixlab.heads.loss.fused_linear_cross_entropy`): ``"torch"`` (default; float32 logits,
             any device), ``"fla"`` (fla's Triton kernels over the bf16 logits: fewer passes over the
-            ``[chunk, vocab]`` buffer; CUDA), ``"auto"`` (``"fla"`` where it applies, else ``"torch"``).
-            Same loss to float32 rounding.
+            ``[chunk, vocab]`` buffer; CUDA, bf16 or float32 matmuls; needs ``loss_chunk_tokens > 0``),
+            ``"auto"`` (``"fla"`` where it applies, else ``"torch"``). Same loss to float32 rounding.
+            :class:`~mixlab.heads.synthetic.SyntheticLM` trains through :meth:`scores` and has no such option.
 
     Raises:
         ValueError: vocab mismatch with the datamodule; a sequence longer than
-            ``abs_pos_len``; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto.
+            ``abs_pos_len``; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto, or ``fla``
+            without chunking; at fit start, ``fla`` off CUDA or under float16 precision.
     """
 
     def __init__(
@@ -97,6 +99,10 @@ class CausalLM(Head):
             nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
         if loss_chunk_tokens is None:
             loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
+        if loss_kernel == "fla" and not loss_chunk_tokens:
+            raise ValueError(f"loss_kernel 'fla' runs inside the chunked training loss, but loss_chunk_tokens is 0 "
+                             f"(automatic chunking starts at a vocabulary of {AUTO_CHUNK_MIN_VOCAB}; this one has "
+                             f"{vocab_size}): set loss_chunk_tokens > 0, or loss_kernel 'torch' or 'auto'")
         self.loss_chunk_tokens, self.loss_kernel = loss_chunk_tokens, loss_kernel
         self.run_name = pattern_name(backbone.mixer) + ("-ape" if abs_pos_len > 0 else "")
         self.token_unit = "token"
@@ -199,11 +205,17 @@ class CausalLM(Head):
         self.token_unit = self.data_attr("token_unit", "token")
 
     def on_fit_start(self) -> None:
-        """``loss_kernel: fla`` needs CUDA: refused in one line before the sanity check and any step."""
-        if (self.loss_kernel == "fla" and self.loss_chunk_tokens and self.device.type != "cuda"
-                and os.environ.get("TRITON_INTERPRET") != "1"):
-            raise ValueError(f"model.init_args.loss_kernel: 'fla' (fla's Triton cross entropy) needs a CUDA device; "
-                             f"this run trains on {self.device.type}: use 'torch' or 'auto'")
+        """``loss_kernel: fla`` needs CUDA and bf16 or float32 matmuls: refused in one line before the sanity
+        check and any step."""
+        if self.loss_kernel != "fla":
+            return
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"loss_kernel 'fla' (fla's Triton cross entropy) needs a CUDA device; this run trains "
+                             f"on {self.device.type}: use 'torch' or 'auto'")
+        precision = str(getattr(self._trainer, "precision", ""))
+        if precision.startswith("16"):  # float16 matmuls: G would underflow in the logits' buffer
+            raise ValueError(f"loss_kernel 'fla' supports bf16 and float32 matmuls; precision {precision} uses "
+                             f"float16: use loss_kernel 'torch' or 'auto', or precision bf16-mixed")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss, _, valid, hits = self.mean_loss(*self._split(batch))
