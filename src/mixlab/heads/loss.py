@@ -11,7 +11,8 @@ gradient is known in forward (``(softmax - onehot) / n_scored`` per token), so e
 into ``d h`` and ``d W`` right away and are freed; backward only scales them by the upstream gradient.
 Three matmuls per chunk as in the plain path (no recomputation), one chunk's logits alive at a time
 (the technique of Liger-Kernel's and fla's fused linear cross entropy, written here in torch so that it
-runs on CPU). It is a ``torch.library`` custom op, ``mixlab::fused_linear_cross_entropy``, so that
+runs on CPU; ``kernel="fla"`` computes each chunk's cross entropy and ``G`` with fla's Triton kernels on CUDA).
+It is a ``torch.library`` custom op, ``mixlab::fused_linear_cross_entropy``, so that
 ``torch.compile`` keeps it whole and saves only ``d h`` and ``d W`` for backward, as eager autograd does.
 
 Notation: N tokens, D model width, V vocabulary.
