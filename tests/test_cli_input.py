@@ -510,3 +510,17 @@ def test_resumed_monitor_check_needs_a_kept_best_file():
         _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}}, group)
     _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}},
                            {"monitor": "val/acc", "mode": "max"})
+
+
+def test_a_model_or_data_option_before_config_is_one_line_naming_it(capsys, monkeypatch):
+    """``--model.init_args.* ... --config X``: the option's class is not known when it is read; jsonargparse's error
+    blamed the config file (``X: model: unrecognized arguments``). One line names the option and the fix; trainer
+    options before ``--config`` stay allowed (they apply in order: tests/test_overrides.py)."""
+    err = _main(capsys, monkeypatch, "fit", "--model.init_args.backbone.n_layers", "1", "--config", str(GENOME))
+    assert err[0] == ("error: --model.init_args.backbone.n_layers comes before --config, which chooses the model and "
+                      "data classes its options belong to: put --config first (options apply in the order given)")
+    err = _main(capsys, monkeypatch, "test", "--data.init_args.batch_size=4", "-c", str(GENOME))
+    assert err[0].startswith("error: --data.init_args.batch_size comes before --config")
+    assert cli._option_before_config(["fit", "--trainer.max_steps", "1", "--config", "x.yaml"]) is None
+    assert cli._option_before_config(["fit", "--config", "x.yaml", "--model.init_args.d", "1"]) is None
+    assert cli._option_before_config(["fit", "--model.init_args.d", "1"]) is None  # no config: jsonargparse's error

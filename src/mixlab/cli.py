@@ -808,6 +808,20 @@ def _resolve(target: str) -> Callable[[list[str]], Any]:
     return getattr(importlib.import_module(module), fn)
 
 
+def _option_before_config(words: list[str]) -> str | None:
+    """The first ``--model.init_args.*`` / ``--data.init_args.*`` option on the command line ``words``
+    that precedes every ``--config`` (and every ``--model`` / ``--data`` class given on the command line),
+    else None. Such an option cannot be placed: the class it belongs to is not known yet, and
+    jsonargparse's error then names the config file that follows."""
+    for word in words[1:]:
+        key = word[2:].split("=", 1)[0] if word.startswith("--") else ""
+        if key in ("config", "model", "data", "model.class_path", "data.class_path") or word == "-c":
+            return None
+        if key.startswith(("model.init_args.", "data.init_args.")):
+            return f"--{key}" if any(w in ("--config", "-c") or w.startswith("--config=") for w in words) else None
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -833,6 +847,11 @@ def main(argv: list[str] | None = None) -> None:
         if words and words[0] in COMMANDS:
             _resolve(COMMANDS[words[0]])(words[1:])
             return
+        early = _option_before_config(words)
+        if early is not None:
+            print(f"error: {early} comes before --config, which chooses the model and data classes its "
+                  f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
+            raise SystemExit(2)
         MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
