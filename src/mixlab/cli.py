@@ -818,7 +818,7 @@ def _option_before_config(words: list[str]) -> str | None:
         if key in ("config", "model", "data", "model.class_path", "data.class_path") or word == "-c":
             return None
         if key.startswith(("model.init_args.", "data.init_args.")):
-            return f"--{key}" if any(w in ("--config", "-c") or w.startswith("--config=") for w in words) else None
+            return f"--{key}" if config_files(words) else None
     return None
 
 

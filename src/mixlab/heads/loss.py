@@ -130,19 +130,17 @@ def _fused_forward(hidden: Tensor, weight: Tensor, targets: Tensor, ignore_index
                 nll[s:e], _, lse, _, _ = cross_entropy_fwd(logits, t, ignore_index=ignore_index)
                 g = cross_entropy_bwd(logits, t, lse, d_nll[:e - s], ignore_index=ignore_index,
                                       inplace_backward=True)
-                grad_h[s:e] = g @ w_g
-                grad_w += (g.t() @ h_g[s:e]).to(acc)
-                continue
-            logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            t_safe = torch.where(v, t, 0)
-            nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
-            hits[s:e] = (logits.argmax(-1) == t) & v
-            # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere,
-            # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
-            g = logits.sub_(lse[:, None]).exp_()
-            g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
-            g = g.mul_((v.to(acc) / n_scored)[:, None]).to(gmm)
+            else:
+                logits = (h_mm[s:e] @ w_mm.t()).to(acc)  # [n_c, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                t_safe = torch.where(v, t, 0)
+                nll[s:e] = torch.where(v, lse - logits.gather(1, t_safe[:, None])[:, 0], 0)
+                hits[s:e] = (logits.argmax(-1) == t) & v
+                # d mean NLL / d logits = (softmax - onehot) / n_scored at scored tokens, 0 elsewhere,
+                # in place in the logits' buffer (one [n_c, V] float32 tensor alive, not three)
+                g = logits.sub_(lse[:, None]).exp_()
+                g.scatter_add_(1, t_safe[:, None], torch.full_like(lse, -1.0)[:, None])
+                g = g.mul_((v.to(acc) / n_scored)[:, None]).to(gmm)
             grad_h[s:e] = g @ w_g
             grad_w += (g.t() @ h_g[s:e]).to(acc)
     return nll.sum() / n_scored, nll, valid, hits, grad_h, grad_w
