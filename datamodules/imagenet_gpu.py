@@ -88,15 +88,20 @@ class _Recorder(list):
             super().__setitem__(key, value)
 
 
-def _record_op(name: str):
-    from timm.data.auto_augment import _interpolation
+class _RecordOp:
+    """A timm RandAugment op's ``aug_fn`` that records ``(name, argument, resample)`` on a :class:`_Recorder`
+    (a class, not a closure: the parameters pickle to spawned workers)."""
 
-    def fn(rec: _Recorder, *args, **kwargs) -> _Recorder:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, rec: _Recorder, *args, **kwargs) -> _Recorder:
+        from timm.data.auto_augment import _interpolation
+
         # geometric ops draw the interpolation (random.choice when a list) as timm's _check_args_tf does
-        resample = int(_interpolation(dict(kwargs))) if name in _GEOMETRIC else 0
-        rec.append((name, float(args[0]) if args else 0.0, resample))
+        resample = int(_interpolation(dict(kwargs))) if self.name in _GEOMETRIC else 0
+        rec.append((self.name, float(args[0]) if args else 0.0, resample))
         return rec
-    return fn
 
 
 class TrainParams:
@@ -135,7 +140,7 @@ class TrainParams:
                     if op.name not in RA_OPS:
                         raise NotImplementedError(f"decode='gpu': RandAugment op {op.name} is not implemented")
                     op = copy.copy(op)
-                    op.aug_fn = _record_op(op.name)
+                    op.aug_fn = _RecordOp(op.name)
                     ops.append(op)
                 self.ra = RandAugment(ops, t.num_layers, t.choice_weights)
                 self.ra_layers = int(t.num_layers)
@@ -287,13 +292,39 @@ def collate_encoded(samples: list[dict]) -> EncodedBatch:
 
 
 # ---------------------------------------------------------------------- accelerator side
+_DECODE_STREAMS: dict[torch.device, Any] = {}
+
+
 def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str]) -> list[Tensor | None]:
     """Decode a batch of JPEGs to RGB uint8 ``[3, H_b, W_b]`` tensors on ``device``.
 
     One batched ``torchvision.io.decode_jpeg`` call on the ``split`` of ``data`` (one op, no per-image
     slicing); when it raises (it fails for the whole batch), each image alone, then with PIL; an image no
     decoder reads is skipped with a counted warning and its entry is ``None``.
+
+    On CUDA the decode runs under a dedicated stream, which the caller's stream then waits for, and the images
+    are marked as used by the caller's stream (``record_stream``). torchvision allocates the output images on
+    the *current* stream but nvJPEG writes them on a stream of its own without waiting for the current one, so
+    on the caller's stream it could write into memory that the caller's queued kernels still read (memory
+    freed by the previous batch): on an H200, index tensors of the previous batch's crop were overwritten
+    (``index_copy_(): index out of bounds``) when the stage ran ahead in the prefetch thread at 512 px.
     """
+    if device.type != "cuda":
+        return _decode_jpegs(data, offsets, device, keys)
+    caller = torch.cuda.current_stream(device)
+    dec = _DECODE_STREAMS.get(device)
+    if dec is None:
+        dec = _DECODE_STREAMS[device] = torch.cuda.Stream(device)
+    with torch.cuda.stream(dec):  # its memory pool holds only decoded images, each released after the caller's use
+        imgs = _decode_jpegs(data, offsets, device, keys)
+    caller.wait_stream(dec)
+    for im in imgs:
+        if im is not None:
+            im.record_stream(caller)
+    return imgs
+
+
+def _decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str]) -> list[Tensor | None]:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     from mixlab.datamodules.imagenet import _skip_corrupt

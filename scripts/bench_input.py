@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> str:
                         "thread (the datamodule's prefetch_batches; 0: only the synchronous stage)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
+    p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
@@ -284,10 +285,11 @@ def main(argv: list[str] | None = None) -> str:
 
     model = build_model(a.model, a.image_size, num_classes, device)
     step = make_step(model, device, num_classes)
-    model_ips = time_model(step, a.batch_size, a.image_size, num_classes, device, max(2, a.warmup),
-                           max(3, a.batches // 2))
-    row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
-        f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
+    if not a.no_train:
+        model_ips = time_model(step, a.batch_size, a.image_size, num_classes, device, max(2, a.warmup),
+                               max(3, a.batches // 2))
+        row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
+            f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
     if not a.no_eval:
         model.eval()
         eval_ips = time_model(make_eval_step(model, device), a.batch_size, a.image_size, num_classes, device, 2,
@@ -295,7 +297,9 @@ def main(argv: list[str] | None = None) -> str:
         model.train()
         row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
-    splits = ["train"] + ([] if a.no_eval else ["val"])
+    splits = ([] if a.no_train else ["train"]) + ([] if a.no_eval else ["val"])
+    if not splits:
+        p.error("--no-train and --no-eval leave nothing to measure")
     stage_ops: list[str] = []
     for split in splits:
         for mode in a.decode:

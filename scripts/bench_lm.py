@@ -10,17 +10,21 @@ Models: ``plain`` (the anchor, written below in ~60 lines: token embedding, pre-
 fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) and
 :class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa``,
 the hybrid ``--hybrid`` (default ``kda*3,goat``), ``rope_triton`` (RoPE with ``rotary_impl: triton``) and, on
-request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss) and
-``goat_full_loss`` / ``rope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the anchor),
+request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss),
+``goat_torch_loss`` / ``rope_torch_loss`` (``loss_kernel: torch``: the float32 torch kernel in the chunked loss)
+and ``goat_full_loss`` / ``rope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the anchor),
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
 (:meth:`CausalLM.mean_loss`: output layer and cross entropy fused in chunks of ``loss_chunk_tokens``
-tokens, gradients computed in forward, automatic at this vocabulary); the anchor's is the plain full-logits one.
+tokens, gradients computed in forward, automatic at this vocabulary; ``loss_kernel: auto``, the default: fla's
+kernels on CUDA); the anchor's is the plain full-logits one.
 
 Each model runs eagerly and under ``torch.compile`` (``--modes``; ``compile-cudagraphs`` is
 ``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs,
-which removes the host's launch cost that the compiled mixlab models pay beyond the plain one). Every
+which removes the host's launch cost that the compiled mixlab models pay beyond the plain one;
+``compile-blocks`` is mixlab's own route, ``backbone.compile: true``: each block compiled, the embedding and
+the fused loss eager, against the plain anchor compiled whole, the strongest anchor). Every
 (model, mode) is built, warmed up and its peak memory measured first (``torch.cuda.max_memory_allocated``
 during one training step after the warm-up, above what was allocated before the model was built: its
 parameters, gradients, optimizer state and activations, as if alone, without the compiler's warm-up
@@ -55,6 +59,8 @@ MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_trito
 #: ``loss_chunk_tokens=0`` (whole logits, as the anchor: what Inductor can fuse when compiled)
 FLA_LOSS = ["goat_fla_loss", "rope_fla_loss"]
 FULL_LOSS = ["goat_full_loss", "rope_full_loss"]
+TORCH_LOSS = ["goat_torch_loss", "rope_torch_loss"]
+MODES = ["eager", "compile", "compile-cudagraphs", "compile-blocks"]
 _T0 = time.perf_counter()
 
 
@@ -115,22 +121,23 @@ class MixlabLoss(nn.Module):
         return self.lm.mean_loss(inputs, targets)[0]
 
 
-def build(name: str, args) -> nn.Module:
-    """``plain`` or a mixlab CausalLM with mixer ``name`` (``hybrid``: ``args.hybrid``) as a loss module."""
+def build(name: str, args, compile_blocks: bool = False) -> nn.Module:
+    """``plain`` or a mixlab CausalLM with mixer ``name`` (``hybrid``: ``args.hybrid``) as a loss module;
+    ``compile_blocks``: ``backbone.compile: true``."""
     torch.manual_seed(0)
     if name == "plain":
         return PlainGPT(args.vocab, args.d_model, args.n_layers, args.n_heads)
     from mixlab.backbone import BackboneConfig
     from mixlab.heads.lm import CausalLM
 
-    kernel = "fla" if name.endswith("_fla_loss") else "torch"
+    kernel = "fla" if name.endswith("_fla_loss") else "torch" if name.endswith("_torch_loss") else "auto"
     chunk = 0 if name.endswith("_full_loss") else args.loss_chunk_tokens
-    name = name.removesuffix("_fla_loss").removesuffix("_full_loss")
+    name = name.removesuffix("_fla_loss").removesuffix("_full_loss").removesuffix("_torch_loss")
     mixer, mixer_args = (args.hybrid if name == "hybrid" else name), {}
     if name == "rope_triton":  # RoPE rotated in place in the packed qkv (position_args.rotary_impl)
         mixer, mixer_args = "rope", {"rope": {"position_args": {"rotary_impl": "triton"}}}
     cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, mixer=mixer,
-                         mixer_args=mixer_args)
+                         mixer_args=mixer_args, compile=compile_blocks)
     return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=chunk,
                                loss_kernel=kernel))
 
@@ -141,11 +148,14 @@ class Case:
 
     def __init__(self, name: str, mode: str, args, dev: torch.device) -> None:
         self.name, self.mode, self.dev = name, mode, dev
-        self.module = build(name, args).to(dev)
+        blocks = mode == "compile-blocks" and name != "plain"  # the plain anchor is compiled whole
+        self.module = build(name, args, compile_blocks=blocks).to(dev)
         self.n_params = sum(p.numel() for p in self.module.parameters())  # tied weights counted once
         fused = dev.type == "cuda"
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
         compiled = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}}
+        if mode == "compile-blocks" and name == "plain":
+            compiled[mode] = {}
         self.fn = torch.compile(self.module, **compiled[mode]) if mode in compiled else self.module
         g = torch.Generator().manual_seed(1)
         batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g).to(dev)
@@ -210,10 +220,10 @@ def device_name(args) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS,
+    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS + TORCH_LOSS,
                    help="mixlab models besides the plain anchor (always measured)")
     p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")
-    p.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile", "compile-cudagraphs"],
+    p.add_argument("--modes", nargs="+", default=None, choices=MODES,
                    help="default: eager compile (--quick: eager)")
     p.add_argument("--n-layers", type=int, default=12)
     p.add_argument("--d-model", type=int, default=768)

@@ -78,3 +78,17 @@ def test_whole_lm_training_loss_traces_in_one_graph_per_position_scheme():
         ex = torch._dynamo.explain(lambda a, b: lm.mean_loss(a, b)[0])(x[:, :-1], x[:, 1:])
         assert ex.graph_break_count == 0, (mixer, [str(b.reason)[:200] for b in ex.break_reasons])
         assert ex.graph_count == 1, mixer
+
+
+def test_lazily_compiled_helpers_are_traced_inline_inside_a_compiled_graph(monkeypatch):
+    """A ``cuda_compiled`` helper (RoPE's rotation, the lane builders) called while ``torch.compile`` traces
+    a block runs inline in that graph (a nested ``torch.compile`` broke every RoPE block's graph on the H200)."""
+    import lightning  # noqa: F401  (Lightning wraps torch.compile: the break came through its wrapper)
+
+    from mixlab.ops.compile import cuda_compiled
+
+    monkeypatch.setenv("MIXLAB_COMPILE", "force")
+    helper = cuda_compiled(lambda x: torch.sin(x) * 2)
+    block = torch.compile(lambda x: helper(x) + 1, fullgraph=True, backend="eager")
+    x = torch.linspace(-3, 3, 7, dtype=torch.float64)
+    assert torch.equal(block(x), torch.sin(x) * 2 + 1)

@@ -416,3 +416,22 @@ def test_other_recipes_match_cpu_path(samples, recipe):
     assert max(means) < (0.5 if jitter else 1.0) and sum(means) / len(means) < (0.25 if jitter else 0.4), means
     if jitter:
         assert (batch.params["cj_factor"][:, :3] != 1).all()
+
+
+
+def test_gpu_mode_loader_runs_under_the_spawn_start_method(shards):
+    """``decode: gpu`` workers started with ``spawn`` (forkserver is Python 3.14's default on Linux) get the
+    pickled dataset and augmentation sampler (timm's RandAugment ops record through a class, not a closure)
+    and give the fork-started loader's batches: same keys, labels and parameters."""
+    kw = dict(train_path=shards, num_classes=3, image_size=32, batch_size=4, num_workers=2, train_samples=16,
+              decode="gpu", persistent_workers=False)
+    dm = ImageNetDataModule(**kw)
+    want = list(dm.train_dataloader())
+    dm = ImageNetDataModule(**kw)
+    loader = dm.train_dataloader()
+    loader.multiprocessing_context = "spawn"
+    got = list(loader)
+    assert [b.keys for b in got] == [b.keys for b in want] and len(got) == 4
+    for b, b0 in zip(got, want):
+        assert torch.equal(b.labels, b0.labels) and b.params.keys() == b0.params.keys()
+        assert all(torch.equal(b.params[k], b0.params[k]) for k in b.params)

@@ -113,6 +113,10 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr
     lam = tl.load(lam_ptr + m * K + ok, mask=mk, other=0.0)
     dd = tl.load(d_ptr + m * C * C + ot[:, None] * C + of[None, :], mask=mt[:, None] & mf[None, :], other=0.0)
     r = tl.load(b_ptr + tk, mask=mtk, other=0.0)
+    # float32 scalars: torch.compile hands Python floats to a user kernel as float64 (H200, torch 2.11), which
+    # would promote alpha, beta and so r to float64 inside the loop (Triton refuses a loop-carried type change)
+    eps2 = tl.cast(eps2, tl.float32)
+    tiny = tl.cast(tiny, tl.float32)
     if HOLD:
         h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
                                                                          PREC)
