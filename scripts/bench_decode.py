@@ -91,7 +91,9 @@ def _fmt(x: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny model on CPU (checks the script, < 30 s)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model on CPU (checks the script, < 30 s on idle cores); replaces the shape, --prompt, "
+                        "--new, --repeats and --device")
     p.add_argument("--mixers", nargs="+", default=MIXERS)
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "float64"])
     p.add_argument("--batch", type=int, default=8)
@@ -107,6 +109,13 @@ def main(argv: list[str] | None = None) -> str:
                    help="also the static step through torch.compile (captured as a CUDA graph on CUDA)")
     p.add_argument("--out", default=None, help="directory for bench_decode.md (or a path ending in .md)")
     args = p.parse_args(argv)
+    from mixlab.backbone import mixer_names, parse_pattern
+
+    for mixer in args.mixers:
+        try:
+            parse_pattern(mixer, len(mixer_names(mixer)))  # registered names
+        except ValueError as err:
+            p.error(f"--mixers {mixer!r}: {err}")
     if args.quick:
         args.batch, args.layers, args.d_model, args.head_dim, args.vocab = 2, 2, 64, 32, 97
         args.prompt, args.new, args.repeats, args.device = 9, 12, 1, "cpu"
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> str:
     fast = paths[1:]
     head = ("| dtype | mixer | " + " | ".join(f"{TITLES[k]} tok/s" for k in paths) + " | "
             + " | ".join(f"{k} / dict" for k in fast) + " | ids = dict (" + " / ".join(fast) + ") |")
-    lines, notes = [head, "|" + "---|" * (3 + 2 * len(fast))], []
+    lines, notes = [head, "|" + "---|" * (4 + 2 * len(fast))], []  # dtype, mixer, rates, ratios, ids
     for dname in args.dtypes:
         dtype = getattr(torch, dname)
         for mixer in args.mixers:

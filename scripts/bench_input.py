@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> str:
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
+    if a.no_train and a.no_eval:  # before any shard is written
+        p.error("--no-train and --no-eval leave nothing to measure")
     if a.quick:
         a.images, a.image_wh, a.classes, a.shard_size, a.workers = 48, "64x48", 4, 6, 2
         a.batch_size, a.image_size, a.warmup, a.batches, a.model = 8, 32, 1, 3, "tiny"
@@ -298,8 +300,6 @@ def main(argv: list[str] | None = None) -> str:
         row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
     splits = ([] if a.no_train else ["train"]) + ([] if a.no_eval else ["val"])
-    if not splits:
-        p.error("--no-train and --no-eval leave nothing to measure")
     stage_ops: list[str] = []
     for split in splits:
         for mode in a.decode:
@@ -344,8 +344,10 @@ def main(argv: list[str] | None = None) -> str:
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
                   "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]
-    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {f_train:.1%} of training crops and "
-              f"{f_eval:.1%} of evaluation images ({n_draft} images looked at).", ""]
+    applies = ([] if a.no_train else [f"{f_train:.1%} of training crops"]) + ([] if a.no_eval else
+                                                                             [f"{f_eval:.1%} of evaluation images"])
+    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {' and '.join(applies)} ({n_draft} images "
+              "looked at).", ""]
     text = "\n".join(lines)
     print(text)
     if a.out:

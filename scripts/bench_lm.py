@@ -218,6 +218,10 @@ def device_name(args) -> str:
     return torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else args.device
 
 
+def _need(names: list[str]) -> str:
+    return "needs" if len(names) == 1 else "need"
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS + TORCH_LOSS,
@@ -268,7 +272,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as err:
             p.error(f"--hybrid {args.hybrid!r}: {err}")
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available here (use --device cpu, or --quick)")
+        p.error("--device cuda: no CUDA device is available here (use --device cpu" + (")" if args.quick else
+                                                                                        ", or --quick)"))
     if args.quick:
         args.n_layers, args.d_model, args.n_heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 512, 64, 2
         args.rounds, args.steps, args.warmup, args.amp = 2, 2, 2, False
@@ -281,19 +286,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = args.modes or ["eager", "compile"]
     from mixlab.heads.lm import AUTO_CHUNK_MIN_VOCAB
 
-    chunked = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else args.vocab >= AUTO_CHUNK_MIN_VOCAB
-    if not chunked and set(FLA_LOSS) & set(args.models):  # fla's kernels run inside the chunked loss only
-        p.error(f"{', '.join(m for m in args.models if m in FLA_LOSS)} need the chunked loss: --loss-chunk-tokens > 0 "
-                f"or --vocab >= {AUTO_CHUNK_MIN_VOCAB} (got --vocab {args.vocab}, --loss-chunk-tokens "
-                f"{args.loss_chunk_tokens})")
     cuda_only = {"rope_triton", *FLA_LOSS}  # the in-place Triton rotation and fla's loss kernels need CUDA
     if not args.device.startswith("cuda") and cuda_only & set(args.models):
         left = [m for m in args.models if m not in cuda_only]
         if not left:
-            p.error(f"{', '.join(args.models)} need CUDA; nothing besides the plain anchor is left to measure on "
-                    f"{args.device}")
+            p.error(f"{', '.join(args.models)} {_need(args.models)} CUDA; nothing besides the plain anchor is left to "
+                    f"measure on {args.device}")
         print(f"bench_lm: {', '.join(m for m in args.models if m in cuda_only)} left out (needs CUDA)", file=sys.stderr)
         args.models = left
+    if not args.device.startswith("cuda") and "compile-blocks" in args.modes:
+        p.error(f"--modes compile-blocks needs CUDA: backbone.compile compiles blocks on CUDA only (on {args.device} "
+                "the blocks would run eagerly against a compiled anchor)")
+    chunked = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else args.vocab >= AUTO_CHUNK_MIN_VOCAB
+    fla = [m for m in args.models if m in FLA_LOSS]
+    if not chunked and fla:  # fla's kernels run inside the chunked loss only
+        p.error(f"{', '.join(fla)} {_need(fla)} the chunked loss: --loss-chunk-tokens > 0 or --vocab >= "
+                f"{AUTO_CHUNK_MIN_VOCAB} (got --vocab {args.vocab}, --loss-chunk-tokens {args.loss_chunk_tokens})")
     return args
 
 

@@ -22,6 +22,7 @@ def test_bench_decode_quick_writes_a_well_formed_table(tmp_path, monkeypatch, ca
     # on CPU: the dict loop and the eager static path (no CUDA graph column)
     assert lines[0] == ("| dtype | mixer | dict loop tok/s | static eager tok/s | eager / dict | "
                         "ids = dict (eager) |")
+    assert lines[1] == "|" + "---|" * (lines[0].count("|") - 1)  # one separator cell per column
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:12]]
     assert [r[:2] for r in rows] == [[d, m] for d in ("float32", "bfloat16")
                                      for m in ("goat", "rope", "nope", "kda", "mesa")]
@@ -43,3 +44,15 @@ def test_bench_decode_compile_adds_the_compiled_step_column(tmp_path, monkeypatc
                     "compiled / dict | ids = dict (eager / compiled) |")
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:2] == ["float32", "rope"] and cells[-1] == "1.000 / 1.000" and float(cells[4].replace(",", "")) > 0
+
+
+def test_bench_decode_unknown_mixer_is_an_argparse_error(monkeypatch, capsys):
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    sys.modules.pop("bench_decode", None)
+    import bench_decode
+
+    with pytest.raises(SystemExit) as exc:
+        bench_decode.main(["--quick", "--mixers", "goatt"])
+    assert exc.value.code == 2 and "--mixers 'goatt'" in capsys.readouterr().err

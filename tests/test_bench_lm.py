@@ -72,12 +72,16 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
              ("--loss-chunk-tokens", "-1"): "--loss-chunk-tokens must be >= 0", ("--peak-tflops", "0"): "must be > 0",
              ("--device", "tpu"): "--device must be cpu, cuda or cuda:N; got 'tpu'",
              ("--models", "hybrid", "--hybrid", "kda*3,bogus"): "--hybrid 'kda*3,bogus': unknown mixer 'bogus'",
-             # fla's loss kernels run only inside the chunked loss (would be timed as the torch path)
-             ("--models", "goat_fla_loss", "--loss-chunk-tokens", "0"): "goat_fla_loss need the chunked loss",
-             ("--models", "rope_fla_loss", "--vocab", "512"): "(got --vocab 512, --loss-chunk-tokens None)"}
-    if not bench.torch.cuda.is_available():
-        cases[("--device", "cuda")] = "no CUDA device is available here"
-        cases[("--models", "goat_fla_loss")] = "goat_fla_loss need CUDA; nothing besides the plain anchor is left"
+             }
+    if bench.torch.cuda.is_available():  # fla's loss kernels run only inside the chunked loss
+        cases[("--models", "goat_fla_loss", "--loss-chunk-tokens", "0")] = "goat_fla_loss needs the chunked loss"
+        cases[("--models", "rope_fla_loss", "--vocab", "512")] = "(got --vocab 512, --loss-chunk-tokens None)"
+    else:  # without CUDA that comes first
+        cases[("--device", "cuda")] = "no CUDA device is available here (use --device cpu, or --quick)"
+        cases[("--device", "cuda", "--quick")] = "no CUDA device is available here (use --device cpu)"
+        cases[("--models", "goat_fla_loss")] = "goat_fla_loss needs CUDA; nothing besides the plain anchor is left"
+        cases[("--models", "goat_fla_loss", "--loss-chunk-tokens", "0")] = "goat_fla_loss needs CUDA"
+        cases[("--quick", "--modes", "eager", "compile-blocks")] = "--modes compile-blocks needs CUDA"
     for argv, message in cases.items():
         with pytest.raises(SystemExit) as exit_info:
             bench.parse(list(argv))

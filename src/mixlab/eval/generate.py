@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
                          f"learned absolute positions (abs_pos_len={abs_len})")
     _log(f"{args.ckpt}: {type(model).__name__} {model.run_name}, step {run.step}, {args.dtype} on {args.device}; "
-         f"{codec.name} prompt of {len(ids)} tokens (loaded in {time.perf_counter() - t0:.1f}s)")
+         f"{codec.name} prompt of {len(ids)} token{'' if len(ids) == 1 else 's'} "
+         f"(loaded in {time.perf_counter() - t0:.1f}s)")
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     prompt = torch.tensor([ids], dtype=torch.long, device=args.device)
     t1 = time.perf_counter()
