@@ -344,10 +344,9 @@ def main(argv: list[str] | None = None) -> str:
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
                   "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]
-    applies = ([] if a.no_train else [f"{f_train:.1%} of training crops"]) + ([] if a.no_eval else
-                                                                             [f"{f_eval:.1%} of evaluation images"])
-    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {' and '.join(applies)} ({n_draft} images "
-              "looked at).", ""]
+    applies = {"train": f"{f_train:.1%} of training crops", "val": f"{f_eval:.1%} of evaluation images"}
+    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {' and '.join(applies[s] for s in splits)} "
+              f"({n_draft} images looked at).", ""]
     text = "\n".join(lines)
     print(text)
     if a.out:

@@ -153,10 +153,8 @@ class Case:
         self.n_params = sum(p.numel() for p in self.module.parameters())  # tied weights counted once
         fused = dev.type == "cuda"
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
-        compiled = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}}
-        if mode == "compile-blocks" and name == "plain":
-            compiled[mode] = {}
-        self.fn = torch.compile(self.module, **compiled[mode]) if mode in compiled else self.module
+        whole = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}, "compile-blocks": {}}
+        self.fn = self.module if mode == "eager" or blocks else torch.compile(self.module, **whole[mode])
         g = torch.Generator().manual_seed(1)
         batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g).to(dev)
         self.inputs, self.targets = batch[:, :-1], batch[:, 1:]
@@ -272,8 +270,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as err:
             p.error(f"--hybrid {args.hybrid!r}: {err}")
     if args.device is not None and args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error("--device cuda: no CUDA device is available here (use --device cpu" + (")" if args.quick else
-                                                                                        ", or --quick)"))
+        hint = "--device cpu" if args.quick else "--device cpu, or --quick"
+        p.error(f"--device cuda: no CUDA device is available here (use {hint})")
     if args.quick:
         args.n_layers, args.d_model, args.n_heads, args.vocab, args.seq_len, args.batch = 2, 64, 2, 512, 64, 2
         args.rounds, args.steps, args.warmup, args.amp = 2, 2, 2, False
