@@ -54,8 +54,9 @@ class CopyMixtureDataModule(SyntheticDataModule):
 
     def __init__(self, length: int = 64, vocab: int = 16, p_first: float = 0.3, p_prev: float = 0.3,
                  batch_size: int = 32, n_train: int = 20000, n_val: int = 256, n_test: int = 1024,
-                 seed: int = 0, num_workers: int = 0) -> None:
-        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
+                 seed: int = 0, num_workers: int = 0,
+                 cache: bool = True) -> None:
+        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
         if min(p_first, p_prev) < 0 or p_first + p_prev > 1:
             raise ValueError(f"copy-mixture needs p_first, p_prev >= 0 and p_first + p_prev <= 1; "

@@ -774,8 +774,11 @@ class GpuPipeline:
             self.fill = tuple(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
+        from torch.profiler import record_function  # phases named in profiles (scripts/bench_input.py --profile)
+
         dev = batch.labels.device
-        imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys)
+        with record_function("stage/decode"):
+            imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys)
         keep = [k for k, im in enumerate(imgs) if im is not None]
         labels = batch.labels
         params = batch.params
@@ -783,8 +786,10 @@ class GpuPipeline:
             labels = labels[torch.tensor(keep, device=dev)]
             params = {k: v[keep] for k, v in params.items()}
             imgs = [imgs[k] for k in keep]
-        x = self._train(imgs, params, dev) if self.train else self._eval(imgs)
-        return self._augment(x, params if self.train else {}), labels
+        with record_function("stage/crop_resize"):
+            x = self._train(imgs, params, dev) if self.train else self._eval(imgs)
+        with record_function("stage/augment"):
+            return self._augment(x, params if self.train else {}), labels
 
     def _eval(self, imgs: list[Tensor]) -> Tensor:
         """``Resize`` (short side, bicubic, antialiased) then ``CenterCrop``, batched through
@@ -895,7 +900,8 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stage(batch)
     events = prof.events()
-    top = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+    top = [e for e in events if e.name.startswith("aten::")  # called from Python: no parent but a phase label
+           and (e.cpu_parent is None or e.cpu_parent.name.startswith("stage/"))]
     views = {"view", "reshape", "_reshape_alias", "slice", "select", "unsqueeze", "squeeze", "permute", "expand",
              "as_strided", "split", "split_with_sizes", "unbind", "unfold", "t", "transpose", "narrow", "alias",
              "detach", "flatten", "lift_fresh", "to", "contiguous", "pin_memory", "view_as", "expand_as",

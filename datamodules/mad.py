@@ -286,12 +286,13 @@ class MADDataModule(SyntheticDataModule):
                                      "compression", "memorization"] = "in_context_recall",
                  vocab: int | None = None, seq_len: int | None = None, frac_noise: float = 0.2,
                  num_tokens_to_copy: int = 16, batch_size: int = 128, n_train: int | None = None,
-                 n_val: int = 256, n_test: int = 1280, seed: int = 0, num_workers: int = 0) -> None:
+                 n_val: int = 256, n_test: int = 1280, seed: int = 0, num_workers: int = 0,
+                 cache: bool = True) -> None:
         if task not in TASKS:
             raise ValueError(f"unknown MAD task {task!r} (data.init_args.task); choose from {TASKS}")
         base = DEFAULTS[task]
         n_train = n_train if n_train is not None else base.get("n_train", 12800)
-        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
+        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
         self.task = task
         self.task_name = f"mad_{task}"

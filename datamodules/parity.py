@@ -49,8 +49,9 @@ class ParityDataModule(SyntheticDataModule):
 
     def __init__(self, train_min_len: int = 3, train_max_len: int = 40, test_min_len: int = 40,
                  test_max_len: int = 256, batch_size: int = 256, n_train: int = 100_000, n_val: int = 512,
-                 n_test: int = 2048, seed: int = 0, num_workers: int = 0) -> None:
-        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
+                 n_test: int = 2048, seed: int = 0, num_workers: int = 0,
+                 cache: bool = True) -> None:
+        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
         self.train_len, self.test_len = (train_min_len, train_max_len), (test_min_len, test_max_len)
         for lo, hi in (self.train_len, self.test_len):

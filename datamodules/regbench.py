@@ -208,8 +208,9 @@ class RegBenchDataModule(SyntheticDataModule):
                  min_strings: int = 10, max_strings: int = 19, min_string_len: int = 1,
                  max_string_len: int = 49, context_length: int | None = None, batch_size: int = 32,
                  n_train: int = 50000, n_val: int = 256, n_test: int = 1000, seed: int = 0,
-                 num_workers: int = 0) -> None:
-        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
+                 num_workers: int = 0,
+                 cache: bool = True) -> None:
+        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
         counts = {"train": n_train_automata, "val": n_val_automata, "test": n_test_automata}
         if min(counts.values()) < 1:

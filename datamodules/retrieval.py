@@ -151,8 +151,9 @@ class RetrievalDataModule(SyntheticDataModule):
     def __init__(self, task: Literal["passkey", "niah"] = "passkey", context_length: int = 256,
                  haystack: Literal["noise", "filler", "essay"] = "noise", essay_path: str | None = None,
                  batch_size: int = 32, n_train: int = 50000, n_val: int = 128, n_test: int = 512,
-                 seed: int = 0, num_workers: int = 0) -> None:
-        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers)
+                 seed: int = 0, num_workers: int = 0,
+                 cache: bool = True) -> None:
+        super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
         if task not in TASK_DEFAULTS:
             raise ValueError(f"data.init_args.task must be 'passkey' or 'niah'; got {task!r}")

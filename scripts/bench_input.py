@@ -115,6 +115,42 @@ def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, 
     return len(y) / t, 1000 * t, ops
 
 
+def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15) -> list[str]:
+    """Markdown lines: where the device stage's time goes on one held batch over ``reps`` calls
+    (``torch.profiler``, CPU and CUDA): host and device milliseconds per batch of each phase
+    (``stage/decode``, ``stage/crop_resize``, ``stage/augment``) and the ``top`` kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
+    b = next(iter(loader))
+    for _ in range(2):
+        to_device(dm, b, device)
+    sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            to_device(dm, b, device)
+        sync(device)
+    wall = 1000 * (time.perf_counter() - t0) / reps
+    events = prof.key_averages()
+    dev_self = lambda e: getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))  # noqa: E731
+    dev_total = lambda e: getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0))  # noqa: E731
+    kernels = [e for e in events if dev_self(e) > 0 and not e.key.startswith(("aten::", "stage/", "cuda"))]
+    busy = sum(dev_self(e) for e in kernels) / reps / 1000
+    lines = [f"### Device stage profile, {split}, {reps} calls on one held batch of {len(b)}", "",
+             f"Wall {wall:.1f} ms per batch (profiler on); device busy {busy:.1f} ms per batch (sum of kernel "
+             "times).", "", "| phase | host ms/batch | device ms/batch |", "|---|---:|---:|"]
+    for e in sorted((e for e in events if e.key.startswith("stage/")), key=lambda e: e.key):
+        lines.append(f"| {e.key} | {e.cpu_time_total / reps / 1000:.2f} | {dev_total(e) / reps / 1000:.2f} |")
+    lines += ["", "| kernel | calls/batch | device ms/batch | share |", "|---|---:|---:|---:|"]
+    for e in sorted(kernels, key=dev_self, reverse=True)[:top]:
+        name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
+        lines.append(f"| `{name.replace('|', '/')}` | {e.count / reps:.1f} | {dev_self(e) / reps / 1000:.3f} | "
+                     f"{dev_self(e) / reps / 1000 / max(busy, 1e-9):.0%} |")
+    return lines
+
+
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
     import timm
 
@@ -241,6 +277,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--prefetch", type=int, default=2,
                    help="decode gpu: also time the device stage run this many batches ahead in a background "
                         "thread (the datamodule's prefetch_batches; 0: only the synchronous stage)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="decode gpu: also profile the device stage over N calls (phases, top kernels)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")
@@ -251,6 +289,8 @@ def main(argv: list[str] | None = None) -> str:
     a = p.parse_args(argv)
     if a.no_train and a.no_eval:  # before any shard is written
         p.error("--no-train and --no-eval leave nothing to measure")
+    if a.profile < 0:
+        p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.quick:
         a.images, a.image_wh, a.classes, a.shard_size, a.workers = 48, "64x48", 4, 6, 2
         a.batch_size, a.image_size, a.warmup, a.batches, a.model = 8, 32, 1, 3, "tiny"
@@ -301,6 +341,7 @@ def main(argv: list[str] | None = None) -> str:
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
     splits = ([] if a.no_train else ["train"]) + ([] if a.no_eval else ["val"])
     stage_ops: list[str] = []
+    profiles: list[str] = []
     for split in splits:
         for mode in a.decode:
             dm = dm_for(mode)
@@ -321,6 +362,8 @@ def main(argv: list[str] | None = None) -> str:
                     f"on {device.type}; {ops['ops']:,} ops ({ops['compute']:,} compute)")
                 stage_ops.append(f"{split} {ops['ops']:,} ({ops['compute']:,} compute, {ops['decode']} decoder calls, "
                                  f"{ops['syncs']} syncing)")
+                if a.profile:
+                    profiles += [""] + profile_stage(dm, split, device, a.profile)
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,
@@ -344,6 +387,7 @@ def main(argv: list[str] | None = None) -> str:
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
                   "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]
+    lines += profiles
     applies = {"train": f"{f_train:.1%} of training crops", "val": f"{f_eval:.1%} of evaluation images"}
     lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {' and '.join(applies[s] for s in splits)} "
               f"({n_draft} images looked at).", ""]

@@ -13,7 +13,7 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
     import bench_input
 
     out = tmp_path / "bench.md"
-    text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data")])
+    text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data"), "--profile", "1"])
     assert out.read_text() == text
     lines = text.splitlines()
     assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
@@ -40,3 +40,14 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
     assert ("train", "gpu", "end to end, device stage prefetched (2 ahead)") in measured
     assert rows[1][:2] == ("model", "-") and rows[1][3].startswith("tiny evaluation forward")
     assert len(rows) == 15 and "PIL `draft`" in text
+    # --profile: each split's device stage by phase (host time measured on the CPU; no kernels without a GPU)
+    for split in ("train", "val"):
+        at = lines.index(f"### Device stage profile, {split}, 1 calls on one held batch of 8")
+        phases = lines.index("| phase | host ms/batch | device ms/batch |", at)
+        got = [line.split("|")[1].strip() for line in lines[phases + 2:phases + 5]]
+        assert got == ["stage/augment", "stage/crop_resize", "stage/decode"], got
+        assert all(float(line.split("|")[2]) > 0 for line in lines[phases + 2:phases + 5])
+    import re
+
+    ops = int(re.search(r"ops per batch of 8: train ([\d,]+) ", text).group(1).replace(",", ""))
+    assert ops > 300 and "0 syncing" in text  # the ops inside the phase labels are counted (it read 1 once)

@@ -82,21 +82,30 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     res["deltanet_neg"].update(ckpt="runs/parity/deltanet_neg/version_0/checkpoints/epoch=3-step=3000.ckpt",
                                test_command="python -m mixlab test deltanet_neg --ckpt_path best")
     best = reproduce._rows(exp, res)[0]
-    assert best["mixlab"].startswith("with 0.970 (lengths 203..256: 0.960), without 0.500. "
+    assert best["mixlab"].startswith("with: median 0.970 (lengths 203..256: 0.960); without: median 0.500. "
                                      "With: seed 0: 0.970 (0.960, step 3000). Without: seed 0: 0.500 (n/a, last)")
     assert best["commands"] == ["python -m mixlab fit deltanet_neg",
                                 "python -m mixlab test deltanet_neg --ckpt_path best", "... (2 runs)"]
-    # the DeltaNet row is the median over the model seeds' runs (each shown)
+    # several model seeds: the row reports the seed with the highest best val/acc (model selection on
+    # validation; the test set plays no part) and the median over the seeds (each shown)
     seeds = dict(res)
-    for k, (a, lg) in ((1, (0.99, 0.97)), (2, (0.90, 0.80))):
-        seeds[f"deltanet_neg_s{k}"] = {"command": "c", "fit_rc": 0, "test_rc": 0,
+    seeds["deltanet_neg"] = {**res["deltanet_neg"], "val_max": {"val/acc": 0.97}}
+    for k, (a, lg, val) in ((1, (0.90, 0.80, 0.91)), (2, (0.99, 0.97, 0.985))):
+        seeds[f"deltanet_neg_s{k}"] = {"command": "c", "fit_rc": 0, "test_rc": 0, "val_max": {"val/acc": val},
                                        "test": {"test/acc": a, "test/acc_len_203_256": lg}}
     med = reproduce._rows(exp, seeds)[0]
-    assert med["mixlab"].startswith("with 0.970 (lengths 203..256: 0.960), without 0.500. With: seed 0: 0.970 "
-                                    "(0.960, step 3000); seed 1: 0.990 (0.970, last); seed 2: 0.900 (0.800, last)")
+    assert med["mixlab"].startswith(
+        "with: seed 2 (chosen on validation, val/acc 0.985 at last): 0.990 (lengths 203..256: 0.970); median "
+        "0.970 (lengths 203..256: 0.960); without: median 0.500. With: seed 0: 0.970 (0.960, step 3000, val 0.970); "
+        "seed 1: 0.900 (0.800, last, val 0.910); seed 2: 0.990 (0.970, last, val 0.985)"), med["mixlab"]
     assert med["verdict"] == "reproduced" and med["commands"][-1] == "... (4 runs)"
-    seeds["deltanet_neg_s1"]["test"]["test/acc_len_203_256"] = 0.94
-    assert reproduce._rows(exp, seeds)[0]["verdict"] == "same direction"  # median 0.94 at the longest lengths
+    seeds["deltanet_neg_s2"]["test"]["test/acc_len_203_256"] = 0.94  # the chosen seed misses 0.95 at 203..256
+    assert reproduce._rows(exp, seeds)[0]["verdict"] == "same direction"
+    seeds["deltanet_neg_s1"]["val_max"]["val/acc"] = 0.99  # validation now picks seed 1 (0.900 / 0.800)
+    assert "with: seed 1 (chosen on validation" in (row := reproduce._rows(exp, seeds)[0])["mixlab"]
+    assert row["verdict"] == "same direction"
+    seeds["deltanet"]["test"]["test/acc"] = 0.98  # without negative eigenvalues better than with: no direction
+    assert reproduce._rows(exp, seeds)[0]["verdict"] == "not reproduced"
     # a row whose runs were all left out by --runs says so (it said "not reproduced")
     only_delta = {n: res[n] for n in ("deltanet_neg", "deltanet")}
     mesa_row = reproduce._rows(exp, only_delta)[1]
@@ -104,6 +113,15 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     assert mesa_row["commands"] == []
     assert rows[1]["commands"][0] == "python -m mixlab fit mesa_neg"
     assert "runs that failed: mesa_neg" in rows[1]["mixlab"]
+    # the Mesa row chooses its seed on validation the same way
+    mesa = {**res, "mesa_neg": {**res["mesa_neg"], "test_rc": 0, "val_max": {"val/acc": 0.76},
+                                "test": {"test/acc": 0.74, "test/acc_len_203_256": 0.52}},
+            "mesa_neg_s2": {"command": "c", "fit_rc": 0, "test_rc": 0, "val_max": {"val/acc": 0.994},
+                            "test": {"test/acc": 0.99, "test/acc_len_203_256": 0.96}}}
+    row = reproduce._rows(exp, mesa)[1]
+    assert row["mixlab"].startswith("with: seed 2 (chosen on validation, val/acc 0.994 at last): 0.990 (lengths "
+                                    "203..256: 0.960); median 0.865"), row["mixlab"]
+    assert row["verdict"] == "reproduced" and row["commands"][-1] == "... (3 runs)"
 
     def fake_run_suites(suites, *a, **k):
         return rows

@@ -388,3 +388,31 @@ def test_generated_datasets_pickle_for_forkserver_workers():
     first = next(iter(loader))
     want = torch.stack([ds[i]["targets"] for i in range(4)])
     assert torch.equal(first["targets"], want)
+
+
+def test_sample_cache_returns_the_generated_samples_and_generates_each_once(monkeypatch):
+    """``cache`` (the default) keeps generated samples per process: the values equal a fresh
+    generation's, a second read does not call the generator, a caller's change to the returned dict
+    does not reach the cache, and past ``max_cache_bytes`` samples are generated again."""
+    from mixlab.datamodules.synthetic import GeneratedDataset
+
+    dm = M.MADDataModule(task="in_context_recall", batch_size=8, n_train=64)
+    fresh = M.MADDataModule(task="in_context_recall", batch_size=8, n_train=64, cache=False).dataset("train")
+    ds = dm.dataset("train")
+    calls = []
+    make = ds.make
+    ds.make = lambda rng, split: calls.append(1) or make(rng, split)
+    for i in (0, 5, 63):
+        first = ds[i]
+        first["extra"] = torch.zeros(1)
+        again = ds[i]
+        assert "extra" not in again
+        for key, value in fresh[i].items():
+            assert torch.equal(again[key], value), (i, key)
+    assert len(calls) == 3  # each index generated once
+
+    monkeypatch.setattr(GeneratedDataset, "max_cache_bytes", 1)  # full after one sample
+    small = dm.dataset("val")
+    small[0], small[1], small[1]
+    assert list(small._cache) == [0]
+    assert torch.equal(small[1]["inputs"], fresh.make.__self__.dataset("val")[1]["inputs"])

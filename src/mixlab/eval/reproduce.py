@@ -303,9 +303,12 @@ def _longest_bucket(res: dict, run: str) -> tuple[str, float | None]:
     return f"{lo}..{hi}", res[run]["test"][tag]
 
 
-#: Model seeds (``seed_everything``) of the DeltaNet parity runs; the row reports their median. One seed's
-#: accuracy at the longest lengths spreads widely (H200, 203..256: 0.93 / 0.96 / 0.76 for seeds 0 / 1 / 2).
-PARITY_SEEDS = (0, 1, 2)
+#: Model seeds (``seed_everything``) of the parity runs, with and without negative eigenvalues / forget gates. A
+#: seed's accuracy at the longest lengths spreads widely (H200, DeltaNet at 203..256: 0.93 / 0.96 / 0.76 for seeds
+#: 0 / 1 / 2, 5 of 21 runs over eight configurations reached 0.95; Mesa with negative gates: validation 0.99 / 0.93 /
+#: 0.99 at step 1,000 for seeds 0 / 1 / 2, then drifting), so each row reports the seed chosen on validation and
+#: the median over all seeds.
+PARITY_SEEDS = {"deltanet_neg": (0, 1, 2, 3, 4), "deltanet": (0, 1, 2), "mesa_neg": (0, 1, 2), "mesa": (0,)}
 
 
 def _seeded(name: str, seed: int) -> str:
@@ -316,45 +319,67 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def _parity_rows(res: dict) -> list[tuple]:
+def _parity_row(res: dict, model: str, label: str, paper: str) -> tuple:
+    """The table row of ``<model>_neg`` (negative eigenvalues / gates) against ``<model>`` over their seeds.
+
+    The cell gives, for the negative side, the seed chosen on validation (the highest best ``val/acc``: 2,048
+    strings of 40..256, disjoint from the test strings, so the test set plays no part in the choice) and the
+    median over seeds, each at 40..256 and its longest quarter, then every seed. Verdict: ``reproduced`` when the
+    chosen seed reaches 0.95 over 40..256 and at the longest quarter (the median, when no validation was
+    logged) and the standard side's median stays below 0.6; ``same direction`` when the medians are ordered.
+    """
     def at(run: str) -> str:  # the step of a best-checkpoint test
         step = re.search(r"step=(\d+)", str(res.get(run, {}).get("ckpt")))
         return f"step {step.group(1)}" if step else "last"
 
-    def seeds(name: str) -> tuple[float | None, float | None, str, str, list[int]]:
-        """(median accuracy over 40..256, median of the longest quarter, the quarter, per-seed text, the seeds
-        that were tested)."""
-        runs = {k: _seeded(name, k) for k in PARITY_SEEDS
-                if _get(res, _seeded(name, k), "test", "test/acc") is not None}
-        acc = [_get(res, r, "test", "test/acc") for r in runs.values()]
-        longest = [_longest_bucket(res, r) for r in runs.values()]
-        span = longest[0][0] if longest else "longest"
-        each = "; ".join(f"seed {k}: {_fmt(a)} ({_fmt(lg)}, {at(r)})"
-                         for (k, r), a, (_, lg) in zip(runs.items(), acc, longest))
-        return _median(acc), _median([lg for _, lg in longest if lg is not None]), span, each, list(runs)
+    def seeds(name: str) -> dict[int, tuple[str, float, float | None, float | None]]:
+        """``{seed: (run, test accuracy over 40..256, test accuracy of the longest quarter, best val/acc)}`` of
+        the seeds that were tested."""
+        out = {}
+        for k in PARITY_SEEDS[name]:
+            run = _seeded(name, k)
+            acc = _get(res, run, "test", "test/acc")
+            if acc is not None:
+                out[k] = (run, acc, _longest_bucket(res, run)[1], _get(res, run, "val_max", "val/acc"))
+        return out
 
-    d_neg, d_long, d_span, d_each, neg_seeds = seeds("deltanet_neg")
-    d_pos, _, _, p_each, pos_seeds = seeds("deltanet")
-    ran = sorted({*neg_seeds, *pos_seeds})
-    acc = {n: _get(res, n, "test", "test/acc") for n in ("mesa_neg", "mesa")}
-    m_neg, m_pos = acc.values()
-    m_span, m_long = _longest_bucket(res, "mesa_neg")
-    delta_runs = [_seeded(n, k) for n in ("deltanet_neg", "deltanet") for k in PARITY_SEEDS]
-    rows = [("DeltaNet parity accuracy at lengths 40..256 (and its longest quarter), beta in [0, 2) vs (0, 1); "
-             f"median over model seeds {'/'.join(map(str, ran or PARITY_SEEDS))}, each tested at its highest "
-             "val/acc checkpoint",
-             "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)",
-             f"with {_fmt(d_neg)} (lengths {d_span}: {_fmt(d_long)}), without {_fmt(d_pos)}. "
-             f"With: {d_each}. Without: {p_each}",
-             "not run" if d_neg is None or d_pos is None else  # one side left out (--runs) or failed
-             _verdict(d_long is not None and d_neg >= 0.95 and d_long >= 0.95 and d_pos < 0.6, d_neg > d_pos),
-             delta_runs),
-            ("Mesa parity accuracy, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1)",
-             "negative forget gates enable parity; Fig. 8 (right)",
-             f"with {_fmt(m_neg)} (lengths {m_span}: {_fmt(m_long)}), without {_fmt(m_pos)}",
-             _verdict(m_neg is not None and m_pos is not None and m_neg >= 0.95 and m_pos < 0.6,
-                      m_neg is not None and m_pos is not None and m_neg > m_pos), ["mesa_neg", "mesa"])]
-    return rows
+    def each(found: dict) -> str:
+        return "; ".join(f"seed {k}: {_fmt(a)} ({_fmt(lg)}, {at(r)}" + (f", val {_fmt(v)})" if v is not None else ")")
+                         for k, (r, a, lg, v) in found.items())
+
+    neg, pos = seeds(f"{model}_neg"), seeds(model)
+    span = _longest_bucket(res, next(iter(neg.values()))[0])[0] if neg else "longest"
+    n_med, p_med = _median([a for _, a, _, _ in neg.values()]), _median([a for _, a, _, _ in pos.values()])
+    n_long = _median([lg for _, _, lg, _ in neg.values() if lg is not None])
+    scored = {k: v for k, v in neg.items() if v[3] is not None}
+    pick = max(scored, key=lambda k: scored[k][3]) if scored else None
+    chosen = ""
+    if pick is not None:
+        run, c_acc, c_long, c_val = neg[pick]
+        chosen = (f"seed {pick} (chosen on validation, val/acc {_fmt(c_val)} at {at(run)}): {_fmt(c_acc)} "
+                  f"(lengths {span}: {_fmt(c_long)}); ")
+    else:  # no validation logged: the median decides
+        c_acc, c_long = n_med, n_long
+    solved = c_acc is not None and c_long is not None and c_acc >= 0.95 and c_long >= 0.95
+    ran = "/".join(map(str, neg or PARITY_SEEDS[f"{model}_neg"]))
+    runs = [_seeded(n, k) for n in (f"{model}_neg", model) for k in PARITY_SEEDS[n]]
+    return (f"{label} parity accuracy at lengths 40..256 (and its longest quarter); model seeds {ran}: the seed "
+            "chosen on validation and the median",
+            paper,
+            f"with: {chosen}median {_fmt(n_med)} (lengths {span}: {_fmt(n_long)}); without: median {_fmt(p_med)}. "
+            f"With: {each(neg)}. Without: {each(pos)}",
+            "not run" if n_med is None or p_med is None else  # one side left out (--runs) or failed
+            _verdict(solved and p_med < 0.6, n_med > p_med),
+            runs)
+
+
+def _parity_rows(res: dict) -> list[tuple]:
+    return [_parity_row(res, "deltanet", "DeltaNet, beta in [0, 2) vs (0, 1), each seed tested at its highest "
+                        "val/acc checkpoint;",
+                        "negative eigenvalues solve parity (~1.0), positive ones stay at chance (~0.5)"),
+            _parity_row(res, "mesa", "Mesa, gates in (-1, 1) (Lambda 50 I, floor 49) vs (0, 1), each seed tested at "
+                        "its highest val/acc checkpoint;",
+                        "negative forget gates enable parity; Fig. 8 (right)")]
 
 
 def _cg_rows(res: dict) -> list[tuple[str, str, str, str]]:
@@ -432,14 +457,14 @@ def _mesa_suite() -> list[Experiment]:
     # DeltaNet's accuracy at the longest lengths drifts once its training loss is 0 (validation at
     # 203..256 every 1,000 steps, H200: 0.92 0.90 0.95 0.985 0.98 0.97 0.91 0.91 0.94 0.93), so its test reads
     # the checkpoint with the highest val/acc (the configs' `checkpoint` group; val: 2,048 strings of 40..256,
-    # test: 2,048 others), for each of three model seeds
+    # test: 2,048 others), for each model seed (PARITY_SEEDS)
     quick = [D + "n_train", "512", D + "n_test", "64", D + "n_val", "64", D + "num_workers", "0"]
+    # Mesa: 4,000 steps (its negative gates take the torch CG path); validation peaks early (0.93-0.99 at step
+    # 1,000 for three seeds, H200) and drifts, so it is tested at its best validation checkpoint too
     parity = [RunSpec(_seeded(n, k), f"configs/reproduce/parity_{n}.yaml",
-                      [] if k == 0 else ["--seed_everything", str(k)], steps=6000, quick=quick, in_quick=k == 0,
-                      test_ckpt="best")
-              for n in ("deltanet_neg", "deltanet") for k in PARITY_SEEDS]
-    parity += [RunSpec(n, f"configs/reproduce/parity_{n}.yaml", steps=4000, quick=quick)
-               for n in ("mesa_neg", "mesa")]  # Mesa's negative gates: torch CG path
+                      [] if k == 0 else ["--seed_everything", str(k)], steps=4000 if n.startswith("mesa") else 6000,
+                      quick=quick, in_quick=k == 0, test_ckpt="best")
+              for n in PARITY_SEEDS for k in PARITY_SEEDS[n]]
     cg = [RunSpec("mesa", "configs/genome/mesa.yaml", steps=1000, quick=[D + "context_length", "64"])]
     # 8,000 steps: RoPE reaches 0.9999 there on the H200 (0.775 after a 4,000-step schedule)
     recall = [_mad_run(m, m, "in_context_recall", 8000) for m in ("rope", "goat", "nope", "swa", "mesa", "gdn")]
@@ -506,7 +531,8 @@ def _collect(run_dir: Path) -> dict:
     mem = [v for _, _, v in sc.get("perf/peak_mem_gb", [])]
     perf = {"tokens_per_s": sorted(tok)[len(tok) // 2] if tok else None, "peak_mem_gb": max(mem) if mem else None}
     steps = max((ev[-1][1] for ev in sc.values() if ev), default=None)  # the last logged step
-    return {"test": last("test/"), "val": last("val/"), "perf": perf, "last_step": steps}
+    best = {t: max(v for _, _, v in ev) for t, ev in sc.items() if t.startswith("val/") and ev}
+    return {"test": last("test/"), "val": last("val/"), "val_max": best, "perf": perf, "last_step": steps}
 
 
 def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float, workers: int,
