@@ -53,6 +53,9 @@ BIDIRECTIONAL = ("vit", "vqa")
 #: H200: 2.314 -> 2.353 over 30 steps, 2.314 -> 2.261 over 60 on CPU), so it gets twice the budget.
 HEAD_STEPS = {"vit": 2}
 M = "--model.init_args."
+#: Extra overrides per head in ``--quick`` (a CPU check of the script): 64-token LM windows, not 256
+#: (kda's chunked torch path trains at about 0.5 steps/s on 2 CPU cores at 256).
+QUICK_ARGS = {"lm": ["--data.init_args.context_length", "64"]}
 
 
 def head_args(head: str, mixer: str, head_dim: int | None) -> tuple[str, list[str], int | None]:
@@ -89,8 +92,10 @@ def _tail(text: str, n: int = 12) -> str:
     return "\n".join([ln for ln in text.splitlines() if ln.strip()][-n:])
 
 
-def run_case(case: dict, steps: int, run_root: Path, launch) -> dict:
+def run_case(case: dict, steps: int, run_root: Path, launch, quick: bool = False) -> dict:
     config, extra, hd = head_args(case["head"], case["mixer"], case["head_dim"])
+    if quick:
+        extra = [*extra, *QUICK_ARGS.get(case["head"], [])]
     name = f"{case['mixer'].replace('*', 'x').replace(',', '-')}-{case['head']}-{case['precision']}-hd{hd}"
     if case["mixer"] == HYBRID and case["head"] != "lm":  # the 3:1 pattern needs a multiple of 4 layers
         extra = [*extra, f"{M}backbone.n_layers", "4"]
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fla-autotune", default="2", help="MIXLAB_FLA_AUTOTUNE for the runs")
     ap.add_argument("--done", default=None, help="gpu_matrix.jsonl of an earlier (interrupted) run: its finished "
                     "cases are kept, not rerun")
-    ap.add_argument("--quick", action="store_true", help="CPU check of the script: goat + kda, lm + vit, 32, 6 steps")
+    ap.add_argument("--quick", action="store_true",
+                    help="CPU check of the script: goat + kda, lm (64 tokens) + vit, 32, 12 steps")
     args = ap.parse_args(argv)
     import torch
 
@@ -216,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = list(done)
 
     def one(case: dict) -> dict:
-        row = run_case(case, args.steps, run_root, launch)
+        row = run_case(case, args.steps, run_root, launch, args.quick)
         rows.append(row)
         with open(out / "gpu_matrix.jsonl", "a") as f:  # written as cases finish: survives a killed run
             f.write(json.dumps({k: v for k, v in row.items() if k != "log"}) + "\n")

@@ -101,13 +101,14 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
 def test_typo_through_python_dash_m_names_the_command(tmp_path):
     """The real entry point: one line on stderr, no usage dump, no ``__main__.py``."""
     config = _typo(tmp_path, GENOME, "context_length", "contxt_length")
-    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--config", str(config)], capture_output=True,
-                         text=True, cwd=tmp_path)
-    assert out.returncode == 2
-    assert out.stderr.splitlines() == [
+    typo, help_ = [subprocess.Popen([sys.executable, "-m", "mixlab", *argv], stdout=subprocess.PIPE,  # side by side
+                                    stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                   for argv in (["fit", "--config", str(config)], ["fit", "--help"])]
+    (_, err), (out, _) = typo.communicate(timeout=300), help_.communicate(timeout=300)
+    assert typo.returncode == 2
+    assert err.splitlines() == [
         f"error: {config}: unknown key data.init_args.contxt_length; did you mean data.init_args.context_length?"]
-    out = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--help"], capture_output=True, text=True)
-    assert out.stdout.startswith("usage: python -m mixlab [options] fit")
+    assert out.startswith("usage: python -m mixlab [options] fit")
 
 
 # ---------------------------------------------------------------------- checkpoints of another run

@@ -21,7 +21,7 @@ from mixlab.eval.generate import main as generate_main
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model.init_args.backbone.d_model=32", "--model.init_args.backbone.n_layers=2",
         "--model.init_args.backbone.n_heads=2", "--data.init_args.context_length=32", "--data.init_args.batch_size=4",
-        "--trainer.max_steps=100", "--trainer.val_check_interval=100", "--trainer.limit_val_batches=1",
+        "--trainer.max_steps=50", "--trainer.val_check_interval=50", "--trainer.limit_val_batches=1",
         "--model.init_args.optim.lr=0.01", "--model.init_args.optim.warmup_steps=1",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
 TEXT_RUNS = {"goat": ("text/goat.yaml", []), "rope": ("text/rope.yaml", []),
@@ -78,7 +78,7 @@ def test_greedy_generation_equals_the_argmax_of_the_parallel_forward(mixer, text
     captured = capsys.readouterr()
     assert captured.out == out["text"] + "\n"  # only the generated text on stdout
     assert out["text"] == bytes(i for i in out["ids"] if i < 256).decode("utf-8", errors="replace")
-    assert "24 new tokens" in captured.err and f"CausalLM {mixer}, step 100" in captured.err
+    assert "24 new tokens" in captured.err and f"CausalLM {mixer}, step 50" in captured.err
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(text_ckpts, capsys):

@@ -234,6 +234,8 @@ def test_last_ckpt_holds_the_newest_state_not_the_best(tmp_path, monkeypatch):
               "--trainer.val_check_interval", "null", "--trainer.check_val_every_n_epoch", "1",
               "--trainer.limit_val_batches", "1", "--model.init_args.optim.lr", "0.05",
               "--model.init_args.optim.warmup_steps", "1", "--model.init_args.optim.weight_decay", "0.0",
+              "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "2",
+              "--data.init_args.context_length", "64",  # a small model: the checkpoints' steps are the point
               "--trainer.enable_progress_bar", "false", "--run_root", str(tmp_path)])
     ckpts = sorted((tmp_path / "genome" / "goat" / "version_0" / "checkpoints").glob("*.ckpt"))
     steps = {p.name: torch.load(p, map_location="cpu", weights_only=False)["global_step"] for p in ckpts}
