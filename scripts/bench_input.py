@@ -143,6 +143,8 @@ def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15
              "times).", "", "| phase | host ms/batch | device ms/batch |", "|---|---:|---:|"]
     for e in sorted((e for e in events if e.key.startswith("stage/")), key=lambda e: e.key):
         lines.append(f"| {e.key} | {e.cpu_time_total / reps / 1000:.2f} | {dev_total(e) / reps / 1000:.2f} |")
+    if not kernels:
+        return lines + ["", f"(no accelerator kernels: the stage ran on {device.type})"]
     lines += ["", "| kernel | calls/batch | device ms/batch | share |", "|---|---:|---:|---:|"]
     for e in sorted(kernels, key=dev_self, reverse=True)[:top]:
         name = e.key if len(e.key) <= 90 else e.key[:87] + "..."

@@ -47,6 +47,7 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
         got = [line.split("|")[1].strip() for line in lines[phases + 2:phases + 5]]
         assert got == ["stage/augment", "stage/crop_resize", "stage/decode"], got
         assert all(float(line.split("|")[2]) > 0 for line in lines[phases + 2:phases + 5])
+        assert lines[phases + 6] == "(no accelerator kernels: the stage ran on cpu)"  # not an empty kernel table
     import re
 
     ops = int(re.search(r"ops per batch of 8: train ([\d,]+) ", text).group(1).replace(",", ""))

@@ -47,6 +47,10 @@ def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkey
     with pytest.raises(SystemExit):
         reproduce.main(["mesa", "--runs", "goat_key_lin", "--out", str(tmp_path)])
     assert "--runs 'goat_key_lin' is no run of the chosen experiments; they have" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:  # a real run that --quick skips: it trained nothing and exited 0
+        reproduce.main(["mesa", "--quick", "--runs", "mesa_neg_s1", "--out", str(tmp_path)])
+    assert info.value.code == 2 and "--runs 'mesa_neg_s1' is not run by --quick (it runs one representative per " \
+        "row: " in (err := capsys.readouterr().err) and "drop --quick to run it" in err and "mesa_neg," in err
     for bad, msg in [(["--max-minutes", "0"], "--max-minutes must be a finite number of at least 1/60"),
                      (["--max-minutes", "inf"], "--max-minutes must be a finite number"),
                      (["--max-minutes", "nan"], "--max-minutes must be a finite number"),

@@ -621,13 +621,15 @@ def failed_runs(exp: Experiment, res: dict) -> list[str]:
             and (res[s.name].get("fit_rc") != 0 or res[s.name].get("test_rc", 0) != 0)]
 
 
-def select(suites: list[str], only: list[str] | None, runs: list[str] | None = None) -> dict[str, list[Experiment]]:
+def select(suites: list[str], only: list[str] | None, runs: list[str] | None = None,
+           quick: bool = False) -> dict[str, list[Experiment]]:
     """``{suite: experiments}`` for the named suites, filtered by ``only`` (experiment names) and
     ``runs`` (run names: experiments with none of them are dropped).
 
     Raises:
-        ValueError: an unknown suite, ``only`` names that match no experiment of them, or ``runs``
-            names that match no run of the chosen experiments.
+        ValueError: an unknown suite, ``only`` names that match no experiment of them, ``runs``
+            names that match no run of the chosen experiments, or (``quick``) that ``--quick`` does not run
+            (it keeps one representative per row: the run would be skipped without a word).
     """
     unknown = [x for x in suites if x not in SUITES]
     if unknown:
@@ -644,6 +646,12 @@ def select(suites: list[str], only: list[str] | None, runs: list[str] | None = N
         if missing:
             raise ValueError(f"reproduce: --runs {missing[0]!r} is no run of the chosen experiments; they have "
                              f"{', '.join(sorted(have))}")
+        if quick:
+            in_quick = {s.name for exps in chosen.values() for e in exps for s in e.runs if s.in_quick}
+            skipped = [r for r in runs if r not in in_quick]
+            if skipped:
+                raise ValueError(f"reproduce: --runs {skipped[0]!r} is not run by --quick (it runs one representative "
+                                 f"per row: {', '.join(sorted(in_quick & have))}); drop --quick to run it")
         chosen = {x: [e for e in exps if any(s.name in runs for s in e.runs)] for x, exps in chosen.items()}
         chosen = {x: exps for x, exps in chosen.items() if exps}
     return chosen
@@ -664,7 +672,7 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
 
     from mixlab.eval.runner import Launcher
 
-    chosen = select(suites, only, runs)
+    chosen = select(suites, only, runs, quick)
     if not Path("configs/reproduce").is_dir():
         raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
     out.mkdir(parents=True, exist_ok=True)
