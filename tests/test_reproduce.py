@@ -89,7 +89,8 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     assert best["mixlab"].startswith("with: median 0.970 (lengths 203..256: 0.960); without: median 0.500. "
                                      "With: seed 0: 0.970 (0.960, step 3000). Without: seed 0: 0.500 (n/a, last)")
     assert best["commands"] == ["python -m mixlab fit deltanet_neg",
-                                "python -m mixlab test deltanet_neg --ckpt_path best", "... (2 runs)"]
+                                "python -m mixlab test deltanet_neg --ckpt_path best",
+                                "python -m mixlab fit deltanet", "... (2 runs)"]  # the control's config differs
     # several model seeds: the row reports the seed with the highest best val/acc (model selection on
     # validation; the test set plays no part) and the median over the seeds (each shown)
     seeds = dict(res)

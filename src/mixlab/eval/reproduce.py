@@ -606,6 +606,9 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
         shown = [res[s.name]["command"] for s in mine[:1]]
         if mine and mine[0].test_ckpt != "last" and res[mine[0].name].get("test_command"):
             shown.append(res[mine[0].name]["test_command"])  # the test reads another checkpoint: show how
+        control = next((s for s in mine[1:] if s.config != mine[0].config), None)  # e.g. parity without negative
+        if control is not None:  # eigenvalues: another config, so its command cannot be guessed from the first
+            shown.append(res[control.name]["command"])
         bad = [s.name for s in mine if s.name in failed]
         if bad:
             value += f" (runs that failed: {', '.join(bad)}; see logs/)"
