@@ -63,6 +63,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+from torch.profiler import record_function
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "GpuPipeline", "RA_OPS",
            "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher",
@@ -774,9 +775,7 @@ class GpuPipeline:
             self.fill = tuple(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
-        from torch.profiler import record_function  # phases named in profiles (scripts/bench_input.py --profile)
-
-        dev = batch.labels.device
+        dev = batch.labels.device  # phases named for profiles (scripts/bench_input.py --profile)
         with record_function("stage/decode"):
             imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys)
         keep = [k for k, im in enumerate(imgs) if im is not None]

@@ -93,16 +93,22 @@ def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int,
     return (n / dt if dt > 0 and n else float("nan")), n
 
 
-def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, float, dict[str, int]]:
-    """(images/s, ms per batch, ops) of the device stage alone on one held batch (``decode: gpu``); ops: the
-    torch ops the stage dispatches on that batch (:func:`~mixlab.datamodules.imagenet_gpu.stage_op_counts`)."""
-    from mixlab.datamodules.imagenet_gpu import stage_op_counts
-
+def held_batch(dm, split: str, device: torch.device):
+    """One loader batch of ``split``, after two warm-up calls of the device stage on it (synchronised)."""
     loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
     b = next(iter(loader))
     for _ in range(2):
         to_device(dm, b, device)
     sync(device)
+    return b
+
+
+def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, float, dict[str, int]]:
+    """(images/s, ms per batch, ops) of the device stage alone on one held batch (``decode: gpu``); ops: the
+    torch ops the stage dispatches on that batch (:func:`~mixlab.datamodules.imagenet_gpu.stage_op_counts`)."""
+    from mixlab.datamodules.imagenet_gpu import stage_op_counts
+
+    b = held_batch(dm, split, device)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -121,11 +127,7 @@ def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15
     (``stage/decode``, ``stage/crop_resize``, ``stage/augment``) and the ``top`` kernels by device time."""
     from torch.profiler import ProfilerActivity, profile
 
-    loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
-    b = next(iter(loader))
-    for _ in range(2):
-        to_device(dm, b, device)
-    sync(device)
+    b = held_batch(dm, split, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
