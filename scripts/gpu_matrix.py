@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", nargs="+", type=int, default=[16, 64, 128], help="LM head dims (4 heads)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workers", type=int, default=12, help="cases run side by side (one GPU serves many small runs)")
+    ap.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+                    help="CUDA MPS for the cases side by side (mixlab.eval.runner.MpsDaemon)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per command")
     ap.add_argument("--fla-autotune", default="2", help="MIXLAB_FLA_AUTOTUNE for the runs")
     ap.add_argument("--done", default=None, help="gpu_matrix.jsonl of an earlier (interrupted) run: its finished "
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('why', '')}", flush=True)
         return row
 
-    launch = Launcher(args.workers, env, args.timeout, cwd=ROOT)
+    launch = Launcher(args.workers, env, args.timeout, cwd=ROOT, mps=args.mps)
     with ThreadPoolExecutor(args.workers) as pool:
         list(pool.map(one, todo))
     (out / "gpu_matrix_failures.log").write_text("".join(f"=== {r['name']}: {r.get('why', '')}\n{r.get('log', '')}\n"

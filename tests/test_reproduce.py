@@ -155,7 +155,7 @@ def test_resume_continues_the_runs_that_have_a_last_checkpoint(tmp_path):
     (ckpts / "last.ckpt").write_bytes(b"")
     seen = {}
 
-    def launch(argv, log):
+    def launch(argv, log, priority=0.0):
         if argv[0] == "fit":
             seen[argv[argv.index("--run_name") + 1]] = argv
         return 0, ""

@@ -22,33 +22,53 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputMemory(pl.Callback):
-    """Logs ``perf/tokens_per_s`` (training, synced step wall time) and ``perf/peak_mem_gb``.
+    """Logs ``perf/tokens_per_s``, ``perf/steps_per_s`` and ``perf/peak_mem_gb`` (GB) once per window of
+    ``log_every_n_steps`` training steps (default: the trainer's ``log_every_n_steps``, so that every value
+    reaches the logger).
 
-    Tokens per batch come from the head's ``batch_tokens(batch)`` (falls back to
-    ``batch.numel()``). On CUDA the step is timed between synchronisations.
+    The rates are wall time over the window, from the start of its first step to the end of its last
+    (the loader's waits between steps and epoch changes included; a window that validation interrupts is
+    dropped). On CUDA the device is synchronised at the two ends of a window only, never inside it: a sync per
+    step would stop the host from queueing the next step while the device runs this one, and with several
+    runs sharing one GPU (``reproduce``) each waiting process would hold a CPU core. Tokens per batch come
+    from the head's ``batch_tokens(batch)`` (falls back to ``batch.numel()``); they are host integers.
     """
 
-    def __init__(self, log_every_n_steps: int = 1) -> None:
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"ThroughputMemory(log_every_n_steps={log_every_n_steps}): must be >= 1 or None")
         self.every = log_every_n_steps
-        self._t0 = 0.0
+        self._t0: float | None = None  # None: no window open
+        self._tokens = 0
+        self._steps = 0
+        self.clock = time.perf_counter  # seconds (a test may replace it)
 
     def _sync(self, pl_module: pl.LightningModule) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
 
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._t0 = None  # the window that validation interrupts is dropped
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._sync(pl_module)
-        self._t0 = time.perf_counter()
+        if self._t0 is None:
+            self._sync(pl_module)
+            self._t0, self._tokens, self._steps = self.clock(), 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step % self.every:
+        if self._t0 is None:
+            return
+        fn = getattr(pl_module, "batch_tokens", None)
+        self._tokens += fn(batch) if fn is not None else (batch.numel() if torch.is_tensor(batch) else 0)
+        self._steps += 1
+        if trainer.global_step % (self.every or trainer.log_every_n_steps or 1):
             return
         self._sync(pl_module)
-        dt = time.perf_counter() - self._t0
-        fn = getattr(pl_module, "batch_tokens", None)
-        n = fn(batch) if fn is not None else (batch.numel() if torch.is_tensor(batch) else 0)
-        pl_module.log("perf/tokens_per_s", n * trainer.world_size / max(dt, 1e-9))
+        dt = max(self.clock() - self._t0, 1e-9)
+        pl_module.log("perf/tokens_per_s", self._tokens * trainer.world_size / dt)
+        pl_module.log("perf/steps_per_s", self._steps / dt)
         pl_module.log("perf/peak_mem_gb", peak_memory_gb(pl_module.device))
+        self._t0 = None
 
 
 class MixerMetrics(pl.Callback):

@@ -221,7 +221,7 @@ class CausalLM(Head):
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss, _, valid, hits = self.mean_loss(*self._split(batch))
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
+        self.log_train_loss(loss)
         self.log("train/acc", hits.sum() / valid.sum().clamp_min(1))
         return loss
 

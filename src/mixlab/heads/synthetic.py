@@ -138,7 +138,7 @@ class SyntheticLM(CausalLM):
         if self.span_weight > 0 and "span" in b:
             span = b["span"].flatten() & valid
             loss = (loss + self.span_weight * (nll * span).sum() / span.sum().clamp_min(1)) / (1 + self.span_weight)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
+        self.log_train_loss(loss)
         self.log("train/acc", hits.sum() / n)
         return loss
 

@@ -380,6 +380,7 @@ class ImageClassifier(Head):
         self.num_classes, self.position = num_classes, self.model.position
         self.optim_cfg = optim or OptimConfig(lr=5e-4, weight_decay=0.05, betas=(0.9, 0.999), warmup_steps=100)
         self.label_smoothing = label_smoothing
+        self._labels_checked = False  # an accelerator batch's labels were read once (_check_labels)
         self.mixup_fn = None
         if mixup is not None and (mixup.mixup_alpha > 0 or mixup.cutmix_alpha > 0):
             from timm.data import Mixup
@@ -402,8 +403,16 @@ class ImageClassifier(Head):
         return int(batch[0].shape[0])
 
     def _check_labels(self, y: Tensor) -> None:
-        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= self.num_classes):
-            raise ValueError(f"label out of range [0, {self.num_classes}): got [{int(y.min())}, {int(y.max())}]; "
+        """Raises ValueError for a label outside ``[0, num_classes)``. Host tensors are checked every batch; on an
+        accelerator only the first batch of the process is (reading a device tensor makes the host wait for the
+        device, which on every step would stall the step pipeline): the datamodules check each label on the host
+        (``ImageNetDataModule`` names the shard and key), and ``setup`` matches ``num_classes`` to theirs."""
+        if not y.numel() or (y.device.type != "cpu" and self._labels_checked):
+            return
+        self._labels_checked = True
+        lo, hi = int(y.min()), int(y.max())
+        if lo < 0 or hi >= self.num_classes:
+            raise ValueError(f"label out of range [0, {self.num_classes}): got [{lo}, {hi}]; "
                              "check model.init_args.num_classes against the dataset")
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -439,7 +448,7 @@ class ImageClassifier(Head):
         else:
             logits = self(x)
             loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
+        self.log_train_loss(loss)
         self.log("train/top1", (logits.argmax(-1) == y).float().mean() * 100)
         return loss
 

@@ -186,7 +186,7 @@ class SpatialVQA(Head):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         nll, hits = self._step(batch)
         loss = nll.mean()
-        self.log("train/loss", loss, prog_bar=True, sync_dist=True)  # mean over ranks under DDP
+        self.log_train_loss(loss)
         self.log("train/acc", hits.float().mean())
         return loss
 

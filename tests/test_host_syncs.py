@@ -1,0 +1,122 @@
+"""What a training step makes the host wait for: ThroughputMemory's rates over windows of steps (two device
+syncs per window, not two per step), ``train/loss`` on the progress bar only when one is shown (Lightning reads
+progress-bar metrics after every step), the ViT's label check on host tensors."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers.logger import Logger
+
+from mixlab.backbone import BackboneConfig
+from mixlab.callbacks import ThroughputMemory
+from mixlab.datamodules.genome import GenomeDataModule
+from mixlab.heads.lm import CausalLM
+
+
+class _Record(Logger):
+    name, version = "record", 0
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[int, dict]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+def _fit(tmp_path, cb: ThroughputMemory, max_steps: int, log_every: int, val_every: int | None = None,
+         bar: bool = False) -> _Record:
+    g = torch.Generator().manual_seed(0)
+    fasta = tmp_path / "t.fa"
+    fasta.write_text(">t\n" + "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (1200,), generator=g)) + "\n")
+    data = GenomeDataModule(fasta=str(fasta), context_length=16, batch_size=4, region_size=400, val_fraction=0.2,
+                            test_fraction=0.2, train_stride=20)  # 5 training batches of 4 x 16 per epoch
+    model = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="rope"))
+    rec = _Record()
+    trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=rec, enable_progress_bar=bar,
+                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                         log_every_n_steps=log_every, callbacks=[cb],
+                         **({"limit_val_batches": 0} if val_every is None else
+                            {"val_check_interval": val_every, "check_val_every_n_epoch": None,
+                             "limit_val_batches": 1}))
+    trainer.fit(model, data)
+    rec.trainer = trainer
+    return rec
+
+
+def test_rates_are_per_window_with_two_syncs_per_window(tmp_path):
+    """log_every_n_steps 3, 9 steps (epochs of 5 batches: the windows cross an epoch change): values at steps
+    3, 6, 9 (Lightning's 0-based steps 2, 5, 8), each over 3 steps of 4 x 16 scored tokens; a fake clock that
+    advances 2 s per reading gives 2 s per window; 6 syncs in all."""
+    cb = ThroughputMemory()
+    ticks = itertools.count(0, 2.0)
+    cb.clock = lambda: next(ticks)
+    syncs = []
+    cb._sync = lambda pl_module: syncs.append(1)
+    rec = _fit(tmp_path, cb, max_steps=9, log_every=3)
+    got = [(step, m["perf/tokens_per_s"], m["perf/steps_per_s"]) for step, m in rec.calls if "perf/tokens_per_s" in m]
+    assert got == [(2, 3 * 64 / 2, 1.5), (5, 3 * 64 / 2, 1.5), (8, 3 * 64 / 2, 1.5)]
+    assert len(syncs) == 6
+    assert all(m["perf/peak_mem_gb"] > 0 for _, m in rec.calls if "perf/peak_mem_gb" in m)
+
+
+def test_a_window_cut_by_validation_is_dropped(tmp_path):
+    """Validation after every 4th batch: the window opened at batch 3 (0-based) is cut by the validation after
+    it, so the next opens at batch 4 and closes at the logging step 5 over 2 steps; likewise the one opened at 6
+    is cut after batch 7 and batch 8 logs alone. A fake clock advancing 1 s per reading: 1 s per window."""
+    cb = ThroughputMemory()
+    ticks = itertools.count(0, 1.0)
+    cb.clock = lambda: next(ticks)
+    rec = _fit(tmp_path, cb, max_steps=9, log_every=3, val_every=4)
+    got = [(step, m["perf/steps_per_s"]) for step, m in rec.calls if "perf/steps_per_s" in m]
+    assert got == [(2, 3.0), (5, 2.0), (8, 1.0)]
+
+
+def test_bad_window_is_refused():
+    with pytest.raises(ValueError, match=r"ThroughputMemory\(log_every_n_steps=0\)"):
+        ThroughputMemory(0)
+
+
+@pytest.mark.parametrize("bar", [False, True])
+def test_train_loss_is_a_progress_bar_metric_only_with_a_progress_bar(tmp_path, bar):
+    rec = _fit(tmp_path, ThroughputMemory(), max_steps=3, log_every=1, bar=bar)
+    assert ("train/loss" in rec.trainer.progress_bar_metrics) is bar
+    losses = [m["train/loss"] for _, m in rec.calls if "train/loss" in m]
+    assert len(losses) == 3 and all(0 < v < 10 for v in losses)
+
+
+def test_vit_label_check_reads_host_tensors_only():
+    """Host labels are checked on every batch; a device batch's labels only the first time (a counted stand-in
+    for a device tensor: its min/max reads are what would sync)."""
+    from mixlab.heads.vit import ImageClassifier, vit_backbone
+
+    model = ImageClassifier(10, 16, 4, position="nope", backbone=vit_backbone("nope", d_model=32, n_layers=1,
+                                                                               n_heads=2, drop_path=0.0))
+    with pytest.raises(ValueError, match=r"label out of range \[0, 10\): got \[0, 10\]"):
+        model._check_labels(torch.tensor([0, 10]))
+    model._check_labels(torch.tensor([0, 9]))  # host: checked again, passes
+
+    class _Dev:
+        device = torch.device("meta")
+        reads = 0
+
+        def numel(self):
+            return 2
+
+        def min(self):
+            _Dev.reads += 1
+            return torch.tensor(0)
+
+        max = min
+
+    model._labels_checked = False
+    for _ in range(3):
+        model._check_labels(_Dev())
+    assert _Dev.reads == 2  # min and max of the first batch only
