@@ -1,10 +1,11 @@
 """What a training step makes the host wait for: ThroughputMemory's rates over windows of steps (two device
-syncs per window, not two per step), ``train/loss`` on the progress bar only when one is shown (Lightning reads
-progress-bar metrics after every step), the ViT's label check on host tensors."""
+syncs per window, not two per step), ``train/loss`` never a progress-bar metric (Lightning reads those after every
+step; LossProgressBar shows it without a wait), the ViT's label check on host tensors."""
 
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -32,7 +33,7 @@ class _Record(Logger):
 
 
 def _fit(tmp_path, cb: ThroughputMemory, max_steps: int, log_every: int, val_every: int | None = None,
-         bar: bool = False) -> _Record:
+         bar: bool = False, extra: list | None = None) -> _Record:
     g = torch.Generator().manual_seed(0)
     fasta = tmp_path / "t.fa"
     fasta.write_text(">t\n" + "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (1200,), generator=g)) + "\n")
@@ -42,7 +43,7 @@ def _fit(tmp_path, cb: ThroughputMemory, max_steps: int, log_every: int, val_eve
     rec = _Record()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=rec, enable_progress_bar=bar,
                          enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                         log_every_n_steps=log_every, callbacks=[cb],
+                         log_every_n_steps=log_every, callbacks=[cb, *(extra or [])],
                          **({"limit_val_batches": 0} if val_every is None else
                             {"val_check_interval": val_every, "check_val_every_n_epoch": None,
                              "limit_val_batches": 1}))
@@ -85,11 +86,44 @@ def test_bad_window_is_refused():
 
 
 @pytest.mark.parametrize("bar", [False, True])
-def test_train_loss_is_a_progress_bar_metric_only_with_a_progress_bar(tmp_path, bar):
+def test_train_loss_is_never_a_progress_bar_metric(tmp_path, bar):
+    """Lightning would read it after every step; the logger still gets every step's value."""
     rec = _fit(tmp_path, ThroughputMemory(), max_steps=3, log_every=1, bar=bar)
-    assert ("train/loss" in rec.trainer.progress_bar_metrics) is bar
+    assert "train/loss" not in rec.trainer.progress_bar_metrics
     losses = [m["train/loss"] for _, m in rec.calls if "train/loss" in m]
     assert len(losses) == 3 and all(0 < v < 10 for v in losses)
+
+
+def test_loss_progress_bar_shows_the_logged_loss(tmp_path):
+    from mixlab.callbacks import LossProgressBar
+
+    shown = []
+
+    class _Bar(LossProgressBar):
+        def get_metrics(self, trainer, pl_module):
+            items = super().get_metrics(trainer, pl_module)
+            shown.append((items.get("train/loss"), float(trainer.callback_metrics["train/loss"])))
+            return items
+
+    cb = ThroughputMemory()
+    rec = _fit(tmp_path, cb, max_steps=3, log_every=1, bar=True, extra=[_Bar()])
+    assert rec.trainer.progress_bar_callback.__class__ is _Bar
+    assert shown and all(s == f"{v:.3g}" for s, v in shown)  # on the CPU: the newest value
+
+
+def test_cli_adds_the_loss_bar_only_with_a_progress_bar(tmp_path):
+    from mixlab.callbacks import LossProgressBar
+    from mixlab.cli import MixlabCLI
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
+            "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "0",
+            "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
+            "--data.init_args.num_workers", "0", "--data.init_args.n_train", "64", "--data.init_args.batch_size", "8"]
+    for on in ("true", "false"):
+        cli = MixlabCLI(args=[*argv, "--trainer.enable_progress_bar", on], run=False)
+        bars = [c for c in cli.trainer.callbacks if isinstance(c, pl.callbacks.ProgressBar)]
+        assert [type(b) for b in bars] == ([LossProgressBar] if on == "true" else [])
 
 
 def test_vit_label_check_reads_host_tensors_only():

@@ -8,9 +8,9 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 
-__all__ = ["ThroughputMemory", "MixerMetrics", "LastCheckpoint", "BestCheckpoint"]
+__all__ = ["ThroughputMemory", "MixerMetrics", "LastCheckpoint", "BestCheckpoint", "LossProgressBar"]
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -163,3 +163,45 @@ class BestCheckpoint(ModelCheckpoint):
             names = ", ".join(sorted(k for k in logged if k.startswith("val/")))
             raise ValueError(f"checkpoint.monitor {self.monitor!r} is not logged by validation; it logs {names}")
         super().on_validation_end(trainer, pl_module)
+
+
+class LossProgressBar(TQDMProgressBar):
+    """Lightning's TQDM bar with ``train/loss`` shown without making the host wait for the device.
+
+    A metric logged with ``prog_bar=True`` is read to a Python number after every training step (Lightning's
+    logger connector), a device sync per step that stops the host from queueing the next step while the device
+    runs this one. So the heads log ``train/loss`` without ``prog_bar`` and this bar shows it: at each refresh
+    it starts a non-blocking copy of the newest ``train/loss`` (``trainer.callback_metrics``) into pinned host
+    memory and shows the newest copy that has completed (a CUDA event query, never a wait): the number shown
+    is at most a refresh or two old. On the CPU the value is read directly. ``mixlab``'s CLI adds this bar
+    when the progress bar is on and no other progress bar is configured."""
+
+    def __init__(self, refresh_rate: int = 1, leave: bool = False) -> None:
+        super().__init__(refresh_rate=refresh_rate, leave=leave)
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._shown: float | None = None
+
+    def _loss(self, trainer: pl.Trainer) -> float | None:
+        loss = trainer.callback_metrics.get("train/loss")
+        if torch.is_tensor(loss) and loss.device.type == "cuda":
+            while self._pending and self._pending[0][1].query():
+                self._shown = float(self._pending.pop(0)[0])  # a completed copy: host memory
+            if len(self._pending) < 4:
+                buf = torch.empty((), dtype=torch.float32, pin_memory=True)
+                buf.copy_(loss.detach().float(), non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._pending.append((buf, event))
+        elif torch.is_tensor(loss):
+            self._shown = float(loss)
+        elif loss is not None:
+            self._shown = float(loss)
+        return self._shown
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        if trainer.training:
+            loss = self._loss(trainer)
+            if loss is not None:
+                items["train/loss"] = f"{loss:.3g}"
+        return items

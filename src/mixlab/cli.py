@@ -68,7 +68,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from mixlab import overrides
-from mixlab.callbacks import BestCheckpoint, LastCheckpoint, MixerMetrics, ThroughputMemory
+from mixlab.callbacks import BestCheckpoint, LastCheckpoint, LossProgressBar, MixerMetrics, ThroughputMemory
 from mixlab.registry import load_plugins
 from mixlab.tb import HParams
 
@@ -259,6 +259,11 @@ class MixlabCLI(LightningCLI):
             kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                                  version=_run_version(cfg.get("ckpt_path"), root / name))
             self._note_run_dir(Path(kwargs["logger"].log_dir))
+        given = cfg["trainer"].get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if cfg["trainer"].get("enable_progress_bar") is not False and not any(
+                isinstance(c, pl.callbacks.ProgressBar) for c in given):  # train/loss on the bar without a sync
+            kwargs["callbacks"] = [*given, LossProgressBar()]
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo

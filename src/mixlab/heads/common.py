@@ -103,14 +103,12 @@ class Head(pl.LightningModule):
 
     # ------------------------------------------------------------------ logging
     def log_train_loss(self, loss: torch.Tensor) -> None:
-        """Logs ``train/loss`` (the mean over ranks under DDP), on the progress bar only when one is shown.
-
-        Lightning reads every progress-bar metric to a Python number after every training step, shown or
-        not: a device sync per step, which keeps the host from queueing the next step while the device runs
-        this one (and, with several runs sharing one GPU, makes each waiting process hold a CPU core). Logged
-        values reach the logger every ``log_every_n_steps`` steps either way."""
-        bar = self._trainer is not None and self._trainer.progress_bar_callback is not None
-        self.log("train/loss", loss, prog_bar=bar, sync_dist=True)
+        """Logs ``train/loss`` (the mean over ranks under DDP), not as a progress-bar metric: Lightning reads
+        those to a Python number after every training step, a device sync per step, which keeps the host from
+        queueing the next step while the device runs this one (and, with several runs sharing one GPU, makes
+        each waiting process hold a CPU core). The CLI's bar (:class:`mixlab.callbacks.LossProgressBar`) shows
+        it without a wait; the logger gets it every ``log_every_n_steps`` steps."""
+        self.log("train/loss", loss, sync_dist=True)
 
     # ------------------------------------------------------------------ the datamodule
     @property
