@@ -154,3 +154,21 @@ def test_vit_label_check_reads_host_tensors_only():
     for _ in range(3):
         model._check_labels(_Dev())
     assert _Dev.reads == 2  # min and max of the first batch only
+
+
+def test_goat_constant_frequencies_are_copied_to_the_device_once():
+    """The fixed frequency grids reach an accelerator once, not in every forward (``meta`` stands in for it: the
+    same tensor object comes back); on the CPU the host grid itself, with the reference values."""
+    from mixlab.ops import goat as G
+
+    a, b = G.geometric_frequencies(6, 10000.0, "meta"), G.geometric_frequencies(6, 10000.0, "meta")
+    assert a is b and a.device.type == "meta" and a.dtype == torch.float64 and a.shape == (6,)
+    want = 10000.0 ** (-torch.arange(6, dtype=torch.float64) / 5)
+    assert torch.equal(G.geometric_frequencies(6, 10000.0), want)
+
+    from mixlab.mixers.positions import GoatPrior
+
+    pos = GoatPrior(n_heads=2, head_dim=16, n_modes=2)
+    assert pos.log_freqs is None and pos.freqs() is pos._freqs_fixed
+    pos.to("meta")
+    assert pos.freqs() is pos.freqs() and pos.freqs().device.type == "meta"

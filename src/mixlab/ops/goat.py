@@ -57,11 +57,25 @@ KEY_LINEAR_BLOCK = 128
 """``c`` in ``j = c * j_hi + j_lo``; keeps ``lambda * j_lo`` strictly monotone in bf16."""
 
 
-def geometric_frequencies(n: int, base: float) -> Tensor:
+_ON_DEVICE: dict[tuple, Tensor] = {}
+
+
+def geometric_frequencies(n: int, base: float, device: torch.device | str | None = None) -> Tensor:
     """``[n]`` float64 angular frequencies ``w_r = base^(-r/(n-1))`` (radians per unit).
 
-    ``n = 1`` gives ``[1.0]``. Same grid as the reference implementation.
+    ``n = 1`` gives ``[1.0]``. Same grid as the reference implementation. Computed on the host; with an
+    accelerator ``device`` the copy there is made once per process and shared (a copy from pageable host memory
+    makes the host wait for the device, which inside every forward would stall the step pipeline); callers must
+    not write to it.
     """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cpu":
+        if torch.compiler.is_compiling():
+            return geometric_frequencies(n, base).to(device)
+        key = (n, float(base), device)
+        if key not in _ON_DEVICE:
+            _ON_DEVICE[key] = geometric_frequencies(n, base).to(device)
+        return _ON_DEVICE[key]
     if n <= 0:
         return torch.zeros(0, dtype=torch.float64)
     if n == 1:
@@ -181,7 +195,7 @@ def abs_features(pos: Tensor, mask: Tensor | None, n_freqs: int, scale: float, d
     """
     c = pos.to(torch.float64)
     present = torch.ones_like(c) if mask is None else mask.to(torch.float64)
-    v = geometric_frequencies(n_freqs, 10000.0).to(c.device)
+    v = geometric_frequencies(n_freqs, 10000.0, c.device)
     ang = c.unsqueeze(-1) * v  # [B, T, A, M]
     feats = torch.cat([torch.sin(ang), torch.cos(ang), (c / scale).unsqueeze(-1), present.unsqueeze(-1)], dim=-1)
     feats = feats * present.unsqueeze(-1)
