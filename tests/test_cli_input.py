@@ -93,9 +93,15 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
                    f"column 1)"]
     err = _main(capsys, monkeypatch, "fit", "--config", str(tmp_path / "missing.yaml"))
     assert err == [f"error: --config: File does not exist: '{tmp_path / 'missing.yaml'}'"]
+    from mixlab.cli import COMMANDS
+
+    every = ", ".join(["fit", "validate", "test", "predict", *sorted(COMMANDS)])
     err = _main(capsys, monkeypatch, "fitt", "--config", str(GENOME))
-    assert err == ["error: argument subcommand: invalid choice: 'fitt' (choose from 'fit', 'validate', 'test', "
-                   "'predict'); did you mean fit?"]
+    assert err == [f"error: unknown command 'fitt'; did you mean fit? (commands: {every})"]
+    err = _main(capsys, monkeypatch, "reproducee", "mesa")  # an extra command: named too (user test)
+    assert err == [f"error: unknown command 'reproducee'; did you mean reproduce? (commands: {every})"]
+    err = _main(capsys, monkeypatch, "xyz")
+    assert err == [f"error: unknown command 'xyz' (commands: {every})"]
 
 
 def test_typo_through_python_dash_m_names_the_command(tmp_path):

@@ -730,10 +730,16 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     return rows
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Bad input is one line on stderr (``<prog>: error: ...``, exit status 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab reproduce SUITE [--quick] [--out DIR] [--only NAME ...] [--scale F] [--workers N]``."""
-    p = argparse.ArgumentParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0],
-                                allow_abbrev=False)
+    p = _OneLineParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--out", default="runs/reproduce", help="output folder")
     p.add_argument("--quick", action="store_true", help="a few steps per run on CPU (checks the pipeline)")
