@@ -44,7 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mixlab.eval.compare import load_scalars
-from mixlab.eval.runner import Launcher
+from mixlab.eval.runner import Launcher, MpsDaemon
 
 ROOT = Path(__file__).resolve().parent.parent
 HYBRID = "kda*3,mla"
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dims", nargs="+", type=int, default=[16, 64, 128], help="LM head dims (4 heads)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--workers", type=int, default=12, help="cases run side by side (one GPU serves many small runs)")
-    ap.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+    ap.add_argument("--mps", choices=MpsDaemon.MODES, default="auto",
                     help="CUDA MPS for the cases side by side (mixlab.eval.runner.MpsDaemon)")
     ap.add_argument("--timeout", type=int, default=420, help="seconds per command")
     ap.add_argument("--fla-autotune", default="2", help="MIXLAB_FLA_AUTOTUNE for the runs")

@@ -192,9 +192,7 @@ class LossProgressBar(TQDMProgressBar):
                 event = torch.cuda.Event()
                 event.record()
                 self._pending.append((buf, event))
-        elif torch.is_tensor(loss):
-            self._shown = float(loss)
-        elif loss is not None:
+        elif loss is not None:  # a host tensor or number
             self._shown = float(loss)
         return self._shown
 

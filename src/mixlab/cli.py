@@ -852,7 +852,7 @@ def main(argv: list[str] | None = None) -> None:
         if words and words[0] in COMMANDS:
             _resolve(COMMANDS[words[0]])(words[1:])
             return
-        lightning = ("fit", "validate", "test", "predict")
+        lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
         if words and not words[0].startswith("-") and words[0] not in lightning:
             close = difflib.get_close_matches(words[0], [*lightning, *COMMANDS], n=1)
             print(f"error: unknown command {words[0]!r}" + (f"; did you mean {close[0]}?" if close else "")

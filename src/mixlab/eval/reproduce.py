@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mixlab.cli import _latest_checkpoint
+from mixlab.eval.runner import Launcher, MpsDaemon
 
 __all__ = ["RunSpec", "Experiment", "SUITES", "select", "run_suites", "main"]
 
@@ -684,7 +685,6 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     """
     from concurrent.futures import as_completed
 
-    from mixlab.eval.runner import Launcher
 
     chosen = select(suites, only, runs, quick)
     if not Path("configs/reproduce").is_dir():
@@ -754,7 +754,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="continue every run that has a last.ckpt under --out (a schedule split over several "
                         "sessions); the others start")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per command")
-    p.add_argument("--mps", choices=["auto", "on", "off"], default="auto",
+    p.add_argument("--mps", choices=MpsDaemon.MODES, default="auto",
                    help="CUDA MPS for the runs side by side: auto (default) starts a private MPS daemon where "
                         "nvidia-cuda-mps-control exists and --workers > 1 (H200, 24 MAD runs: 1.70x the training "
                         "steps/s); off: the GPU time-slices between the runs' processes, and a GPU fault in one run "

@@ -83,14 +83,15 @@ class MpsDaemon:
     """
 
     BINARY = "nvidia-cuda-mps-control"
+    MODES = ("auto", "on", "off")
 
     def __init__(self, mode: str = "auto") -> None:
-        if mode not in ("auto", "on", "off"):
+        if mode not in self.MODES:
             raise ValueError(f"mps must be 'auto', 'on' or 'off'; got {mode!r}")
         #: environment the clients need (empty when no daemon runs)
         self.env: dict[str, str] = {}
         self._dir: str | None = None
-        binary = shutil.which(self.BINARY)
+        self._binary = binary = shutil.which(self.BINARY)
         if mode == "off" or (mode == "auto" and (binary is None or "CUDA_MPS_PIPE_DIRECTORY" in os.environ)):
             return
         if binary is None:
@@ -126,10 +127,9 @@ class MpsDaemon:
         its folders. Idempotent."""
         if not self.env:
             return
-        binary = shutil.which(self.BINARY) or self.BINARY
         try:
-            subprocess.run([binary], input="quit\n", env={**os.environ, **self.env}, capture_output=True, text=True,
-                           timeout=60)
+            subprocess.run([self._binary], input="quit\n", env={**os.environ, **self.env}, capture_output=True,
+                           text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             pass
         if self._dir is not None:

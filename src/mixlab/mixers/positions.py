@@ -237,7 +237,7 @@ class GoatPrior(PositionScheme):
         else:
             # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
             self._freqs_fixed = freqs
-            self._freqs_on: Tensor | None = None  # its copy on the accelerator (freqs())
+            self._freqs_key = ("goat_freqs", tuple(modes_per_axis), float(freq_base))  # its name for G.on_device
             self.log_freqs = None
         # Every learned term lives in ONE flat float32 vector ``prior`` in the Triton kernels'
         # layout (mixlab.ops.goat.param_layout); ``alpha``, ``slope``, ``mlp_w1``,
@@ -308,16 +308,7 @@ class GoatPrior(PositionScheme):
         """``[R]`` float64 angular frequencies (radians per coordinate unit)."""
         if self.log_freqs is not None:
             return self.log_freqs.double().exp()
-        dev = self.prior.device
-        if dev.type == "cpu":
-            return self._freqs_fixed
-        # copied once, not in every forward (a copy from pageable host memory waits for the device)
-        if self._freqs_on is None or self._freqs_on.device != dev or torch.compiler.is_compiling():
-            on = self._freqs_fixed.to(dev)
-            if torch.compiler.is_compiling():
-                return on
-            self._freqs_on = on
-        return self._freqs_on
+        return G.on_device(self._freqs_key, lambda: self._freqs_fixed, self.prior.device)
 
     def _coords(self, coords: Coords) -> Coords:
         c = coords.with_axes(self.axes)

@@ -30,6 +30,7 @@ The paper's own layout uses the second spare lane as zero padding ("alignment la
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -60,22 +61,27 @@ KEY_LINEAR_BLOCK = 128
 _ON_DEVICE: dict[tuple, Tensor] = {}
 
 
+def on_device(key: tuple, host: Callable[[], Tensor], device: torch.device | str) -> Tensor:
+    """The host tensor ``host()`` (a constant named by ``key``) on ``device``: on an accelerator copied once per
+    process and shared, since a copy from pageable host memory makes the host wait for the device, which inside
+    every forward would stall the step pipeline (under ``torch.compile``: copied in the graph). Callers must
+    not write to it."""
+    device = torch.device(device)
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return host().to(device)
+    if (key, device) not in _ON_DEVICE:
+        _ON_DEVICE[key, device] = host().to(device)
+    return _ON_DEVICE[key, device]
+
+
 def geometric_frequencies(n: int, base: float, device: torch.device | str | None = None) -> Tensor:
     """``[n]`` float64 angular frequencies ``w_r = base^(-r/(n-1))`` (radians per unit).
 
-    ``n = 1`` gives ``[1.0]``. Same grid as the reference implementation. Computed on the host; with an
-    accelerator ``device`` the copy there is made once per process and shared (a copy from pageable host memory
-    makes the host wait for the device, which inside every forward would stall the step pipeline); callers must
-    not write to it.
+    ``n = 1`` gives ``[1.0]``. Same grid as the reference implementation. Computed on the host; on an
+    accelerator ``device`` a shared copy made once (:func:`on_device`).
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cpu":
-        if torch.compiler.is_compiling():
-            return geometric_frequencies(n, base).to(device)
-        key = (n, float(base), device)
-        if key not in _ON_DEVICE:
-            _ON_DEVICE[key] = geometric_frequencies(n, base).to(device)
-        return _ON_DEVICE[key]
+    if device is not None and torch.device(device).type != "cpu":
+        return on_device(("geometric_frequencies", n, float(base)), lambda: geometric_frequencies(n, base), device)
     if n <= 0:
         return torch.zeros(0, dtype=torch.float64)
     if n == 1:
