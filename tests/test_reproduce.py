@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_suite_writes_a_well_formed_table(suite, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)
     rows = reproduce.main([suite, "--quick", "--out", str(tmp_path), "--workers", "2"])
-    exps = reproduce.SUITES[suite]()
+    exps = [e for e in reproduce.SUITES[suite]() if not e.optional]  # optional ones run with --only only
     assert {r["experiment"] for r in rows} == {e.title for e in exps}  # every experiment has its rows
     md = (tmp_path / f"REPRODUCTION_{suite}.md").read_text()
     assert md.startswith(f"# Reproduction: {suite} suite") and "Not finished" not in md
@@ -32,7 +32,13 @@ def test_quick_suite_writes_a_well_formed_table(suite, tmp_path, monkeypatch):
     dump = json.loads((tmp_path / f"reproduce_{suite}.json").read_text())
     for exp in exps:
         for spec in (s for s in exp.runs if s.in_quick):
-            assert dump[exp.name][spec.name]["fit_rc"] == 0 and dump[exp.name][spec.name]["test_rc"] == 0
+            entry = dump[exp.name][spec.name]
+            assert entry["fit_rc"] == 0 and entry["test_rc"] == 0
+            for key in ("fit_time", "test_time"):  # the launcher's seconds per command
+                assert entry[key]["wall_s"] > 0 and entry[key]["start_s"] >= 0, entry[key]
+            assert entry["test_time"]["start_s"] >= entry["fit_time"]["start_s"] + entry["fit_time"]["wall_s"] - 0.2
+    finished = re.search(r"Finished after: ([^.]+)\.", md).group(1)  # every experiment's end, in seconds
+    assert sorted(x.rsplit(" ", 2)[0] for x in finished.split(", ")) == sorted(e.name for e in exps)
 
 
 def test_unknown_suite_and_experiment_names_are_one_line_errors(tmp_path, monkeypatch, capsys):
@@ -137,12 +143,16 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
 
 
 def test_runs_filter_and_wall_time_cap():
-    chosen = reproduce.select(["mesa", "fg2"], None, ["goat_no_bos_bias", "deltanet_neg"])
+    chosen = reproduce.select(["mesa", "fg2"], None, ["swa", "deltanet_neg"])
     assert {x: [e.name for e in exps] for x, exps in chosen.items()} == {"mesa": ["mad_recall", "parity"]}
-    spec = next(s for e in chosen["mesa"] for s in e.runs if s.name == "goat_no_bos_bias")
+    spec = next(s for e in chosen["mesa"] for s in e.runs if s.name == "swa")
     argv = reproduce.fit_argv(spec, Path("runs"), quick=False, scale=0.5, max_minutes=7.5)
     assert argv[argv.index("--trainer.max_steps") + 1] == "4000"
     assert argv[argv.index("--trainer.max_time") + 1] == "00:00:07:30"
+    assert argv[argv.index("--model.init_args.backbone.mixer") + 1] == "swa"
+    spec = next(s for e in reproduce.select(["mesa"], ["mad_recall_ablation"])["mesa"] for s in e.runs
+                if s.name == "goat_no_bos_bias")
+    argv = reproduce.fit_argv(spec, Path("runs"), quick=False, scale=1.0, max_minutes=None)
     assert argv[argv.index("--model.init_args.backbone.mixer_args.goat.position_args.bos_bias") + 1] == "false"
 
 
@@ -170,3 +180,16 @@ def test_a_tie_is_not_a_direction():
     assert [r[3] for r in reproduce._resolution_rows(tie)] == ["not reproduced", "not reproduced"]
     ahead = {"eval": {"goat": {"24": 50.0, "48": 40.0}, "ape": {"24": 50.0, "48": 30.0}}}
     assert [r[3] for r in reproduce._resolution_rows(ahead)] == ["reproduced", "same direction"]
+
+
+def test_optional_experiments_run_only_when_named():
+    names = [e.name for e in reproduce.select(["mesa"], None)["mesa"]]
+    assert "mad_recall_ablation" not in names and "mad_recall" in names and "parity" in names
+    chosen = reproduce.select(["mesa"], ["mad_recall_ablation", "cg_iters"])["mesa"]
+    assert [e.name for e in chosen] == ["mad_recall_ablation", "cg_iters"] and chosen[0].optional
+    assert [s.name for s in chosen[0].runs] == ["goat", "goat_key_linear", "goat_no_bos_bias"]
+    res = {"goat": {"test": {"test/acc": 0.9998}}, "goat_key_linear": {"test": {"test/acc": 0.896}}}
+    (row,) = chosen[0].rows(res)
+    assert row[2] == "goat 1.000, goat_key_linear 0.896, goat_no_bos_bias n/a"
+    assert row[3] == reproduce.ABLATION_VERDICT
+

@@ -111,3 +111,37 @@ def test_slots_go_to_the_highest_priority_then_the_earliest_waiter():
     for t in threads:
         t.join(10)
     assert got == ["b", "d", "c", "a"]
+
+
+def test_cpu_seconds_counts_this_process_and_waited_children():
+    import subprocess
+    import sys
+    import time
+
+    from mixlab.eval.runner import cpu_seconds
+
+    c0 = cpu_seconds()
+    t = time.process_time()
+    while time.process_time() - t < 0.2:  # busy: 0.2 s of CPU here
+        pass
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.3: pass"], check=True)  # 0.3 s in a waited child
+    assert cpu_seconds() - c0 >= 0.45
+
+
+def test_launcher_records_start_wall_and_cpu_seconds_per_command(tmp_path):
+    import sys
+
+    launch = Launcher(1, {"OMP_NUM_THREADS": "1"}, timeout=120, cwd=ROOT, mps="off")
+    try:
+        log = tmp_path / "bad.log"
+        rc, text = launch(["reproduce", "nosuch"], log)
+    finally:
+        launch.close()
+    assert rc == 2 and "invalid choice: 'nosuch'" in text
+    t = launch.timing[str(log)]
+    assert set(t) == {"start_s", "wall_s", "cpu_s"} and t["start_s"] >= 0 and t["wall_s"] > 0
+    if sys.version_info >= (3, 11):  # the forked path measures the command's CPU
+        assert 0 < t["cpu_s"] < 60
+    else:
+        assert t["cpu_s"] is None

@@ -18,19 +18,29 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-__all__ = ["Launcher", "MpsDaemon", "run_cli"]
+__all__ = ["Launcher", "MpsDaemon", "run_cli", "cpu_seconds"]
 
 _PRELOAD = ["torch", "lightning.pytorch", "mixlab.cli", "mixlab.heads", "mixlab.mixers", "mixlab.datamodules"]
 
 
-def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str) -> int:
+def cpu_seconds() -> float:
+    """CPU seconds (user + system) of this process and of its waited-for children (DataLoader workers)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str) -> tuple[int, float]:
     """``python -m mixlab <argv>`` in this process with stdout and stderr sent to ``log``.
 
-    Returns the exit status: 0, the ``SystemExit`` code (2 for a one-line bad-input error), or 1
-    for any other exception (its traceback goes to the log).
+    Returns (exit status, CPU seconds): the status is 0, the ``SystemExit`` code (2 for a one-line
+    bad-input error), or 1 for any other exception (its traceback goes to the log); the CPU seconds are
+    :func:`cpu_seconds` at the end (this process is a fresh fork: its count starts near zero).
     """
     import traceback
 
@@ -48,15 +58,16 @@ def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str) -> int:
 
     try:
         main(argv)
-        return 0
+        rc = 0
     except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 1
+        rc = e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001 - a crash is a result here
         traceback.print_exc()
-        return 1
+        rc = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+    return rc, cpu_seconds()
 
 
 class MpsDaemon:
@@ -182,6 +193,10 @@ class Launcher:
         self.mps = MpsDaemon("off" if mps == "auto" and workers < 2 else mps)
         self.env, self.timeout, self.cwd, self.pool = {**env, **self.mps.env}, timeout, str(Path(cwd).resolve()), None
         self.slots = _Slots(workers)
+        #: per log file: ``start_s`` (seconds after this launcher was made), ``wall_s`` and ``cpu_s`` (the
+        #: command's CPU seconds with its DataLoader workers; None on the subprocess path before Python 3.11)
+        self.timing: dict[str, dict[str, float | None]] = {}
+        self._t0 = time.perf_counter()
         if sys.version_info >= (3, 11):
             ctx = mp.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
@@ -195,15 +210,21 @@ class Launcher:
         log = Path(log)
         log.parent.mkdir(parents=True, exist_ok=True)
         self.slots.acquire(priority)
+        start = time.perf_counter()
         try:
-            return self._run(argv, log)
+            rc, cpu = self._run(argv, log)
         finally:
             self.slots.release()
+        self.timing[str(log)] = {"start_s": round(start - self._t0, 1),
+                                 "wall_s": round(time.perf_counter() - start, 1),
+                                 "cpu_s": None if cpu is None else round(cpu, 1)}
+        return rc, log.read_text(errors="replace") if log.exists() else ""
 
-    def _run(self, argv: list[str], log: Path) -> tuple[int, str]:
+    def _run(self, argv: list[str], log: Path) -> tuple[int, float | None]:
+        cpu = None
         if self.pool is not None:
             try:
-                rc = self.pool.submit(run_cli, argv, str(log), self.env, self.cwd).result(timeout=self.timeout)
+                rc, cpu = self.pool.submit(run_cli, argv, str(log), self.env, self.cwd).result(timeout=self.timeout)
             except FutureTimeout:
                 rc = 124
             except Exception as e:  # noqa: BLE001 - e.g. the child died (BrokenProcessPool)
@@ -217,7 +238,7 @@ class Launcher:
                                         stderr=subprocess.STDOUT, timeout=self.timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
-        return rc, log.read_text(errors="replace") if log.exists() else ""
+        return rc, cpu
 
     def close(self) -> None:
         """Shuts the process pool down, then stops the MPS daemon if this launcher started one."""
