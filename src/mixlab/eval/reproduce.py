@@ -322,8 +322,8 @@ def _longest_bucket(res: dict, run: str) -> tuple[str, float | None]:
 #: 0 / 1 / 2, 5 of 21 runs over eight configurations reached 0.95; Mesa with negative gates: validation 0.99 / 0.93 /
 #: 0.99 at step 1,000 for seeds 0 / 1 / 2, then drifting), so each row reports the seed chosen on validation and
 #: the median over all seeds.
-#: Two seeds without negative eigenvalues (three in the tenth session: 0.548 / 0.512 / 0.496), so that the suite fits one
-#: ten-minute call.
+#: Two seeds without negative eigenvalues (three in the tenth session: 0.548 / 0.512 / 0.496), so that the suite
+#: fits one ten-minute call.
 PARITY_SEEDS = {"deltanet_neg": (0, 1, 2, 3, 4), "deltanet": (0, 1), "mesa_neg": (0, 1, 2), "mesa": (0,)}
 
 
