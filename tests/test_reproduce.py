@@ -193,3 +193,47 @@ def test_optional_experiments_run_only_when_named():
     assert row[2] == "goat 1.000, goat_key_linear 0.896, goat_no_bos_bias n/a"
     assert row[3] == reproduce.ABLATION_VERDICT
 
+
+
+def test_an_unknown_only_name_next_to_a_known_one_is_an_error():
+    with pytest.raises(ValueError, match="--only nosuch matches no experiment of mesa; they have cg_iters"):
+        reproduce.select(["mesa"], ["parity", "nosuch"])
+
+
+def test_a_second_call_into_the_same_out_keeps_the_first_calls_experiments(tmp_path, monkeypatch):
+    """``--only a`` then ``--only b`` into one ``--out``: the table and JSON hold both (same mode); a result of
+    another mode (``--quick`` vs full) is not mixed in; an unreadable result file is an error, not overwritten."""
+    monkeypatch.chdir(ROOT)
+
+    def fake(exp, out, launch, quick, scale, *args, **kwargs):
+        return {"mode": reproduce._mode(quick, scale),
+                **{s.name: {"command": f"python -m mixlab fit {s.name}", "fit_rc": 0, "test_rc": 0,
+                            "test": {"test/acc": 0.5}, "val": {"cg_iters/mean": 7.0}} for s in exp.runs}}
+
+    monkeypatch.setattr(reproduce, "run_experiment", fake)
+    reproduce.run_suites(["mesa"], tmp_path, only=["cg_iters"], workers=1)
+    reproduce.run_suites(["mesa"], tmp_path, only=["regbench"], workers=1)
+    dump = json.loads((tmp_path / "reproduce_mesa.json").read_text())
+    md = (tmp_path / "REPRODUCTION_mesa.md").read_text()
+    assert list(dump) == ["regbench", "cg_iters"]  # the suite's order
+    assert "Kept from an earlier call into this folder: cg_iters." in md and "| RegBench" in md and "CG" in md
+    reproduce.run_suites(["mesa"], tmp_path, only=["parity"], workers=1, quick=True)  # another mode
+    assert list(json.loads((tmp_path / "reproduce_mesa.json").read_text())) == ["parity"]
+    (tmp_path / "reproduce_mesa.json").write_text("{not json")
+    with pytest.raises(ValueError, match="reproduce_mesa.json is not a result file of an earlier call"):
+        reproduce.run_suites(["mesa"], tmp_path, only=["parity"], workers=1)
+    assert (tmp_path / "reproduce_mesa.json").read_text() == "{not json"  # nothing lost
+
+
+def test_results_come_from_the_newest_run_version_only(tmp_path):
+    run = tmp_path / "deltanet"
+    for v in (0, 2, 10):
+        (run / f"version_{v}").mkdir(parents=True)
+    assert reproduce._newest_version(run) == run / "version_10"
+    assert reproduce._newest_version(tmp_path) == tmp_path  # no version folders
+
+
+def test_cg_row_without_validation_is_not_run():
+    exp = next(e for e in reproduce.SUITES["mesa"]() if e.name == "cg_iters")
+    (row,) = exp.rows({"mesa": {"val": {}}})
+    assert row[2] == "mean n/a, heads n/a" and row[3] == "not run"

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mixlab.cli import _latest_checkpoint
-from mixlab.eval.runner import Launcher, MpsDaemon
+from mixlab.eval.runner import TIMED_OUT, Launcher, MpsDaemon
 
 __all__ = ["RunSpec", "Experiment", "SUITES", "select", "run_suites", "main"]
 
@@ -407,7 +407,7 @@ def _cg_rows(res: dict) -> list[tuple[str, str, str, str]]:
     return [("adaptive CG iterations at eps 1e-4 (validation), mean and range over heads",
              "about 9 on average (vs 30 fixed); some heads need many more; Fig. 5",
              f"mean {_fmt(avg, 1)}, heads {spread}",
-             _verdict(avg is not None and avg < 15, avg is not None and avg < 30))]
+             "not run" if avg is None else _verdict(avg < 15, avg < 30))]  # None: no validation ran
 
 
 # ---------------------------------------------------------------------------------- the suites
@@ -545,6 +545,13 @@ def _common(spec: RunSpec, run_root: Path, quick: bool, steps: int) -> list[str]
             "--run_name", spec.name, "--trainer.enable_progress_bar", "false"]
 
 
+def _newest_version(run_dir: Path) -> Path:
+    """``run_dir/version_N`` of the highest N: this call's run (its fit, its test, or a resumed fit), not the
+    runs an earlier call left in the same ``--out``; ``run_dir`` itself when it has no version folder."""
+    versions = [p for p in run_dir.glob("version_*") if p.name.split("_")[-1].isdigit()]
+    return max(versions, key=lambda p: int(p.name.split("_")[-1])) if versions else run_dir
+
+
 def _collect(run_dir: Path) -> dict:
     from mixlab.eval.compare import load_scalars
 
@@ -564,7 +571,8 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
     evaluation command; returns results. With ``resume`` a run whose ``last.ckpt`` is already under ``out``
     continues from it (``fit --ckpt_path last``: same TensorBoard run, schedule and data position)."""
     root = out / "runs" / exp.name
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"mode": _mode(quick, scale)}
+    launch_timeout = getattr(launch, "timeout", math.inf)
 
     def one(spec: RunSpec) -> None:
         argv = fit_argv(spec, root, quick, scale, max_minutes)
@@ -588,9 +596,11 @@ def run_experiment(exp: Experiment, out: Path, launch, quick: bool, scale: float
                 entry["error"] = "\n".join(test_text.strip().splitlines()[-5:])
         else:
             entry["error"] = "\n".join(text.strip().splitlines()[-5:])
+        if rc == TIMED_OUT or entry.get("test_rc") == TIMED_OUT:
+            entry["error"] = f"timed out after {launch_timeout:g} s (--timeout); " + entry.get("error", "")
         run_dirs = sorted(root.glob(f"*/{spec.name}"))
         if run_dirs:
-            entry.update(_collect(run_dirs[0]))
+            entry.update(_collect(_newest_version(run_dirs[0])))
             try:  # the checkpoint the test read (and evaluation commands read): last.ckpt or the best one
                 entry["ckpt"] = _latest_checkpoint(run_dirs[0], spec.test_ckpt)
             except FileNotFoundError:
@@ -670,9 +680,10 @@ def select(suites: list[str], only: list[str] | None, runs: list[str] | None = N
         raise ValueError(f"reproduce: unknown suite {unknown[0]!r}; choose from {', '.join([*SUITES, 'all'])}")
     chosen = {x: [e for e in SUITES[x]() if (e.name in only if only else not e.optional)] for x in suites}
     chosen = {x: exps for x, exps in chosen.items() if exps}
-    if not chosen:
-        known = sorted(e.name for x in suites for e in SUITES[x]())
-        raise ValueError(f"reproduce: --only {' '.join(only or [])} matches no experiment of {', '.join(suites)}; "
+    known = sorted(e.name for x in suites for e in SUITES[x]())
+    unmatched = [n for n in only or [] if n not in known]
+    if unmatched:
+        raise ValueError(f"reproduce: --only {unmatched[0]} matches no experiment of {', '.join(suites)}; "
                          f"they have {', '.join(known)}")
     if runs:
         have = {s.name for exps in chosen.values() for e in exps for s in e.runs}
@@ -713,6 +724,8 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     chosen = select(suites, only, runs, quick)
     if not Path("configs/reproduce").is_dir():
         raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
+    kept = {x: _earlier_results(out / f"reproduce_{x}.json", {e.name for e in exps}, _mode(quick, scale))
+            for x, exps in chosen.items()}
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
            "MIXLAB_FLA_AUTOTUNE": os.environ.get("MIXLAB_FLA_AUTOTUNE", "2")}
@@ -726,18 +739,25 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     finished: dict[str, dict[str, float]] = {x: {} for x in chosen}  # experiment -> seconds after the start
 
     def write(suite: str) -> list[dict]:
-        rows = [r for e in chosen[suite] if e.name in done[suite] for r in _rows(e, done[suite][e.name])]
+        # this call's experiments and those an earlier call of the same mode left in `out`, in the suite's order
+        merged = {**kept[suite], **done[suite]}
+        order = [e for e in SUITES[suite]() if e.name in merged]
+        rows = [r for e in order for r in _rows(e, merged[e.name])]
         if quick:  # a few CPU steps: the verdict of such numbers would mislead (user test)
             for r in rows:
                 r["verdict"] = QUICK_VERDICT
         pending = [e.name for e in chosen[suite] if e.name not in done[suite]]
-        md = (f"# Reproduction: {suite} suite\n\nMode: {mode}; wall {time.perf_counter() - t0:.0f} s; commands "
+        wall = max(finished[suite].values()) if not pending else time.perf_counter() - t0
+        md = (f"# Reproduction: {suite} suite\n\nMode: {mode}; wall {wall:.0f} s; commands "
               f"relative to the repository root, runs in `{out / 'runs'}`."
               + (f" Not finished: {', '.join(pending)}." if pending else "")
               + (" Finished after: " + ", ".join(f"{n} {t:.0f} s" for n, t in finished[suite].items()) + "."
-                 if finished[suite] else "") + "\n\n" + table(rows))
+                 if finished[suite] else "")
+              + (f" Kept from an earlier call into this folder: {', '.join(kept[suite])}." if kept[suite] else "")
+              + "\n\n" + table(rows))
         (out / f"REPRODUCTION_{suite}.md").write_text(md)
-        (out / f"reproduce_{suite}.json").write_text(json.dumps(done[suite], indent=1, default=str))
+        (out / f"reproduce_{suite}.json").write_text(json.dumps({e.name: merged[e.name] for e in order}, indent=1,
+                                                                default=str))
         return rows
 
     jobs = [(x, e) for x, exps in chosen.items() for e in exps]
@@ -758,6 +778,29 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     return rows
 
 
+def _mode(quick: bool, scale: float) -> str:
+    """The budget a result was made with (results of different modes are never merged in one table)."""
+    return "quick" if quick else f"x{scale:g}"
+
+
+def _earlier_results(path: Path, rerun: set[str], mode: str) -> dict[str, dict]:
+    """The experiments of ``path`` (an earlier ``reproduce_<suite>.json`` in the same ``--out``) that this call does
+    not rerun and that were made in the same ``mode``: they stay in the rewritten table and JSON.
+
+    Raises:
+        ValueError: ``path`` exists but is no readable result file (it would be overwritten)."""
+    if not path.exists():
+        return {}
+    try:
+        old = json.loads(path.read_text())
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"reproduce: {path} is not a result file of an earlier call ({e}); move it away or choose "
+                         "another --out") from None
+    return {n: r for n, r in old.items() if n not in rerun and isinstance(r, dict) and r.get("mode") == mode}
+
+
 class _OneLineParser(argparse.ArgumentParser):
     """Bad input is one line on stderr (``<prog>: error: ...``, exit status 2), without the usage block."""
 
@@ -770,8 +813,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p = _OneLineParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--out", default="runs/reproduce", help="output folder")
-    p.add_argument("--quick", action="store_true", help="a few steps per run on CPU (checks the pipeline)")
-    p.add_argument("--only", nargs="+", default=None, help="experiment names to run (default: all of the suite)")
+    p.add_argument("--quick", action="store_true",
+                   help="a few steps per run on CPU, one representative run per table row (checks the pipeline)")
+    names = "; ".join(f"{x}: " + ", ".join(e.name + (" (optional)" if e.optional else "") for e in make())
+                      for x, make in SUITES.items())
+    p.add_argument("--only", nargs="+", default=None,
+                   help=f"experiment names to run (default: every experiment of the suite but the optional ones). "
+                        f"{names}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every step budget")
     p.add_argument("--workers", type=int, default=12, help="runs at a time")
     p.add_argument("--runs", nargs="+", default=None, help="run names to run (default: every run of the experiments)")

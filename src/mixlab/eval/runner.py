@@ -22,7 +22,7 @@ import time
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
-__all__ = ["Launcher", "MpsDaemon", "run_cli", "cpu_seconds"]
+__all__ = ["Launcher", "MpsDaemon", "run_cli", "cpu_seconds", "TIMED_OUT", "CommandTimeout"]
 
 _PRELOAD = ["torch", "lightning.pytorch", "mixlab.cli", "mixlab.heads", "mixlab.mixers", "mixlab.datamodules"]
 
@@ -35,13 +35,28 @@ def cpu_seconds() -> float:
                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
-def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str) -> tuple[int, float]:
+#: exit status of a command stopped by the launcher's ``timeout`` (as coreutils ``timeout``)
+TIMED_OUT = 124
+
+
+class CommandTimeout(BaseException):
+    """Raised in a command's process when its wall-time limit (the launcher's ``timeout``) is reached; a
+    ``BaseException`` (as ``KeyboardInterrupt``), so that no ``except Exception`` on the way swallows it."""
+
+
+def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str,
+            timeout: float | None = None) -> tuple[int, float]:
     """``python -m mixlab <argv>`` in this process with stdout and stderr sent to ``log``.
 
+    ``timeout`` (seconds): a ``SIGALRM`` timer stops the command (Lightning tears the run down: DataLoader
+    workers end, checkpoints already written stay), a line in the log says so, and the status is
+    :data:`TIMED_OUT`.
+
     Returns (exit status, CPU seconds): the status is 0, the ``SystemExit`` code (2 for a one-line
-    bad-input error), or 1 for any other exception (its traceback goes to the log); the CPU seconds are
-    :func:`cpu_seconds` at the end (this process is a fresh fork: its count starts near zero).
+    bad-input error), :data:`TIMED_OUT`, or 1 for any other exception (its traceback goes to the log); the CPU
+    seconds are :func:`cpu_seconds` at the end (this process is a fresh fork: its count starts near zero).
     """
+    import signal
     import traceback
 
     import torch
@@ -54,17 +69,29 @@ def run_cli(argv: list[str], log: str, env: dict[str, str], cwd: str) -> tuple[i
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     os.chdir(cwd)
+    sys.argv = ["python -m mixlab", *argv]  # as typed by a user (LightningCLI reads sys.argv: no args= warning)
     from mixlab.cli import main
 
+    def expire(signum, frame):
+        raise CommandTimeout(f"mixlab: stopped after the launcher's timeout of {timeout:g} s (--timeout)")
+
+    if timeout is not None:
+        signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
-        main(argv)
+        main()
         rc = 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
+    except CommandTimeout as e:
+        print(f"\n{e}", file=sys.stderr)
+        rc = TIMED_OUT
     except BaseException:  # noqa: BLE001 - a crash is a result here
         traceback.print_exc()
         rc = 1
     finally:
+        if timeout is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         sys.stdout.flush()
         sys.stderr.flush()
     return rc, cpu_seconds()
@@ -176,7 +203,8 @@ class Launcher:
     Args:
         workers: processes at a time.
         env: environment of every command (e.g. ``OMP_NUM_THREADS``, ``MIXLAB_FLA_AUTOTUNE``).
-        timeout: seconds per command; a command past it counts as exit status 124.
+        timeout: seconds per command; a command past it is stopped (exit status :data:`TIMED_OUT`, 124, and a
+            line in its log).
         cwd: working directory of the commands (config paths are relative to it).
         mps: CUDA MPS for the commands (:class:`MpsDaemon`: ``"auto"``, ``"on"``, ``"off"``); ``auto`` starts it
             only for more than one worker.
@@ -225,9 +253,11 @@ class Launcher:
         cpu = None
         if self.pool is not None:
             try:
-                rc, cpu = self.pool.submit(run_cli, argv, str(log), self.env, self.cwd).result(timeout=self.timeout)
+                # the command stops itself at `timeout` (run_cli); the grace covers its teardown
+                rc, cpu = self.pool.submit(run_cli, argv, str(log), self.env, self.cwd,
+                                           self.timeout).result(timeout=self.timeout + 120)
             except FutureTimeout:
-                rc = 124
+                rc = TIMED_OUT
             except Exception as e:  # noqa: BLE001 - e.g. the child died (BrokenProcessPool)
                 rc = 1
                 with open(log, "a") as f:
@@ -237,8 +267,10 @@ class Launcher:
                 with open(log, "w") as f:
                     rc = subprocess.run([sys.executable, "-m", "mixlab", *argv], cwd=self.cwd, env=self.env, stdout=f,
                                         stderr=subprocess.STDOUT, timeout=self.timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
+            except subprocess.TimeoutExpired:  # the child is killed
+                rc = TIMED_OUT
+                with open(log, "a") as f:
+                    f.write(f"\nmixlab: stopped after the launcher's timeout of {self.timeout:g} s (--timeout)\n")
         return rc, cpu
 
     def close(self) -> None:
