@@ -139,7 +139,8 @@ def test_failed_runs_mark_their_own_rows_and_the_exit_status(tmp_path, monkeypat
     monkeypatch.setattr(reproduce, "run_suites", fake_run_suites)
     with pytest.raises(SystemExit) as info:
         reproduce.main(["mesa", "--out", str(tmp_path)])
-    assert info.value.code == 1 and "1 run(s) failed (parity/mesa_neg)" in capsys.readouterr().err
+    assert info.value.code == 1 and "1 run(s) failed or were stopped by --timeout (3600 s) (parity/mesa_neg)" in \
+        capsys.readouterr().err
 
 
 def test_runs_filter_and_wall_time_cap():
@@ -200,7 +201,7 @@ def test_an_unknown_only_name_next_to_a_known_one_is_an_error():
         reproduce.select(["mesa"], ["parity", "nosuch"])
 
 
-def test_a_second_call_into_the_same_out_keeps_the_first_calls_experiments(tmp_path, monkeypatch):
+def test_a_second_call_into_the_same_out_keeps_the_first_calls_experiments(tmp_path, monkeypatch, capsys):
     """``--only a`` then ``--only b`` into one ``--out``: the table and JSON hold both (same mode); a result of
     another mode (``--quick`` vs full) is not mixed in; an unreadable result file is an error, not overwritten."""
     monkeypatch.chdir(ROOT)
@@ -219,6 +220,8 @@ def test_a_second_call_into_the_same_out_keeps_the_first_calls_experiments(tmp_p
     assert "Kept from an earlier call into this folder: cg_iters." in md and "| RegBench" in md and "CG" in md
     reproduce.run_suites(["mesa"], tmp_path, only=["parity"], workers=1, quick=True)  # another mode
     assert list(json.loads((tmp_path / "reproduce_mesa.json").read_text())) == ["parity"]
+    assert "not kept in the new table (another mode than 'quick', or none recorded): regbench, cg_iters" in \
+        capsys.readouterr().out
     (tmp_path / "reproduce_mesa.json").write_text("{not json")
     with pytest.raises(ValueError, match="reproduce_mesa.json is not a result file of an earlier call"):
         reproduce.run_suites(["mesa"], tmp_path, only=["parity"], workers=1)
@@ -237,3 +240,14 @@ def test_cg_row_without_validation_is_not_run():
     exp = next(e for e in reproduce.SUITES["mesa"]() if e.name == "cg_iters")
     (row,) = exp.rows({"mesa": {"val": {}}})
     assert row[2] == "mean n/a, heads n/a" and row[3] == "not run"
+
+
+def test_rows_name_runs_stopped_by_the_timeout_apart_from_failures():
+    exp = next(e for e in reproduce.SUITES["mesa"]() if e.name == "parity")
+    res = {"deltanet_neg": {"command": "c", "fit_rc": 124}, "deltanet": {"command": "c", "fit_rc": 1},
+           "mesa_neg": {"command": "c", "fit_rc": 124}, "mesa": {"command": "c", "fit_rc": 0, "test_rc": 0}}
+    rows = reproduce._rows(exp, res)
+    assert "With: none tested" in rows[0]["mixlab"]
+    assert "(runs stopped by --timeout: deltanet_neg; see logs/) (runs that failed: deltanet; see logs/)" in \
+        rows[0]["mixlab"]
+    assert rows[1]["mixlab"].endswith("(runs stopped by --timeout: mesa_neg; see logs/)")

@@ -140,7 +140,7 @@ def test_launcher_records_start_wall_and_cpu_seconds_per_command(tmp_path):
         launch.close()
     assert rc == 2 and "invalid choice: 'nosuch'" in text
     t = launch.timing[str(log)]
-    assert set(t) == {"start_s", "wall_s", "cpu_s"} and t["start_s"] >= 0 and t["wall_s"] > 0
+    assert set(t) == {"start_s", "wall_s", "cpu_s"} and t["start_s"] >= 0 and t["wall_s"] >= 0  # 0.1 s steps
     if sys.version_info >= (3, 11):  # the forked path measures the command's CPU (imports are preloaded: ~0 here)
         assert isinstance(t["cpu_s"], float) and 0 <= t["cpu_s"] < 60
     else:

@@ -360,6 +360,8 @@ def _parity_row(res: dict, model: str, label: str, paper: str) -> tuple:
         return out
 
     def each(found: dict) -> str:
+        if not found:
+            return "none tested"
         return "; ".join(f"seed {k}: {_fmt(a)} ({_fmt(lg)}, {at(r)}" + (f", val {_fmt(v)})" if v is not None else ")")
                          for k, (r, a, lg, v) in found.items())
 
@@ -651,8 +653,11 @@ def _rows(exp: Experiment, res: dict) -> list[dict]:
         if control is not None:  # eigenvalues: another config, so its command cannot be guessed from the first
             shown.append(res[control.name]["command"])
         bad = [s.name for s in mine if s.name in failed]
-        if bad:
-            value += f" (runs that failed: {', '.join(bad)}; see logs/)"
+        late = [n for n in bad if TIMED_OUT in (res[n].get("fit_rc"), res[n].get("test_rc"))]
+        if late:
+            value += f" (runs stopped by --timeout: {', '.join(late)}; see logs/)"
+        if len(late) < len(bad):
+            value += f" (runs that failed: {', '.join(n for n in bad if n not in late)}; see logs/)"
         rows.append({"experiment": exp.title, "measure": measure, "paper": paper, "mixlab": value, "verdict": verdict,
                      "commands": shown + ([f"... ({len(mine)} runs)"] if len(mine) > 1 else []),
                      "failed": [f"{exp.name}/{n}" for n in bad]})
@@ -798,6 +803,10 @@ def _earlier_results(path: Path, rerun: set[str], mode: str) -> dict[str, dict]:
     except (ValueError, OSError) as e:
         raise ValueError(f"reproduce: {path} is not a result file of an earlier call ({e}); move it away or choose "
                          "another --out") from None
+    other = [n for n, r in old.items() if n not in rerun and not (isinstance(r, dict) and r.get("mode") == mode)]
+    if other:  # said, so that a result leaving the table is no surprise (user test)
+        print(f"[reproduce] {path}: not kept in the new table (another mode than {mode!r}, or none recorded): "
+              f"{', '.join(other)}", flush=True)
     return {n: r for n, r in old.items() if n not in rerun and isinstance(r, dict) and r.get("mode") == mode}
 
 
@@ -810,18 +819,22 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab reproduce SUITE [--quick] [--out DIR] [--only NAME ...] [--scale F] [--workers N]``."""
-    p = _OneLineParser(prog="python -m mixlab reproduce", description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = _OneLineParser(prog="python -m mixlab reproduce", allow_abbrev=False,
+                       description=__doc__.splitlines()[0] + " Run it from the mixlab repository root (the configs are "
+                       "read from configs/).")
     p.add_argument("suite", choices=[*SUITES, "all"])
-    p.add_argument("--out", default="runs/reproduce", help="output folder")
+    p.add_argument("--out", default="runs/reproduce", help="output folder (default: %(default)s)")
     p.add_argument("--quick", action="store_true",
-                   help="a few steps per run on CPU, one representative run per table row (checks the pipeline)")
+                   help="a few steps per run on CPU, for a representative subset of each experiment's runs (checks "
+                        "the pipeline)")
     names = "; ".join(f"{x}: " + ", ".join(e.name + (" (optional)" if e.optional else "") for e in make())
                       for x, make in SUITES.items())
     p.add_argument("--only", nargs="+", default=None,
                    help=f"experiment names to run (default: every experiment of the suite but the optional ones). "
                         f"{names}")
     p.add_argument("--scale", type=float, default=1.0, help="multiply every step budget")
-    p.add_argument("--workers", type=int, default=12, help="runs at a time")
+    p.add_argument("--workers", type=int, default=12, help="runs at a time (default: %(default)s; on a CPU, --quick "
+                                                           "with 2 or 4 is kinder to a small machine)")
     p.add_argument("--runs", nargs="+", default=None, help="run names to run (default: every run of the experiments)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="cap each training run's wall time (it stops, checkpoints and is tested as usual); with "
@@ -829,7 +842,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--resume", action="store_true",
                    help="continue every run that has a last.ckpt under --out (a schedule split over several "
                         "sessions); the others start")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds per command")
+    p.add_argument("--timeout", type=float, default=3600,
+                   help="seconds per command, counted from its process's start; past it the command is stopped "
+                        "(default: %(default)s)")
     p.add_argument("--mps", choices=MpsDaemon.MODES, default="auto",
                    help="CUDA MPS for the runs side by side: auto (default) starts a private MPS daemon where "
                         "nvidia-cuda-mps-control exists and --workers > 1 (H200, 24 MAD runs: 1.70x the training "
@@ -858,7 +873,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         p.error(f"--out {args.out}: {e.strerror or e}")
     bad = sorted({name for row in rows for name in row.get("failed", [])})
     if bad:
-        print(f"reproduce: {len(bad)} run(s) failed ({', '.join(bad)}); the tables mark them, logs in "
-              f"{Path(args.out) / 'logs'}", file=sys.stderr)
+        print(f"reproduce: {len(bad)} run(s) failed or were stopped by --timeout ({args.timeout:g} s) "
+              f"({', '.join(bad)}); the tables mark them, logs in {Path(args.out) / 'logs'}", file=sys.stderr)
         raise SystemExit(1)
     return rows

@@ -234,7 +234,8 @@ class Launcher:
         """Run ``python -m mixlab <argv>`` once one of the ``workers`` slots is free; returns (exit status, its
         output). Waiting commands start by ``priority``, highest first (then in call order): ``reproduce``
         passes a run's steps, so the longest runs start first and the suite's wall time is not set by a long
-        run started last. The ``timeout`` counts from the start. :attr:`timing` gets the command's start, wall
+        run started last. The ``timeout`` counts from the start of the command's process (the first command
+        also waits for the server's preloaded imports before it). :attr:`timing` gets the command's start, wall
         and CPU seconds under ``str(log)``."""
         log = Path(log)
         log.parent.mkdir(parents=True, exist_ok=True)
