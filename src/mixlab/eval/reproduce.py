@@ -265,8 +265,13 @@ def _recall_rows(names: list[tuple[str, str]], paper: str) -> Callable[[dict], l
 ABLATION_VERDICT = "ablation (no paper value)"
 
 
+#: GOAT's prior ablation on MAD recall (optional experiment): run name, ``position_args`` term, value
+GOAT_ABLATION = (("goat", "key_linear", "false"), ("goat_key_linear", "key_linear", "true"),
+                 ("goat_no_bos_bias", "bos_bias", "false"))
+
+
 def _ablation_rows(res: dict) -> list[tuple[str, str, str, str]]:
-    acc = {n: _get(res, n, "test", "test/acc") for n in ("goat", "goat_key_linear", "goat_no_bos_bias")}
+    acc = {n: _get(res, n, "test", "test/acc") for n, _, _ in GOAT_ABLATION}
     return [("GOAT recall per key-only prior term (the config: no recency slope, BOS bias on)",
              "none (GOAT's prior terms; the twelfth session: 0.9998 / 0.896 / 0.999)",
              ", ".join(f"{n} {_fmt(v)}" for n, v in acc.items()), ABLATION_VERDICT)]
@@ -499,8 +504,7 @@ def _mesa_suite() -> list[Experiment]:
     ablation = [RunSpec(name, "configs/reproduce/mad.yaml",
                         [D + "task", "in_context_recall", M + "backbone.mixer", "goat", goat_pa + term, value],
                         steps=8000, quick=recall[0].quick, in_quick=name == "goat_key_linear")
-                for name, term, value in (("goat", "key_linear", "false"), ("goat_key_linear", "key_linear", "true"),
-                                          ("goat_no_bos_bias", "bos_bias", "false"))]
+                for name, term, value in GOAT_ABLATION]
     return [
         Experiment("mad", "MAD six tasks and MAD score (protocol sizes, reduced steps)", mad, _mad_rows),
         Experiment("mad_recall", "MAD in-context recall, attention under MAD's protocol", recall,
@@ -729,6 +733,7 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     chosen = select(suites, only, runs, quick)
     if not Path("configs/reproduce").is_dir():
         raise ValueError("reproduce: run it from the mixlab repository root (configs/reproduce/ not found here)")
+    every = {x: SUITES[x]() for x in chosen}  # the suites' experiments in their order (kept ones included)
     kept = {x: _earlier_results(out / f"reproduce_{x}.json", {e.name for e in exps}, _mode(quick, scale))
             for x, exps in chosen.items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -746,7 +751,7 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     def write(suite: str) -> list[dict]:
         # this call's experiments and those an earlier call of the same mode left in `out`, in the suite's order
         merged = {**kept[suite], **done[suite]}
-        order = [e for e in SUITES[suite]() if e.name in merged]
+        order = [e for e in every[suite] if e.name in merged]
         rows = [r for e in order for r in _rows(e, merged[e.name])]
         if quick:  # a few CPU steps: the verdict of such numbers would mislead (user test)
             for r in rows:
@@ -803,11 +808,12 @@ def _earlier_results(path: Path, rerun: set[str], mode: str) -> dict[str, dict]:
     except (ValueError, OSError) as e:
         raise ValueError(f"reproduce: {path} is not a result file of an earlier call ({e}); move it away or choose "
                          "another --out") from None
-    other = [n for n, r in old.items() if n not in rerun and not (isinstance(r, dict) and r.get("mode") == mode)]
+    keep = {n: r for n, r in old.items() if n not in rerun and isinstance(r, dict) and r.get("mode") == mode}
+    other = [n for n in old if n not in rerun and n not in keep]
     if other:  # said, so that a result leaving the table is no surprise (user test)
         print(f"[reproduce] {path}: not kept in the new table (another mode than {mode!r}, or none recorded): "
               f"{', '.join(other)}", flush=True)
-    return {n: r for n, r in old.items() if n not in rerun and isinstance(r, dict) and r.get("mode") == mode}
+    return keep
 
 
 class _OneLineParser(argparse.ArgumentParser):
