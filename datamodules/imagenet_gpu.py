@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import math
 import queue
@@ -371,11 +372,22 @@ class _Upload:
         self.parts.append((a.reshape(-1).view(np.int64), a.shape, flt))
         return len(self.parts) - 1
 
-    def to(self, device: torch.device) -> list[Tensor]:
+    def layout(self) -> tuple[tuple[tuple[int, ...], bool], ...]:
+        """The slots' shapes and kinds: equal layouts give equal offsets (:class:`_AugmentGraphs`)."""
+        return tuple((shape, flt) for _, shape, flt in self.parts)
+
+    def to(self, device: torch.device, out: Tensor | None = None) -> list[Tensor]:
+        """The slots on ``device``: views of one fresh int64 buffer, or of ``out`` (int64, exactly the
+        parts' total length) after one copy into it (a buffer that CUDA graphs read)."""
         buf = torch.from_numpy(np.concatenate([p for p, _, _ in self.parts]) if self.parts else np.zeros(0, np.int64))
         if device.type == "cuda":
             buf = buf.pin_memory()
-        buf = buf.to(device, non_blocking=True)
+        if out is not None:
+            if out.shape != buf.shape:
+                raise ValueError(f"_Upload.to: out holds {out.numel()} values, the parts {buf.numel()}")
+            buf = out.copy_(buf, non_blocking=True)
+        else:
+            buf = buf.to(device, non_blocking=True)
         segs = buf.split([p.size for p, _, _ in self.parts])
         return [s.view(torch.float64).view(shape) if flt else s.view(shape)
                 for s, (_, shape, flt) in zip(segs, self.parts)]
@@ -555,7 +567,7 @@ def _split_groups(h: np.ndarray, w: np.ndarray, size: tuple[int, int], k: int, m
 
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None,
-                  tf32: bool = True, groups: int = RESIZE_GROUPS) -> Tensor:
+                  tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None) -> Tensor:
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
     where ``flip[b]``, for a whole batch in a few batched matrix products instead of one resize per image.
 
@@ -599,16 +611,25 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
             ``CenterCrop``); default: resize to ``size`` itself.
         tf32: TF32 GEMMs on CUDA (see above).
         groups: number of size groups (:data:`RESIZE_GROUPS`).
+        out: float32 ``[B, 3, size[0], size[1]]`` on the images' device to write the result into (e.g. a
+            buffer that CUDA graphs read), or None for a new tensor.
 
     Returns:
-        float32 ``[B, 3, size[0], size[1]]`` with integer values 0..255.
+        float32 ``[B, 3, size[0], size[1]]`` with integer values 0..255 (``out`` when given).
+
+    Raises:
+        ValueError: ``out`` of another shape or dtype.
     """
     n = len(imgs)
     dev = imgs[0].device if n else torch.device("cpu")
     oh, ow = size
     mo = max(oh, ow)  # rows of the weight matrices (both axes in one call)
+    if out is None:
+        out = torch.empty(n, 3, oh, ow, device=dev, dtype=torch.float32)
+    elif out.shape != (n, 3, oh, ow) or out.dtype != torch.float32:
+        raise ValueError(f"resized_crops: out must be float32 {[n, 3, oh, ow]}; got {out.dtype} {list(out.shape)}")
     if n == 0:
-        return torch.empty(0, 3, oh, ow, device=dev, dtype=torch.float32)
+        return out
     bx = np.asarray(boxes.tolist(), dtype=np.int64).reshape(n, 4)
     hw = np.array([im.shape[-2:] for im in imgs], dtype=np.int64)
     base = np.concatenate([[0], np.cumsum(3 * hw[:, 0] * hw[:, 1])[:-1]])
@@ -662,7 +683,6 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
             else:  # Wy (X Wx^T): [g, (hm, 3), wm] @ [g, wm, ow] -> [g, hm, (3, ow)]
                 tmp = torch.bmm(x.view(g, hm * 3, wm), wxt)
                 torch.bmm(wy, tmp.view(g, hm, 3 * ow), out=yg.view(g, oh, 3 * ow))
-    out = torch.empty(n, 3, oh, ow, device=dev, dtype=torch.float32)
     return out.index_copy_(0, segs[s_order], y.round_().clamp_(0, 255).permute(0, 2, 1, 3))
 
 
@@ -774,6 +794,10 @@ def _affine_params(name: str, a: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.stack([ca, sb, ca * -cx + sb * -cy + cx, sd, ce, sd * -cx + ce * -cy + cy], 1)
 
 
+_WIDTH = {"affine": 6, "blend": 2, "lut": len(_LUT_IDENTITY)}  # parameters per image
+_IDENTITY = {"affine": (1.0, 0.0, 0.0, 0.0, 1.0, 0.0), "blend": (0.0, 1.0), "lut": _LUT_IDENTITY}
+
+
 class _Layer:
     """One RandAugment layer (or colour-jitter step) for a batch: host plan + device program.
 
@@ -783,21 +807,29 @@ class _Layer:
             interp: int ``[B]`` PIL resampling codes (geometric ops).
         hw: image (height, width). families: the families to run (those the recipe's ops can reach).
         modes: PIL resampling codes the recipe's geometric ops can use (one ``grid_sample`` pass each).
+        quantum: ``None``: each family runs on exactly its images. An int ``q`` (CUDA graphs,
+            :class:`_AugmentGraphs`): every family's arrays get the fixed length ``ceil(B / q) q`` (a fixed
+            upload layout) and the family runs on its image count rounded up to a multiple of ``q``; the
+            extra entries are the scratch images ``B, B + 1, ..., B + q - 1`` of ``x`` (which then has
+            ``B + q`` images) with identity parameters, so the real images' results are unchanged.
+
+    Attributes:
+        sizes: family -> number of images it runs on (padded with ``quantum``).
     """
 
     def __init__(self, up: _Upload, op: np.ndarray, arg: np.ndarray, interp: np.ndarray, hw: tuple[int, int],
-                 families: Iterable[str], modes: tuple[int, ...]) -> None:
+                 families: Iterable[str], modes: tuple[int, ...], quantum: int | None = None) -> None:
         op, arg, interp = np.asarray(op, np.int64), np.asarray(arg, np.float64), np.asarray(interp, np.int64)
-        self.modes, self.slots = tuple(modes), {}
-        fam = np.array([_FAMILY[n] for n in RA_OPS] + ["none"])[op]  # op -1 -> "none"
+        n = len(op)
+        self.modes, self.slots, self.sizes = tuple(modes), {}, {}
+        fam = np.array([_FAMILY[name] for name in RA_OPS] + ["none"])[op]  # op -1 -> "none"
         for f in _FAMILIES:
             if f not in families:
                 if (fam == f).any():
                     raise ValueError(f"RandAugment family {f!r} drawn but not planned")
                 continue
             idx = np.flatnonzero(fam == f)
-            width = {"affine": 6, "blend": 2, "lut": len(_LUT_IDENTITY)}[f]
-            par = np.zeros((len(idx), width))
+            par = np.zeros((len(idx), _WIDTH[f]))
             for o in np.unique(op[idx]):
                 sel = op[idx] == o
                 name, a = RA_OPS[o], arg[idx][sel]
@@ -807,32 +839,128 @@ class _Layer:
                     par[sel] = np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
                 else:
                     par[sel] = _lut_params(name, a)
+            codes = interp[idx]
+            if f == "affine" and not np.isin(codes, self.modes).all():
+                raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in {self.modes}")
+            mode = np.searchsorted(np.asarray(self.modes), codes)
+            self.sizes[f] = len(idx)
+            if quantum:  # fixed length; scratch images B .. B + q - 1 with identity parameters after the real ones
+                pad = -(-n // quantum) * quantum - len(idx)
+                self.sizes[f] = -(-len(idx) // quantum) * quantum
+                idx = np.concatenate([idx, n + np.arange(pad) % quantum])
+                par = np.concatenate([par, np.tile(_IDENTITY[f], (pad, 1))])
+                mode = np.concatenate([mode, np.zeros(pad, np.int64)])
             slot = [up.add(idx), up.add(par)]
             if f == "affine" and len(self.modes) > 1:
-                codes = interp[idx]
-                if not np.isin(codes, self.modes).all():
-                    raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in {self.modes}")
-                slot.append(up.add(np.searchsorted(np.asarray(self.modes), codes)))
-            elif f == "affine" and len(idx) and not (interp[idx] == self.modes[0]).all():
-                raise ValueError(f"RandAugment resampling {sorted(set(interp[idx].tolist()))} not in {self.modes}")
+                slot.append(up.add(mode))
             self.slots[f] = slot
 
+    def run(self, f: str, x: Tensor, segs: list[Tensor], fill: Tensor) -> None:
+        """Apply family ``f`` to its images of ``x`` (float32 ``[B, 3, H, W]`` levels, on the device; ``B + q``
+        with a quantum) in place: ``index_select`` -> batched op with per-image parameters -> ``index_copy_``.
+        ``fill``: float ``[1, 3, 1, 1]`` levels outside the image (geometric ops)."""
+        slot, m = self.slots[f], self.sizes[f]
+        idx, par = segs[slot[0]], segs[slot[1]]
+        if m != len(idx):
+            idx, par = idx[:m], par[:m]
+        sub = x.index_select(0, idx)
+        if f == "affine":
+            mode = None if len(slot) < 3 else segs[slot[2]] if m == len(segs[slot[2]]) else segs[slot[2]][:m]
+            y = _pil_affine(sub, par, self.modes, fill, mode)
+        elif f == "blend":
+            sharp, factor = par.to(x.dtype).view(m, 2, 1, 1, 1).unbind(1)
+            y = _blend(torch.where(sharp > 0, _smooth(sub), _gray(sub)), sub, factor)
+        else:
+            y = _lut_family(sub, par)
+        x.index_copy_(0, idx, y)
+
     def __call__(self, x: Tensor, segs: list[Tensor], fill: Tensor) -> None:
-        """Apply the layer to ``x`` (float32 ``[B, 3, H, W]`` levels, on the device) in place."""
-        outs = []
-        for f, slot in self.slots.items():
-            idx, par = segs[slot[0]], segs[slot[1]]
-            sub = x.index_select(0, idx)
-            if f == "affine":
-                y = _pil_affine(sub, par, self.modes, fill, segs[slot[2]] if len(slot) > 2 else None)
-            elif f == "blend":
-                sharp, f = par.to(x.dtype).view(len(idx), 2, 1, 1, 1).unbind(1)
-                y = _blend(torch.where(sharp > 0, _smooth(sub), _gray(sub)), sub, f)
-            else:
-                y = _lut_family(sub, par)
-            outs.append((idx, y))
-        for idx, y in outs:  # the families' images are disjoint
-            x.index_copy_(0, idx, y)
+        """Apply the layer (every family, each on its own images: they are disjoint) to ``x`` in place."""
+        for f in self.slots:
+            self.run(f, x, segs, fill)
+
+
+AUGMENT_GRAPH_BUCKETS = 16  # image-count buckets per family: the quantum is ceil(B / 16)
+
+
+class _AugmentGraphs:
+    """CUDA graphs of a training stage's augmentation layers, for one batch size ``n`` and image size.
+
+    Host time, not device time, limited the stage (issue 21: ~400 small ops per batch of 256 for two
+    RandAugment layers, each launched from Python in the training process). Here each (layer, family,
+    padded image count) is one CUDA graph, captured the first time it is needed (a warm-up on a copy, then
+    the capture, on a side stream; ``capture_error_mode="thread_local"`` so that the training thread's own
+    CUDA calls are allowed meanwhile) and replayed after that: one launch instead of ~70 ops. The shapes a
+    graph sees are fixed: the images live in :attr:`x` (``[n + q, 3, H, W]``, the last ``q`` rows scratch
+    images for the padding of :class:`_Layer` with ``quantum=q``) and the plan in :attr:`plan` (one int64
+    buffer with a fixed layout, filled by one host-to-device copy per batch). All graphs share one memory
+    pool: each reads and writes only these two buffers, so no graph's memory outlives its replay and any
+    replay order is safe. A batch of another size runs eagerly (the caller's choice).
+
+    Args:
+        n: images per batch; hw: (height, width); device: a CUDA device.
+    """
+
+    def __init__(self, n: int, hw: tuple[int, int], device: torch.device) -> None:
+        self.n, self.hw, self.device = n, tuple(hw), device
+        self.quantum = -(-n // AUGMENT_GRAPH_BUCKETS)
+        self.x = torch.zeros(n + self.quantum, 3, *hw, device=device)  # scratch rows stay integer levels
+        self.plan: Tensor | None = None
+        self.layout: tuple | None = None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.side = torch.cuda.Stream(device)
+        self.done: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        """Make the current stream wait for the previous batch's use of the buffers (another stream's)."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+
+    def end(self) -> None:
+        """Mark the buffers as used up to here on the current stream (see :meth:`begin`)."""
+        self.done = torch.cuda.Event()
+        self.done.record(torch.cuda.current_stream(self.device))
+
+    def plan_buffer(self, up: _Upload) -> Tensor:
+        """The static plan buffer for ``up``'s layout (a new layout drops the graphs captured so far)."""
+        layout = up.layout()
+        if layout != self.layout:
+            self.graphs.clear()
+            self.layout = layout
+            total = sum(math.prod(shape) for shape, _ in layout)
+            self.plan = torch.zeros(total, dtype=torch.int64, device=self.device)
+        return self.plan
+
+    def run(self, layers: list[_Layer], segs: list[Tensor], s_fill: int) -> None:
+        """Apply ``layers`` to :attr:`x` (``segs``: views of :attr:`plan`; ``s_fill``: the fill colour's slot)."""
+        for k, layer in enumerate(layers):
+            for f, m in layer.sizes.items():
+                if m == 0:
+                    continue
+                key = (k, f, m)
+                graph = self.graphs.get(key)
+                if graph is None:
+                    graph = self.graphs[key] = self._capture(functools.partial(self._body, layer, f, segs, s_fill))
+                graph.replay()
+
+    @staticmethod
+    def _body(layer: _Layer, f: str, segs: list[Tensor], s_fill: int, x: Tensor) -> None:
+        layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1))
+
+    def _capture(self, body: Callable[[Tensor], None]) -> torch.cuda.CUDAGraph:
+        current = torch.cuda.current_stream(self.device)
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            body(self.x.clone())  # lazy initialisation (kernels, cuDNN) outside the capture; x keeps its values
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                body(self.x)
+            finally:
+                graph.capture_end()
+        current.wait_stream(self.side)
+        return graph
 
 
 def _lut_family(x: Tensor, par: Tensor) -> Tensor:
@@ -921,8 +1049,9 @@ class GpuPipeline:
     waits for the device (no ``.item()``, ``nonzero``, blocking copy).
     """
 
-    def __init__(self, transform: Any, train: bool) -> None:
-        self.train = train
+    def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True) -> None:
+        self.train, self.cuda_graphs = train, cuda_graphs
+        self._graphs: _AugmentGraphs | None = None
         if train:
             self.params = TrainParams(transform)
             self.size, mean, std = self.params.size, self.params.mean, self.params.std
@@ -950,10 +1079,30 @@ class GpuPipeline:
             labels = labels[torch.tensor(keep, device=dev)]
             params = {k: v[keep] for k, v in params.items()}
             imgs = [imgs[k] for k in keep]
+        graphs = self._graphs_for(len(imgs), dev)
+        if graphs is not None:
+            graphs.begin()
         with record_function("stage/crop_resize"):
-            x = self._train(imgs, params, dev) if self.train else self._eval(imgs)
+            out = None if graphs is None else graphs.x[:len(imgs)]
+            x = self._train(imgs, params, dev, out) if self.train else self._eval(imgs)
         with record_function("stage/augment"):
-            return self._augment(x, params if self.train else {}), labels
+            x = self._augment(x, params if self.train else {}, graphs)
+        if graphs is not None:
+            graphs.end()
+        return x, labels
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_graphs": None}  # CUDA graphs stay in their process
+
+    def _graphs_for(self, n: int, dev: torch.device) -> _AugmentGraphs | None:
+        """The CUDA graphs of the augmentation (:class:`_AugmentGraphs`) for a training batch of ``n`` images
+        on a CUDA device with ``cuda_graphs`` on, built for the first such batch; another ``n`` (a batch
+        with skipped images) and every other case run eagerly (None)."""
+        if not (self.cuda_graphs and self.train and dev.type == "cuda" and n > 0):
+            return None
+        if self._graphs is None:
+            self._graphs = _AugmentGraphs(n, tuple(self.size), dev)
+        return self._graphs if self._graphs.n == n else None
 
     def _eval(self, imgs: list[Tensor]) -> Tensor:
         """``Resize`` (short side, bicubic, antialiased) then ``CenterCrop``, batched through
@@ -978,21 +1127,22 @@ class GpuPipeline:
                                dtype=torch.int64)
         return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets)
 
-    def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device) -> Tensor:
-        """Crop + resize + flip (batched for bicubic, the recipe's; per image otherwise)."""
+    def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device, out: Tensor | None = None) -> Tensor:
+        """Crop + resize + flip (batched for bicubic, the recipe's; per image otherwise), into ``out`` if given."""
         from torchvision.transforms import InterpolationMode
 
         if self.interp == InterpolationMode.BICUBIC:
-            return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"])
+            return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"], out=out)
         from torchvision.transforms.functional import resized_crop
 
         x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)
                          for im, (i, j, h, w) in zip(imgs, p["crop"].tolist())])
-        return torch.where(p["flip"].to(dev, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x).float()
+        x = torch.where(p["flip"].to(dev, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x).float()
+        return x if out is None else out.copy_(x)
 
-    def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int]) -> list[_Layer]:
-        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`), in the CPU path's order,
-        planned into ``up`` from the draws ``p`` (:meth:`TrainParams.__call__`)."""
+    def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int], quantum: int | None = None) -> list[_Layer]:
+        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``), in the CPU
+        path's order, planned into ``up`` from the draws ``p`` (:meth:`TrainParams.__call__`)."""
         out = []
         if "cj_order" in p:  # torchvision ColorJitter: a random order of brightness, contrast, saturation (hue unused)
             order, factor = p["cj_order"].numpy(), p["cj_factor"].numpy()
@@ -1001,43 +1151,49 @@ class GpuPipeline:
             for s in range(order.shape[1]):
                 f = factor[np.arange(len(order)), order[:, s]]
                 op = np.where(f != 1.0, jit[order[:, s]], -1)
-                out.append(_Layer(up, op, f, np.zeros_like(op), hw, {"lut", "blend"}, (3,)))
+                out.append(_Layer(up, op, f, np.zeros_like(op), hw, {"lut", "blend"}, (3,), quantum))
         if "ra_op" in p:
             ops, args, interps = p["ra_op"].numpy(), p["ra_arg"].numpy(), p["ra_interp"].numpy()
             for layer in range(ops.shape[1]):
                 out.append(_Layer(up, ops[:, layer], args[:, layer], interps[:, layer], hw, self.params.ra_families,
-                                  self.params.ra_modes))
+                                  self.params.ra_modes, quantum))
         return out
 
-    def _augment(self, x: Tensor, p: dict[str, Tensor]) -> Tensor:
+    def _augment(self, x: Tensor, p: dict[str, Tensor], graphs: _AugmentGraphs | None = None) -> Tensor:
         """Colour jitter / RandAugment (training), normalisation, random erasing (training) on the batch ``x``
-        (float32 ``[B, 3, H, W]`` levels, the pipeline's own: modified in place); one upload for all."""
+        (float32 ``[B, 3, H, W]`` levels, the pipeline's own: modified in place; ``graphs.x[:B]`` when
+        ``graphs`` replay the layers); returns a new tensor. Two uploads: the layers' plan (into
+        ``graphs.plan`` with graphs) and the erasing boxes."""
         up = _Upload()
-        s_norm = up.add(self.mean + self.std + (self.fill if self.train else (0.0,) * 3), np.float64)
-        layers = self.layers(up, p, tuple(x.shape[-2:]))
-        erase = self._plan_erase(up, p["erase"], p["seed"]) if "erase" in p else None
-        segs = up.to(x.device)
-        norm = segs[s_norm].to(x.dtype).view(3, 1, 3, 1, 1)
-        for layer in layers:
-            layer(x, segs, norm[2])
-        x = x.div_(255).sub_(norm[0]).div_(norm[1])
-        if erase is not None:
-            self._erase(x, segs, *erase)
+        s_norm = up.add(self.mean + self.std, np.float64)
+        s_fill = up.add(self.fill if self.train else (0.0,) * 3, np.float64)
+        layers = self.layers(up, p, tuple(x.shape[-2:]), None if graphs is None else graphs.quantum)
+        segs = up.to(x.device, None if graphs is None else graphs.plan_buffer(up))
+        if graphs is not None:
+            graphs.run(layers, segs, s_fill)
+        else:
+            fill = segs[s_fill].to(x.dtype).view(1, 3, 1, 1)
+            for layer in layers:
+                layer(x, segs, fill)
+        norm = segs[s_norm].to(x.dtype).view(2, 1, 3, 1, 1)
+        x = x.div(255).sub_(norm[0]).div_(norm[1])
+        if "erase" in p:
+            self._erase(x, p["erase"], p["seed"])
         return x
 
     @staticmethod
-    def _plan_erase(up: _Upload, boxes: Tensor, seeds: Tensor) -> tuple[int, int, int]:
-        """Slots of the images with an erasing box and their boxes, and the batch's noise seed (host side)."""
+    def _erase(x: Tensor, boxes: Tensor, seeds: Tensor) -> Tensor:
+        """timm RandomErasing ``mode='pixel'`` with the sampled boxes (``boxes`` int64 ``[B, C, 4]``: top, left,
+        height, width; height 0 = none, host tensors) on the images that have one: N(0, 1) noise (normalised
+        units) from a generator seeded by the batch's seeds (``seeds`` int64 ``[B]``), so a batch is erased the
+        same way again (exact resume). The boxes reach the device in one transfer. Writes into ``x`` (the
+        pipeline's own freshly normalised batch) and returns it."""
         b = boxes.numpy()
-        idx = np.flatnonzero((b[..., 2] > 0).any(1))
-        return up.add(idx), up.add(b[idx]), int(seeds.numpy().sum()) % 2**63  # int64 sum, wrapping as torch's
-
-    @staticmethod
-    def _erase(x: Tensor, segs: list[Tensor], s_idx: int, s_box: int, seed: int) -> Tensor:
-        """timm RandomErasing ``mode='pixel'`` with the sampled boxes (int64 ``[n_e, C, 4]``: top, left,
-        height, width; height 0 = none) of the images ``segs[s_idx]`` that have one: N(0, 1) noise
-        (normalised units) from a generator seeded by the batch's seeds, so a batch is erased the same way
-        again (exact resume). Writes into ``x`` (the pipeline's own freshly normalised batch) and returns it."""
+        sel = np.flatnonzero((b[..., 2] > 0).any(1))
+        seed = int(seeds.numpy().sum()) % 2**63  # int64 sum, wrapping as torch's
+        up = _Upload()
+        s_idx, s_box = up.add(sel), up.add(b[sel])
+        segs = up.to(x.device)
         idx, b = segs[s_idx], segs[s_box]
         n, h, w = len(idx), x.shape[-2], x.shape[-1]
         gen = torch.Generator(device=x.device)

@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> str:
                         "thread (the datamodule's prefetch_batches; 0: only the synchronous stage)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="decode gpu: also profile the device stage over N calls (phases, top kernels)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="decode gpu: launch the training augmentation's ops eagerly (the datamodule's cuda_graphs: false)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")
@@ -321,7 +323,7 @@ def main(argv: list[str] | None = None) -> str:
         return ImageNetDataModule(format="wds", train_path=train_pattern, val_path=val_pattern, num_classes=num_classes,
                                   image_size=a.image_size, batch_size=a.batch_size, num_workers=a.workers,
                                   train_samples=10**9, shuffle_buffer=min(5000, 4 * a.batch_size),
-                                  persistent_workers=False, decode=mode)
+                                  persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs)
 
     rows: list[tuple[str, ...]] = []
 
@@ -383,7 +385,8 @@ def main(argv: list[str] | None = None) -> str:
     lines = [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
              f"- device: {device_name(device)}; torch {torch.__version__}",
              f"- data: {what if a.shards is None else train_pattern}",
-             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed",
+             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed; training "
+             f"augmentation {'launched eagerly' if a.no_cuda_graphs else 'in CUDA graphs (on CUDA)'}",
              f"- command: `{cmd}`", "",
              "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
              "|---|---|---|---|---:|---:|---|"]

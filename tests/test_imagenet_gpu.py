@@ -32,6 +32,7 @@ from mixlab.datamodules.imagenet_gpu import (
     EncodedBatch,
     GpuPipeline,
     TrainParams,
+    _AugmentGraphs,
     _Upload,
     aa_resample_weights,
     apply_ra_op,
@@ -571,6 +572,104 @@ def test_randaugment_layers_batched_equal_per_image_ops(samples):
     for layer in layers:
         layer(x, segs, segs[s_fill].float().view(1, 3, 1, 1))
     assert torch.equal(x, ref)
+
+
+def test_padded_families_equal_exact_ones(samples):
+    """With a quantum (the CUDA-graph layout), every family runs on its image count rounded up, the extra
+    entries scratch images after the batch with identity parameters: the real images come out exactly as
+    with each family on exactly its images; the scratch images stay integer levels (valid LUT indices)."""
+    tf = train_transform(40)
+    batch, names = _recipe_batch(samples, tf)
+    n = len(batch)
+    batch = _with_ops(batch, [[names[k % len(names)], names[(5 * k + 2) % len(names)]] for k in range(n)])
+    pipe = GpuPipeline(tf, train=True)
+    x = pipe._train(decode_jpegs(batch.data, batch.offsets, torch.device("cpu"), batch.keys), batch.params, "cpu")
+    fill = torch.tensor(pipe.fill).view(1, 3, 1, 1)
+    outs = {}
+    for q in (None, 1, 5, 32):
+        up = _Upload()
+        layers = pipe.layers(up, batch.params, (40, 40), q)
+        segs = up.to(torch.device("cpu"))
+        xq = torch.cat([x, torch.zeros(q or 0, *x.shape[1:])])
+        for layer in layers:
+            if q:
+                assert all(m % q == 0 and m < len(segs[layer.slots[f][0]]) + q for f, m in layer.sizes.items())
+                assert all(len(segs[slot[0]]) == -(-n // q) * q for slot in layer.slots.values())
+            layer(xq, segs, fill)
+        outs[q] = xq
+        assert torch.equal(xq, xq.round().clamp(0, 255))
+    for q in (1, 5, 32):
+        assert torch.equal(outs[q][:n], outs[None]), q
+
+
+class _EagerGraphs(_AugmentGraphs):
+    """:class:`_AugmentGraphs` on the CPU: a "graph" runs its captured body again on every replay (what a CUDA
+    graph does on the device), reading the same static buffers."""
+
+    def __init__(self, n, hw):
+        self.n, self.hw, self.device = n, tuple(hw), torch.device("cpu")
+        self.quantum = -(-n // 16)
+        self.x = torch.zeros(n + self.quantum, 3, *hw)
+        self.plan = self.layout = self.done = None
+        self.graphs, self.captures = {}, 0
+
+    def begin(self):
+        pass
+
+    def end(self):
+        pass
+
+    def _capture(self, body):
+        self.captures += 1
+        return type("G", (), {"replay": staticmethod(lambda: body(self.x))})()
+
+
+def test_augment_graph_replays_equal_the_eager_stage(samples):
+    """The graph path's Python side on the CPU (:class:`_EagerGraphs`): static image and plan buffers with a
+    fixed layout, one captured body per (layer, family, padded count), replayed for later batches with other
+    draws. Every batch equals the eager stage's output exactly, and later batches reuse the captures."""
+    tf = train_transform(32)
+    batch, names = _recipe_batch(samples, tf)
+    n = len(batch)
+    pipe = GpuPipeline(tf, train=True)
+    graphs = _EagerGraphs(n, pipe.size)
+    pipe._graphs_for = lambda k, dev: graphs if k == n else None
+    draws = [[[names[(k + s) % len(names)], names[(3 * k + s) % len(names)]] for k in range(n)] for s in range(3)]
+    draws.append(draws[0])  # the first batch's draws again: nothing new to capture
+    captured = []
+    for ops in draws:
+        b = _with_ops(batch, ops)
+        x, y = pipe(b)
+        want, y_want = GpuPipeline(tf, train=True)(b)
+        assert torch.equal(x, want) and torch.equal(y, y_want)
+        assert x.data_ptr() != graphs.x.data_ptr()  # a new tensor: the next batch reuses the buffer
+        captured.append(graphs.captures)
+    assert captured[0] > 0 and captured[-1] == captured[-2], captured
+    assert len(graphs.graphs) == captured[-1]
+    plan = graphs.plan
+    pipe(_with_ops(batch, draws[1]))
+    assert graphs.plan is plan  # same layout: the same static buffer
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_augment_cuda_graphs_equal_eager_on_cuda(samples):
+    """On CUDA: the training stage with its augmentation in CUDA graphs gives the eager stage's images exactly,
+    batch after batch (new draws, reused graphs); a batch of another size runs eagerly."""
+    tf = train_transform(48)
+    batch, names = _recipe_batch(samples, tf)
+    n = len(batch)
+    dev = torch.device("cuda")
+    graphed, eager = GpuPipeline(tf, train=True), GpuPipeline(tf, train=True, cuda_graphs=False)
+    for s in range(4):
+        b = _with_ops(batch, [[names[(k + s) % len(names)], names[(3 * k + s) % len(names)]] for k in range(n)])
+        b = b.to(dev)
+        x, _ = graphed(b)
+        want, _ = eager(b)
+        assert torch.equal(x, want), s
+    assert graphed._graphs is not None and graphed._graphs.graphs
+    small = collate_encoded([encode_sample(s, 3, graphed.params) for s in samples[:5]]).to(dev)
+    assert graphed._graphs_for(5, dev) is None
+    assert torch.equal(graphed(small)[0], eager(small)[0])
 
 
 def test_device_stage_op_count_does_not_depend_on_the_ops_drawn(samples):
