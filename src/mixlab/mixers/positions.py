@@ -555,10 +555,11 @@ class RotaryPositions(PositionScheme):
     layout). Missing axes rotate by angle 0 (identity). A
     :attr:`~mixlab.coords.Coords.scale` multiplies each axis' angles (position interpolation).
 
-    ``rotary_impl``: ``"auto"`` (default: ``triton`` on CUDA outside ``torch.compile``, else ``torch``),
+    ``rotary_impl``: ``"auto"`` (default: ``triton`` on CUDA, under ``torch.compile`` too, else ``torch``),
     ``"torch"`` (:class:`~mixlab.ops.goat_triton.QKVSplit` views, then a compiled rotation per tensor)
     or ``"triton"`` (q and k rotated in place in the packed projection by
-    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way; on CPU tensors it warns once and
+    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way; under ``torch.compile`` the same kernels
+    as the custom op ``mixlab::rope_qkv``, out of place; on CPU tensors it warns once and
     takes the torch rotation, so a checkpoint trained with it runs anywhere: on the H200 the layer's forward +
     backward takes 1.03x the plain layer's, the torch path 1.42x; BENCHMARKS.md). Same values up to
     rounding (the kernel rotates in fp32).
@@ -614,14 +615,13 @@ class RotaryPositions(PositionScheme):
                               "so q and k are rotated by torch ops (the same values; 'auto' picks this silently)",
                               stacklevel=2)
             impl = "torch"
-        fast = impl == "triton" or (impl == "auto" and qkv.is_cuda and not torch.compiler.is_compiling())
+        fast = impl == "triton" or (impl == "auto" and qkv.is_cuda)
         if fast and qkv.dtype != torch.float64:
             cos, sin = self._cos_sin(coords, torch.float32)  # [B|1, 1, T, d/2]
             if cos.shape[0] in (1, batch):
-                from mixlab.ops.rope_triton import RopeQKV
+                from mixlab.ops.rope_triton import pack_rope
 
-                return RopeQKV.apply(qkv, cos.squeeze(1), sin.squeeze(1), batch, self.n_heads, self.head_dim,
-                                     self.axes)
+                return pack_rope(qkv, cos.squeeze(1), sin.squeeze(1), batch, self.n_heads, self.head_dim, self.axes)
         return super().pack(qkv, coords, batch)
 
     def decode_tables(self, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[str, Tensor]:

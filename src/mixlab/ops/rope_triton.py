@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import torch
 import triton
+from torch import Tensor
 import triton.language as tl
 
-__all__ = ["RopeQKV"]
+__all__ = ["RopeQKV", "rope_qkv", "pack_rope"]
 
 _BLOCK_T = 16
 
@@ -120,22 +121,95 @@ class RopeQKV(torch.autograd.Function):
             raise ValueError(f"RopeQKV: cos/sin must be [1|{batch}, {T}, {HD // 2}] for head_dim {HD} and {axes} "
                              f"axes; got {tuple(cos.shape)}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        N = batch * T
-        meta = dict(H=H, HD=HD, HALF=HD // (2 * axes), NJ=HD // 2, JP=_pow2(HD // 2), BATCHED=cos.shape[0] > 1,
-                    BLOCK_T=_BLOCK_T)
-        _rope_fwd[(triton.cdiv(N, _BLOCK_T), H)](qkv, cos, sin, N, T, **meta)
+        _rotate(qkv, cos, sin, batch, H, HD, axes)
         ctx.save_for_backward(cos, sin)
-        ctx.args = (batch, T, meta)
+        ctx.args = (batch, H, HD, axes)
         return qkv.view(batch, T, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
         cos, sin = ctx.saved_tensors
-        batch, T, meta = ctx.args
-        H, HD = meta["H"], meta["HD"]
-        dq, dk, dv = (x if x.stride(-1) == 1 else x.contiguous() for x in (dq, dk, dv))
-        N = batch * T
-        out = torch.empty(N, 3 * H * HD, device=dq.device, dtype=dq.dtype)
-        _rope_bwd[(triton.cdiv(N, _BLOCK_T), H)](dq, dk, dv, out, cos, sin, N, T, *dq.stride()[:3],
-                                                  *dk.stride()[:3], *dv.stride()[:3], HDP=_pow2(HD), **meta)
-        return out, None, None, None, None, None, None
+        return _rotate_back(dq, dk, dv, cos, sin, *ctx.args), None, None, None, None, None, None
+
+
+def _meta(H: int, HD: int, axes: int, batched: bool) -> dict:
+    return dict(H=H, HD=HD, HALF=HD // (2 * axes), NJ=HD // 2, JP=_pow2(HD // 2), BATCHED=batched, BLOCK_T=_BLOCK_T)
+
+
+def _rotate(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, H: int, HD: int, axes: int) -> None:
+    """Rotate the q and k heads of the contiguous ``qkv [B * T, 3 H HD]`` in place (one kernel); ``cos, sin``
+    float32 contiguous ``[B|1, T, HD / 2]``."""
+    N, T = qkv.shape[0], cos.shape[1]
+    _rope_fwd[(triton.cdiv(N, _BLOCK_T), H)](qkv, cos, sin, N, T, **_meta(H, HD, axes, cos.shape[0] > 1))
+
+
+def _rotate_back(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, batch: int, H: int, HD: int,
+                 axes: int) -> Tensor:
+    """``d qkv [B * T, 3 H HD]`` (contiguous, new) from ``dq, dk, dv [B, H, T, HD]`` (any strides): dq and dk
+    rotated back by ``-theta`` (one kernel)."""
+    dq, dk, dv = (x if x.stride(-1) == 1 else x.contiguous() for x in (dq, dk, dv))
+    T = cos.shape[1]
+    N = batch * T
+    out = torch.empty(N, 3 * H * HD, device=dq.device, dtype=dq.dtype)
+    _rope_bwd[(triton.cdiv(N, _BLOCK_T), H)](dq, dk, dv, out, cos, sin, N, T, *dq.stride()[:3], *dk.stride()[:3],
+                                              *dv.stride()[:3], HDP=_pow2(HD), **_meta(H, HD, axes, cos.shape[0] > 1))
+    return out
+
+
+@torch.library.custom_op("mixlab::rope_qkv", mutates_args=())
+def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int, axes: int) -> Tensor:
+    """``qkv [B * T, 3 * H * d_h]`` -> a new tensor of the same shape and dtype: a copy with q and k rotated
+    (the functional twin of :class:`RopeQKV` for ``torch.compile``, as ``mixlab::goat_qkv`` is GOAT's:
+    Inductor sees an opaque op with a fake implementation and a registered backward,
+    :func:`rope_qkv_backward`, so a compiled model keeps the Triton kernels instead of compiling the
+    rotation from torch ops; one copy of ``qkv`` more than the eager path). ``cos, sin`` float32
+    contiguous ``[B|1, T, d_h / 2]``."""
+    out = qkv.contiguous().clone()
+    _rotate(out, cos, sin, batch, n_heads, head_dim, axes)
+    return out
+
+
+@rope_qkv.register_fake
+def _rope_qkv_fake(qkv, cos, sin, batch, n_heads, head_dim, axes):
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mixlab::rope_qkv_backward", mutates_args=())
+def rope_qkv_backward(grad: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int,
+                      axes: int) -> Tensor:
+    """``d qkv`` of :func:`rope_qkv` from the gradient of its output ``[B * T, 3 * H * d_h]`` (one kernel)."""
+    T = cos.shape[1]
+    dq, dk, dv = grad.contiguous().view(batch, T, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return _rotate_back(dq, dk, dv, cos, sin, batch, n_heads, head_dim, axes)
+
+
+@rope_qkv_backward.register_fake
+def _rope_qkv_backward_fake(grad, cos, sin, batch, n_heads, head_dim, axes):
+    return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+
+
+def _rope_qkv_setup(ctx, inputs, output):
+    _, cos, sin, batch, n_heads, head_dim, axes = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.args = (batch, n_heads, head_dim, axes)
+
+
+def _rope_qkv_grad(ctx, grad):
+    cos, sin = ctx.saved_tensors
+    return rope_qkv_backward(grad, cos, sin, *ctx.args), None, None, None, None, None, None
+
+
+rope_qkv.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)
+
+
+def pack_rope(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int,
+              axes: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v [B, H, T, d_h]`` of the packed projection ``qkv [B * T, 3 * H * d_h]`` with q and k rotated by
+    the Triton kernels: in place (:class:`RopeQKV`) eagerly; under ``torch.compile`` through the custom op
+    :func:`rope_qkv` (out of place) with q, k, v views of its output. ``cos, sin``: ``[B|1, T, d_h / 2]``."""
+    if torch.compiler.is_compiling():
+        if qkv.dim() != 2 or qkv.shape[1] != 3 * n_heads * head_dim:
+            raise ValueError(f"pack_rope: qkv must be [B*T, {3 * n_heads * head_dim}]; got {tuple(qkv.shape)}")
+        out = rope_qkv(qkv, cos.float().contiguous(), sin.float().contiguous(), batch, n_heads, head_dim, axes)
+        return out.view(batch, cos.shape[1], 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return RopeQKV.apply(qkv, cos, sin, batch, n_heads, head_dim, axes)
