@@ -565,6 +565,12 @@ def _split_groups(h: np.ndarray, w: np.ndarray, size: tuple[int, int], k: int, m
     return runs[::-1]
 
 
+def _align(n: int, k: int = 4) -> int:
+    """``n`` rounded up to a multiple of ``k``: float32 rows of that length start 16-byte aligned, so cuBLAS
+    takes its vectorised (``align4``) GEMM kernels instead of ``align1`` ones (H200 profile, issue 21)."""
+    return -(-n // k) * k
+
+
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None,
                   tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None) -> Tensor:
@@ -575,8 +581,8 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     matrices (float32; a flip reverses ``Wx``'s rows). The crops, sorted by area, are split into ``groups``
     groups (fewer only for fewer images; more only where a group's padded float32 copy would exceed
     ``max_bytes``) chosen to minimise the padded work (:func:`_split_groups`); each group is padded to its
-    largest crop height ``hm`` and width ``wm`` and runs two batched GEMMs in the cheaper order for those
-    sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns
+    largest crop height ``hm`` and width ``wm`` (rounded up to multiples of 4: aligned GEMM rows) and runs two
+    batched GEMMs in the cheaper order for those sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns
     first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three channels of a crop share its matrices: ``X`` is laid
     out ``[hm, 3, wm]`` so that each GEMM is one ``bmm`` over the group without broadcast copies.
 
@@ -644,7 +650,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     plan, axes = [], []
     for start, end in runs:
         s = slice(start, end)
-        hm, wm = int(h[s].max()), int(w[s].max())
+        hm, wm = _align(int(h[s].max())), _align(int(w[s].max()))  # aligned rows: vectorised GEMM loads
         # flat offsets of each padded crop row (rows past the crop repeat its last row: zero weights) [g, hm, 1] and
         # of each channel [g, 1, 3]
         rows = (base[s] + t[s] * width[s] + le[s])[:, None] + np.minimum(np.arange(hm), h[s, None] - 1) * width[s, None]
@@ -666,7 +672,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
 
     flat = _flatten_dense_tensors(imgs + [torch.zeros(max(p[3] for p in plan), dtype=torch.uint8, device=dev)])
     size_, res, offs, flips = segs[s_axes].unbind(0)
-    wyx = aa_resample_weights(size_, mo, int(axes[0].max()), res, offs, taps, flips)  # [2 B, mo, n]
+    wyx = aa_resample_weights(size_, mo, _align(int(axes[0].max())), res, offs, taps, flips)  # [2 B, mo, n]
     st = wyx.stride()
     y = torch.empty(n, oh, 3, ow, device=dev, dtype=torch.float32)  # images in sorted order
     for start, g, hm, wm, rows_first, s_rows, s_chans in plan:
@@ -855,11 +861,12 @@ class _Layer:
                 slot.append(up.add(mode))
             self.slots[f] = slot
 
-    def run(self, f: str, x: Tensor, segs: list[Tensor], fill: Tensor) -> None:
+    def run(self, f: str, x: Tensor, segs: list[Tensor], fill: Tensor, m: int | None = None) -> None:
         """Apply family ``f`` to its images of ``x`` (float32 ``[B, 3, H, W]`` levels, on the device; ``B + q``
         with a quantum) in place: ``index_select`` -> batched op with per-image parameters -> ``index_copy_``.
-        ``fill``: float ``[1, 3, 1, 1]`` levels outside the image (geometric ops)."""
-        slot, m = self.slots[f], self.sizes[f]
+        ``fill``: float ``[1, 3, 1, 1]`` levels outside the image (geometric ops); ``m``: run on the first ``m``
+        entries of the family's arrays (default :attr:`sizes`)."""
+        slot, m = self.slots[f], self.sizes[f] if m is None else m
         idx, par = segs[slot[0]], segs[slot[1]]
         if m != len(idx):
             idx, par = idx[:m], par[:m]
@@ -888,9 +895,12 @@ class _AugmentGraphs:
 
     Host time, not device time, limited the stage (issue 21: ~400 small ops per batch of 256 for two
     RandAugment layers, each launched from Python in the training process). Here each (layer, family,
-    padded image count) is one CUDA graph, captured the first time it is needed (a warm-up on a copy, then
-    the capture, on a side stream; ``capture_error_mode="thread_local"`` so that the training thread's own
-    CUDA calls are allowed meanwhile) and replayed after that: one launch instead of ~70 ops. The shapes a
+    padded image count) is one CUDA graph, replayed for every batch: one launch instead of ~70 ops. All of
+    them (layers x families x 16 counts) are captured at the first batch, each after a warm-up run on a
+    scratch buffer, on a side stream: a capture registers the default CUDA generator, and any random number
+    drawn by another thread meanwhile (the training step's dropout) would fail ("Offset increment outside
+    graph capture"), so no capture may happen once training runs beside the stage
+    (:class:`DevicePrefetcher` runs the first batch in the consumer's thread for this). The shapes a
     graph sees are fixed: the images live in :attr:`x` (``[n + q, 3, H, W]``, the last ``q`` rows scratch
     images for the padding of :class:`_Layer` with ``quantum=q``) and the plan in :attr:`plan` (one int64
     buffer with a fixed layout, filled by one host-to-device copy per batch). All graphs share one memory
@@ -933,34 +943,66 @@ class _AugmentGraphs:
         return self.plan
 
     def run(self, layers: list[_Layer], segs: list[Tensor], s_fill: int) -> None:
-        """Apply ``layers`` to :attr:`x` (``segs``: views of :attr:`plan`; ``s_fill``: the fill colour's slot)."""
+        """Apply ``layers`` to :attr:`x` (``segs``: views of :attr:`plan`; ``s_fill``: the fill colour's slot);
+        the first call for a layout captures every graph the layout can need (:meth:`capture_all`)."""
+        if not self.graphs:
+            self.capture_all(layers, segs, s_fill)
         for k, layer in enumerate(layers):
             for f, m in layer.sizes.items():
-                if m == 0:
-                    continue
-                key = (k, f, m)
-                graph = self.graphs.get(key)
-                if graph is None:
-                    graph = self.graphs[key] = self._capture(functools.partial(self._body, layer, f, segs, s_fill))
-                graph.replay()
+                if m:
+                    self.graphs[k, f, m].replay()
 
-    @staticmethod
-    def _body(layer: _Layer, f: str, segs: list[Tensor], s_fill: int, x: Tensor) -> None:
-        layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1))
+    def capture_all(self, layers: list[_Layer], segs: list[Tensor], s_fill: int) -> None:
+        """Capture the graph of every (layer, family, count ``q, 2q, ..., ceil(n / q) q``)."""
+        cap = -(-self.n // self.quantum) * self.quantum
+        with self._capturing() as scratch:
+            for k, layer in enumerate(layers):
+                for f in layer.slots:
+                    for m in range(self.quantum, cap + 1, self.quantum):
+                        body = functools.partial(self._body, layer, f, m, segs, s_fill)
+                        self.graphs[k, f, m] = self._capture(body, scratch)
 
-    def _capture(self, body: Callable[[Tensor], None]) -> torch.cuda.CUDAGraph:
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[Tensor]:
+        """Captures run on the side stream (after the current stream's work so far); yields a zero scratch
+        batch for the warm-ups."""
         current = torch.cuda.current_stream(self.device)
         self.side.wait_stream(current)
         with torch.cuda.stream(self.side):
-            body(self.x.clone())  # lazy initialisation (kernels, cuDNN) outside the capture; x keeps its values
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                body(self.x)
-            finally:
-                graph.capture_end()
+            yield torch.zeros_like(self.x)
         current.wait_stream(self.side)
+
+    def _capture(self, body: Callable[[Tensor], None], scratch: Tensor) -> torch.cuda.CUDAGraph:
+        body(scratch)  # lazy initialisation (kernels, cuDNN) outside the capture; x keeps its values
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            body(self.x)
+        finally:
+            graph.capture_end()
         return graph
+
+    @staticmethod
+    def _body(layer: _Layer, f: str, m: int, segs: list[Tensor], s_fill: int, x: Tensor) -> None:
+        layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1), m)
+
+
+def _index_dtype(device: torch.device) -> torch.dtype:
+    """int32 where ``gather`` / ``scatter_add_`` take int32 indices on ``device`` (half the bytes of int64 for
+    the per-pixel indices of :func:`_lut_family`), else int64; probed once per device type."""
+    dt = _INDEX_DTYPE.get(device.type)
+    if dt is None:
+        try:
+            i = torch.zeros(1, 2, dtype=torch.int32, device=device)
+            torch.zeros(1, 4, device=device).scatter_add_(1, i, torch.ones(1, 2, device=device)).gather(1, i)
+            dt = torch.int32
+        except (RuntimeError, TypeError):
+            dt = torch.int64
+        _INDEX_DTYPE[device.type] = dt
+    return dt
+
+
+_INDEX_DTYPE: dict[str, torch.dtype] = {}
 
 
 def _lut_family(x: Tensor, par: Tensor) -> Tensor:
@@ -968,11 +1010,11 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     ``[n, 9]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
     each channel's min and max) and Equalize (torchvision's ``equalize``: PIL's LUT from each channel's
     histogram; a channel with one level apart from its maximum is kept) read the image; the rest are fixed
-    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``)."""
+    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``). The pixels index
+    the tables and histograms as int32 where the device allows (:func:`_index_dtype`)."""
     n, _, h, w = x.shape
     dev = x.device
-    xi = x.to(torch.int64)
-    flat_idx = xi + torch.arange(n * 3, device=dev).mul_(256).view(n, 3, 1, 1)  # into the [n * 3 * 256] tables
+    xi = x.to(_index_dtype(dev)).view(n, 3, h * w)  # levels as indices into each [n, 3] row's 256 entries
     pf = par.to(torch.float32)
     mask, t, f, add, c0, c1, is_con, is_ac, is_eq = pf.view(n, 9, 1, 1).unbind(1)  # each [n, 1, 1]
     vi = torch.arange(256, device=dev)
@@ -983,22 +1025,20 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     low = ((d + f * (vm - d)).clamp(0, 255).floor() + add).clamp(max=255)
     lut = torch.where(v < t, low, c0 + c1 * vm)  # [n, 1, 256]
     # AutoContrast: per channel lo..hi -> 0..255, int() of the LUT value (PIL builds it in float64)
-    lo = x.amin(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)  # [n, 3, 1]
-    hi = x.amax(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)
+    lo, hi = (e.to(torch.float64).unsqueeze(-1) for e in torch.aminmax(x.view(n, 3, h * w), dim=-1))  # [n, 3, 1]
     vd = vi.to(torch.float64)
     scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
     auto = torch.where(hi > lo, (vd * scale - lo * scale).floor().clamp(0, 255), vd).to(torch.float32)
     # Equalize (torchvision.transforms.v2.functional.equalize, batched)
-    hist = torch.zeros(n * 3 * 256, dtype=torch.int32, device=dev)
-    hist.scatter_add_(0, flat_idx.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(flat_idx.numel()))
-    hist = hist.view(n, 3, 256)
+    hist = torch.zeros(n, 3, 256, dtype=torch.int32, device=dev)
+    hist.scatter_add_(2, xi, torch.ones(1, 1, 1, dtype=torch.int32, device=dev).expand(xi.shape))
     cum = hist.cumsum(dim=-1)
     step = (h * w - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
     eq = (cum[..., :-1] + step // 2).div(step.clamp(min=1), rounding_mode="floor").clamp(0, 255)
     eq = torch.cat([torch.zeros_like(eq[..., :1]), eq], dim=-1).to(torch.float32)
     eq = torch.where(step != 0, eq, v)
     table = torch.where(is_ac > 0, auto, torch.where(is_eq > 0, eq, lut))  # [n, 3, 256]
-    return table.reshape(-1).take(flat_idx)
+    return table.gather(2, xi).view(n, 3, h, w)
 
 
 def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor | None = None) -> Tensor:
@@ -1175,8 +1215,9 @@ class GpuPipeline:
             fill = segs[s_fill].to(x.dtype).view(1, 3, 1, 1)
             for layer in layers:
                 layer(x, segs, fill)
-        norm = segs[s_norm].to(x.dtype).view(2, 1, 3, 1, 1)
-        x = x.div(255).sub_(norm[0]).div_(norm[1])
+        mean, std = segs[s_norm].view(2, 1, 3, 1, 1).unbind(0)  # float64
+        # (x / 255 - mean) / std in one pass over the batch: -mean / std + x / (255 std)
+        x = torch.addcmul((-mean / std).to(x.dtype), x, (1 / (255 * std)).to(x.dtype))
         if "erase" in p:
             self._erase(x, p["erase"], p["seed"])
         return x
@@ -1250,7 +1291,9 @@ class DevicePrefetcher:
     (``record_stream`` keeps the caching allocator from reusing their memory early). The stage's host work
     (kernel launches, JPEG parsing) then overlaps the model's step instead of adding to it, and Lightning
     sees ready ``(images, labels)`` tensors on the device. Same batches in the same order as without it:
-    resume positions count the batches the trainer processed, not the ones prefetched.
+    resume positions count the batches the trainer processed, not the ones prefetched. The first batch of
+    each pass runs in the consumer's own thread before the background thread starts (the stage's one-time
+    CUDA graph captures must not overlap the training step: :class:`_AugmentGraphs`).
 
     Args:
         loader: iterable of :class:`EncodedBatch` (a DataLoader with :func:`collate_encoded`); ``len()``
@@ -1303,11 +1346,23 @@ class DevicePrefetcher:
             out.put(_END)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        it = iter(self.loader)
+        first = next(it, _END)
+        if first is _END:
+            return
+        # the first batch in the consumer's thread, before the background thread starts: the stage's one-time
+        # work (CUDA graph captures, which no other thread may overlap with random draws) happens here
+        x, y = self.stage(first.to(self.device))
         out: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
-        thread = threading.Thread(target=self._work, args=(iter(self.loader), out, stop), daemon=True,
-                                  name="mixlab-device-prefetch")
+        thread = threading.Thread(target=self._work, args=(it, out, stop), daemon=True, name="mixlab-device-prefetch")
         thread.start()
+        try:
+            yield x, y
+        except BaseException:
+            self._stop(thread, out, stop)
+            raise
+        del x, y
         try:
             while True:
                 item = out.get()
@@ -1323,10 +1378,14 @@ class DevicePrefetcher:
                     y.record_stream(current)
                 yield x, y
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    out.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
+            self._stop(thread, out, stop)
+
+    @staticmethod
+    def _stop(thread: threading.Thread, out: queue.Queue, stop: threading.Event) -> None:
+        stop.set()
+        while thread.is_alive():  # unblock a producer waiting on a full queue
+            try:
+                out.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        thread.join()

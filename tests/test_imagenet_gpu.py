@@ -6,6 +6,7 @@ Images are the photo-like synthetic JPEGs of ``write_synthetic_shards`` (96 x 72
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
@@ -463,8 +464,9 @@ def test_resized_crops_on_cuda_with_and_without_tf32():
 
 
 def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(samples):
-    """The prefetcher hands out exactly what the stage gives batch by batch; an error in the thread reaches
-    the consumer; leaving the loop early ends the thread."""
+    """The prefetcher hands out exactly what the stage gives batch by batch; the first batch runs in the
+    consumer's thread, the others in the background thread; an error in either reaches the consumer; leaving
+    the loop early ends the thread; an empty loader yields nothing."""
     tf = train_transform(32)
     params = TrainParams(tf)
     batches = []
@@ -487,6 +489,20 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
     with pytest.raises(ValueError, match="broken shard"):
         list(DevicePrefetcher(batches, bad_stage, "cpu"))
     import threading
+
+    threads = []
+
+    def stage_in(b):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 3:
+            raise ValueError("broken third batch")
+        return pipe(b)
+
+    with pytest.raises(ValueError, match="broken third batch"):  # an error in the background thread, too
+        list(DevicePrefetcher(batches, stage_in, "cpu"))
+    # the first batch (one-time work: CUDA graph captures) in the consumer's thread, the rest in the background
+    assert threads[0] == threading.current_thread().name and set(threads[1:]) == {"mixlab-device-prefetch"}
+    assert list(DevicePrefetcher([], pipe, "cpu")) == []
 
     it = iter(DevicePrefetcher(batches, pipe, "cpu", depth=1))
     next(it)
@@ -619,15 +635,20 @@ class _EagerGraphs(_AugmentGraphs):
     def end(self):
         pass
 
-    def _capture(self, body):
+    @contextlib.contextmanager
+    def _capturing(self):
+        yield torch.zeros_like(self.x)
+
+    def _capture(self, body, scratch):
+        body(scratch)
         self.captures += 1
         return type("G", (), {"replay": staticmethod(lambda: body(self.x))})()
 
 
 def test_augment_graph_replays_equal_the_eager_stage(samples):
     """The graph path's Python side on the CPU (:class:`_EagerGraphs`): static image and plan buffers with a
-    fixed layout, one captured body per (layer, family, padded count), replayed for later batches with other
-    draws. Every batch equals the eager stage's output exactly, and later batches reuse the captures."""
+    fixed layout, every (layer, family, padded count) captured at the first batch (24 images: quantum
+    ceil(24 / 16) = 2, so 12 counts x 3 families x 2 layers), replayed for later batches with other draws. Every batch equals the eager stage's output exactly, and later batches capture nothing."""
     tf = train_transform(32)
     batch, names = _recipe_batch(samples, tf)
     n = len(batch)
@@ -644,7 +665,7 @@ def test_augment_graph_replays_equal_the_eager_stage(samples):
         assert torch.equal(x, want) and torch.equal(y, y_want)
         assert x.data_ptr() != graphs.x.data_ptr()  # a new tensor: the next batch reuses the buffer
         captured.append(graphs.captures)
-    assert captured[0] > 0 and captured[-1] == captured[-2], captured
+    assert captured == [2 * 3 * 12] * len(draws), captured
     assert len(graphs.graphs) == captured[-1]
     plan = graphs.plan
     pipe(_with_ops(batch, draws[1]))
