@@ -582,9 +582,10 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     groups (fewer only for fewer images; more only where a group's padded float32 copy would exceed
     ``max_bytes``) chosen to minimise the padded work (:func:`_split_groups`); each group is padded to its
     largest crop height ``hm`` and width ``wm`` (rounded up to multiples of 4: aligned GEMM rows) and runs two
-    batched GEMMs in the cheaper order for those sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns
-    first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three channels of a crop share its matrices: ``X`` is laid
-    out ``[hm, 3, wm]`` so that each GEMM is one ``bmm`` over the group without broadcast copies.
+    batched GEMMs in the cheaper order for those sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)``
+    multiply-adds per image and channel) or columns first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three
+    channels of a crop share its matrices: ``X`` is laid out ``[hm, 3, wm]`` so that each GEMM is one ``bmm``
+    over the group without broadcast copies.
 
     Equals ``torchvision.transforms.functional.resized_crop(img, *box, size, BICUBIC, antialias=True)`` on
     uint8 images (rounded and clamped to 0..255) up to float32 summation order, except for TF32 on CUDA:
@@ -1180,7 +1181,8 @@ class GpuPipeline:
         x = torch.where(p["flip"].to(dev, non_blocking=True).view(-1, 1, 1, 1), x.flip(-1), x).float()
         return x if out is None else out.copy_(x)
 
-    def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int], quantum: int | None = None) -> list[_Layer]:
+    def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int],
+               quantum: int | None = None) -> list[_Layer]:
         """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``), in the CPU
         path's order, planned into ``up`` from the draws ``p`` (:meth:`TrainParams.__call__`)."""
         out = []

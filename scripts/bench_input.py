@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="decode gpu: also profile the device stage over N calls (phases, top kernels)")
     p.add_argument("--no-cuda-graphs", action="store_true",
-                   help="decode gpu: launch the training augmentation's ops eagerly (the datamodule's cuda_graphs: false)")
+                   help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")

@@ -648,7 +648,8 @@ class _EagerGraphs(_AugmentGraphs):
 def test_augment_graph_replays_equal_the_eager_stage(samples):
     """The graph path's Python side on the CPU (:class:`_EagerGraphs`): static image and plan buffers with a
     fixed layout, every (layer, family, padded count) captured at the first batch (24 images: quantum
-    ceil(24 / 16) = 2, so 12 counts x 3 families x 2 layers), replayed for later batches with other draws. Every batch equals the eager stage's output exactly, and later batches capture nothing."""
+    ceil(24 / 16) = 2, so 12 counts x 3 families x 2 layers), replayed for later batches with other draws.
+    Every batch equals the eager stage's output exactly, and later batches capture nothing."""
     tf = train_transform(32)
     batch, names = _recipe_batch(samples, tf)
     n = len(batch)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch import Tensor
 import triton.language as tl
+from torch import Tensor
 
 __all__ = ["RopeQKV", "rope_qkv", "pack_rope"]
 
