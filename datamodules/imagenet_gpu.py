@@ -565,12 +565,6 @@ def _split_groups(h: np.ndarray, w: np.ndarray, size: tuple[int, int], k: int, m
     return runs[::-1]
 
 
-def _align(n: int, k: int = 4) -> int:
-    """``n`` rounded up to a multiple of ``k``: float32 rows of that length start 16-byte aligned, so cuBLAS
-    takes its vectorised (``align4``) GEMM kernels instead of ``align1`` ones (H200 profile, issue 21)."""
-    return -(-n // k) * k
-
-
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None,
                   tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None) -> Tensor:
@@ -581,11 +575,10 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     matrices (float32; a flip reverses ``Wx``'s rows). The crops, sorted by area, are split into ``groups``
     groups (fewer only for fewer images; more only where a group's padded float32 copy would exceed
     ``max_bytes``) chosen to minimise the padded work (:func:`_split_groups`); each group is padded to its
-    largest crop height ``hm`` and width ``wm`` (rounded up to multiples of 4: aligned GEMM rows) and runs two
-    batched GEMMs in the cheaper order for those sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)``
-    multiply-adds per image and channel) or columns first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three
-    channels of a crop share its matrices: ``X`` is laid out ``[hm, 3, wm]`` so that each GEMM is one ``bmm``
-    over the group without broadcast copies.
+    largest crop height ``hm`` and width ``wm`` and runs two batched GEMMs in the cheaper order for those
+    sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns
+    first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three channels of a crop share its matrices: ``X`` is laid
+    out ``[hm, 3, wm]`` so that each GEMM is one ``bmm`` over the group without broadcast copies.
 
     Equals ``torchvision.transforms.functional.resized_crop(img, *box, size, BICUBIC, antialias=True)`` on
     uint8 images (rounded and clamped to 0..255) up to float32 summation order, except for TF32 on CUDA:
@@ -651,7 +644,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     plan, axes = [], []
     for start, end in runs:
         s = slice(start, end)
-        hm, wm = _align(int(h[s].max())), _align(int(w[s].max()))  # aligned rows: vectorised GEMM loads
+        hm, wm = int(h[s].max()), int(w[s].max())
         # flat offsets of each padded crop row (rows past the crop repeat its last row: zero weights) [g, hm, 1] and
         # of each channel [g, 1, 3]
         rows = (base[s] + t[s] * width[s] + le[s])[:, None] + np.minimum(np.arange(hm), h[s, None] - 1) * width[s, None]
@@ -673,7 +666,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
 
     flat = _flatten_dense_tensors(imgs + [torch.zeros(max(p[3] for p in plan), dtype=torch.uint8, device=dev)])
     size_, res, offs, flips = segs[s_axes].unbind(0)
-    wyx = aa_resample_weights(size_, mo, _align(int(axes[0].max())), res, offs, taps, flips)  # [2 B, mo, n]
+    wyx = aa_resample_weights(size_, mo, int(axes[0].max()), res, offs, taps, flips)  # [2 B, mo, n]
     st = wyx.stride()
     y = torch.empty(n, oh, 3, ow, device=dev, dtype=torch.float32)  # images in sorted order
     for start, g, hm, wm, rows_first, s_rows, s_chans in plan:
@@ -988,34 +981,16 @@ class _AugmentGraphs:
         layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1), m)
 
 
-def _index_dtype(device: torch.device) -> torch.dtype:
-    """int32 where ``gather`` / ``scatter_add_`` take int32 indices on ``device`` (half the bytes of int64 for
-    the per-pixel indices of :func:`_lut_family`), else int64; probed once per device type."""
-    dt = _INDEX_DTYPE.get(device.type)
-    if dt is None:
-        try:
-            i = torch.zeros(1, 2, dtype=torch.int32, device=device)
-            torch.zeros(1, 4, device=device).scatter_add_(1, i, torch.ones(1, 2, device=device)).gather(1, i)
-            dt = torch.int32
-        except (RuntimeError, TypeError):
-            dt = torch.int64
-        _INDEX_DTYPE[device.type] = dt
-    return dt
-
-
-_INDEX_DTYPE: dict[str, torch.dtype] = {}
-
-
 def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     """Point ops as per-image, per-channel lookup tables: x float32 ``[n, 3, H, W]`` levels, par float64
     ``[n, 9]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
     each channel's min and max) and Equalize (torchvision's ``equalize``: PIL's LUT from each channel's
     histogram; a channel with one level apart from its maximum is kept) read the image; the rest are fixed
-    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``). The pixels index
-    the tables and histograms as int32 where the device allows (:func:`_index_dtype`)."""
+    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``)."""
     n, _, h, w = x.shape
     dev = x.device
-    xi = x.to(_index_dtype(dev)).view(n, 3, h * w)  # levels as indices into each [n, 3] row's 256 entries
+    xi = x.to(torch.int64)
+    flat_idx = xi + torch.arange(n * 3, device=dev).mul_(256).view(n, 3, 1, 1)  # into the [n * 3 * 256] tables
     pf = par.to(torch.float32)
     mask, t, f, add, c0, c1, is_con, is_ac, is_eq = pf.view(n, 9, 1, 1).unbind(1)  # each [n, 1, 1]
     vi = torch.arange(256, device=dev)
@@ -1026,20 +1001,22 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     low = ((d + f * (vm - d)).clamp(0, 255).floor() + add).clamp(max=255)
     lut = torch.where(v < t, low, c0 + c1 * vm)  # [n, 1, 256]
     # AutoContrast: per channel lo..hi -> 0..255, int() of the LUT value (PIL builds it in float64)
-    lo, hi = (e.to(torch.float64).unsqueeze(-1) for e in torch.aminmax(x.view(n, 3, h * w), dim=-1))  # [n, 3, 1]
+    lo = x.amin(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)  # [n, 3, 1]
+    hi = x.amax(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)
     vd = vi.to(torch.float64)
     scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
     auto = torch.where(hi > lo, (vd * scale - lo * scale).floor().clamp(0, 255), vd).to(torch.float32)
     # Equalize (torchvision.transforms.v2.functional.equalize, batched)
-    hist = torch.zeros(n, 3, 256, dtype=torch.int32, device=dev)
-    hist.scatter_add_(2, xi, torch.ones(1, 1, 1, dtype=torch.int32, device=dev).expand(xi.shape))
+    hist = torch.zeros(n * 3 * 256, dtype=torch.int32, device=dev)
+    hist.scatter_add_(0, flat_idx.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(flat_idx.numel()))
+    hist = hist.view(n, 3, 256)
     cum = hist.cumsum(dim=-1)
     step = (h * w - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
     eq = (cum[..., :-1] + step // 2).div(step.clamp(min=1), rounding_mode="floor").clamp(0, 255)
     eq = torch.cat([torch.zeros_like(eq[..., :1]), eq], dim=-1).to(torch.float32)
     eq = torch.where(step != 0, eq, v)
     table = torch.where(is_ac > 0, auto, torch.where(is_eq > 0, eq, lut))  # [n, 3, 256]
-    return table.gather(2, xi).view(n, 3, h, w)
+    return table.reshape(-1).take(flat_idx)
 
 
 def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor | None = None) -> Tensor:
@@ -1217,9 +1194,8 @@ class GpuPipeline:
             fill = segs[s_fill].to(x.dtype).view(1, 3, 1, 1)
             for layer in layers:
                 layer(x, segs, fill)
-        mean, std = segs[s_norm].view(2, 1, 3, 1, 1).unbind(0)  # float64
-        # (x / 255 - mean) / std in one pass over the batch: -mean / std + x / (255 std)
-        x = torch.addcmul((-mean / std).to(x.dtype), x, (1 / (255 * std)).to(x.dtype))
+        norm = segs[s_norm].to(x.dtype).view(2, 1, 3, 1, 1)
+        x = x.div(255).sub_(norm[0]).div_(norm[1])  # a new tensor: the graphs' buffer is reused by the next batch
         if "erase" in p:
             self._erase(x, p["erase"], p["seed"])
         return x
