@@ -189,11 +189,14 @@ def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
     return err
 
 
-def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False):
+def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False, compiled=False):
     """RoPE's in-place path (``rotary_impl="triton"``: q, k rotated inside the packed qkv by RopeQKV) against
-    the torch path (QKVSplit views + rotation): output, input gradient, every parameter gradient."""
+    the torch path (QKVSplit views + rotation): output, input gradient, every parameter gradient. With
+    ``compiled``: the fast layer under ``torch.compile`` (``fullgraph=True``), where the rotation runs as the
+    custom op ``mixlab::rope_qkv`` with its registered backward; plus ``torch.library.opcheck`` of the op."""
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
+    from mixlab.ops.rope_triton import rope_qkv
 
     torch.manual_seed(seed)
     args = dict(d_model=H * d_h, n_heads=H, causal=causal, position="rope", bias=bias)
@@ -207,30 +210,9 @@ def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False):
         pos = torch.randint(0, 9, (B if per_sample else 1, T, axes))
         c = Coords(pos.to(DEV), (torch.rand(B if per_sample else 1, T, axes) > 0.2).to(DEV))
     x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
-    return _compare_layers(ref, (fast, fast), x, gy, c, backward_node="RopeQKVBackward")
-
-
-
-def compiled_rope_case(B, T, H, d_h, axes, per_sample, seed):
-    """RoPE under ``torch.compile`` (``fullgraph=True``): the rotation through the custom op
-    ``mixlab::rope_qkv`` and its registered backward against the eager torch rotation (output, input and
-    parameter gradients); plus ``torch.library.opcheck`` of the op."""
-    from mixlab.coords import Coords
-    from mixlab.mixers.attention import Attention
-    from mixlab.ops.rope_triton import rope_qkv
-
+    if not compiled:
+        return _compare_layers(ref, (fast, fast), x, gy, c, backward_node="RopeQKVBackward")
     backend = "inductor" if DEV.type == "cuda" else "aot_eager"
-    torch.manual_seed(seed)
-    args = dict(d_model=H * d_h, n_heads=H, causal=True, position="rope")
-    ref = Attention(**args, position_args=dict(axes=axes, rotary_impl="torch"))
-    fast = Attention(**args, position_args=dict(axes=axes, rotary_impl="triton"))
-    fast.load_state_dict(ref.state_dict())
-    ref, fast = ref.to(DEV), fast.to(DEV)
-    if axes == 1 and not per_sample:
-        c = Coords.seq(T, device=DEV)
-    else:
-        c = Coords(torch.randint(0, 9, (B if per_sample else 1, T, axes)).to(DEV))
-    x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
     err = _compare_layers(ref, (fast, torch.compile(fast, backend=backend, fullgraph=True)), x, gy, c)
     cos, sin = (t.squeeze(1).float().contiguous() for t in fast.pos._cos_sin(c, torch.float32))
     qkv = torch.randn(B * T, 3 * H * d_h, device=DEV, requires_grad=True)
@@ -238,15 +220,14 @@ def compiled_rope_case(B, T, H, d_h, axes, per_sample, seed):
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return err
 
-
 res = {
     "rope_causal_T37": rope_case(3, 37, 2, 16, 1, True, False, 25),
     "rope_T1": rope_case(2, 1, 2, 8, 1, True, False, 26),
     "rope_2d_per_sample_bias": rope_case(2, 20, 3, 24, 2, False, True, 27, bias=True),
     "compiled_layer_causal_T37": compiled_case(2, 37, 2, 16, 2, 1, True, 23),
     "compiled_layer_2d": compiled_case(3, 20, 2, 16, 2, 2, False, 24),
-    "compiled_rope_T37": compiled_rope_case(2, 37, 2, 16, 1, False, 28),
-    "compiled_rope_2d_per_sample": compiled_rope_case(3, 20, 2, 24, 2, True, 29),
+    "compiled_rope_T37": rope_case(2, 37, 2, 16, 1, True, False, 28, compiled=True),
+    "compiled_rope_2d_per_sample": rope_case(3, 20, 2, 24, 2, True, True, 29, compiled=True),
     "split_plain_T37": split_case(3, 37, 2, 24, 20),
     "split_plain_T1": split_case(1, 1, 3, 16, 21),
     "layer_causal_T70": layer_case(3, 70, 2, 16, 2, 1, True, False, False, 10),
