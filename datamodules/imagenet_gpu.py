@@ -14,13 +14,15 @@ module splits the same recipe in two:
   and the boxes of timm ``RandomErasing._erase``. With the same per-sample seed the parameters equal the
   CPU path's draws exactly (tests check it). :func:`encode_sample` returns them with the bytes;
   :func:`collate_encoded` packs a batch (:class:`EncodedBatch`).
-* **the accelerator** (:class:`GpuPipeline`, called from the datamodule's ``on_after_batch_transfer``):
+* **the accelerator** (:class:`GpuPipeline`, run by the datamodule's :class:`DevicePrefetcher` in a background
+  thread, ``prefetch_batches`` ahead, or with ``prefetch_batches: 0`` from ``on_after_batch_transfer``):
   ``torchvision.io.decode_jpeg(list, device=...)`` for the whole batch, the crop + bicubic (antialiased)
   resize of the whole batch (:func:`resized_crops`), then the augmentations batched *with per-sample
   parameters*, normalisation and random erasing. The same code runs with ``device='cpu'`` (the tests).
   Its device ops per batch are a fixed sequence: they depend neither on which RandAugment ops the images
-  drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), and all per-batch
-  parameters reach the device in one transfer, with no host-device synchronisation in the stage.
+  drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), the per-batch
+  parameters reach the device in two transfers (the augmentation plan, the erasing boxes), and nothing in
+  the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs (:class:`_AugmentGraphs`).
 
 Why not ``torchvision.transforms.v2.RandAugment`` / ``ColorJitter`` / ``RandomErasing`` on the batch: a
 v2 transform draws one parameter set per call, so on a ``[B, 3, H, W]`` batch every image would get the
@@ -897,7 +899,8 @@ class _AugmentGraphs:
     (:class:`DevicePrefetcher` runs the first batch in the consumer's thread for this). The shapes a
     graph sees are fixed: the images live in :attr:`x` (``[n + q, 3, H, W]``, the last ``q`` rows scratch
     images for the padding of :class:`_Layer` with ``quantum=q``) and the plan in :attr:`plan` (one int64
-    buffer with a fixed layout, filled by one host-to-device copy per batch). All graphs share one memory
+    buffer with a fixed layout, filled by one host-to-device copy per batch; the layout follows from the
+    batch size and the recipe, fixed for a pipeline, so the captures happen once). All graphs share one memory
     pool: each reads and writes only these two buffers, so no graph's memory outlives its replay and any
     replay order is safe. A batch of another size runs eagerly (the caller's choice).
 
@@ -1056,15 +1059,20 @@ class GpuPipeline:
         transform: the split's timm transform (``Compose``) as the CPU path would use it: training
             (:class:`TrainParams` reads its steps) or evaluation (its first two steps, Resize or
             ResizeKeepRatio and CenterCrop, run on the decoded tensors; then Normalize).
+        train: ``transform`` is the training one (augmentation parameters in the batches) or evaluation.
+        cuda_graphs: training batches on a CUDA device replay the colour-jitter / RandAugment layers as
+            CUDA graphs (:class:`_AugmentGraphs`, built at the first batch, for that batch size); no effect
+            on the CPU, for evaluation, or for a batch of another size (eager, the same images).
 
     ``__call__(batch)`` returns images float32 ``[B', 3, H, W]`` (normalised, on ``batch.labels.device``)
     and labels int64 ``[B']``; ``B' = B`` minus images no decoder could read (counted, warned).
 
     Device work per batch: one batched decode, the batched crop-resize (:func:`resized_crops`), then each
     colour-jitter step / RandAugment layer as one :class:`_Layer` (a fixed sequence of ops per op family,
-    whatever the images drew), normalisation and random erasing; the parameters of all of these (built on
-    the host with NumPy from the workers' draws) reach the device in one transfer, and nothing in the stage
-    waits for the device (no ``.item()``, ``nonzero``, blocking copy).
+    whatever the images drew; replayed as CUDA graphs with ``cuda_graphs``), normalisation and random erasing;
+    the parameters of all of these (built on the host with NumPy from the workers' draws) reach the device in
+    two transfers (the layers' plan, the erasing boxes), and nothing in the stage waits for the device (no
+    ``.item()``, ``nonzero``, blocking copy).
     """
 
     def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True) -> None:

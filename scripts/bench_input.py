@@ -155,6 +155,16 @@ def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15
     return lines
 
 
+def of_model(ips: float, model_ips: float) -> str:
+    """Note of an end-to-end row: its rate as a share of the model alone, flagged when above it (impossible for
+    a steady state: the model row was slowed, e.g. by a busy host, or the timed batches were prepared during
+    the warm-up; rerun on an idle host with more ``--batches``)."""
+    note = f"{ips / model_ips:.0%} of the model alone"
+    if ips > 1.05 * model_ips:
+        note += " (above the model alone: not a steady state; rerun on an idle host with more --batches)"
+    return note
+
+
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
     import timm
 
@@ -373,12 +383,12 @@ def main(argv: list[str] | None = None) -> str:
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,
-                    f"{1000 * a.batch_size / ips:.1f}", f"{ips / model_ips:.0%} of the model alone")
+                    f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
                 if mode == "gpu" and a.prefetch:
                     ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step,
                                          prefetch=a.prefetch)
                     row(split, mode, f"end to end, device stage prefetched ({a.prefetch} ahead)", ips,
-                        f"{1000 * a.batch_size / ips:.1f}", f"{ips / model_ips:.0%} of the model alone")
+                        f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])

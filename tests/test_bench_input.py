@@ -52,3 +52,13 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
 
     ops = int(re.search(r"ops per batch of 8: train ([\d,]+) ", text).group(1).replace(",", ""))
     assert ops > 300 and "0 syncing" in text  # the ops inside the phase labels are counted (it read 1 once)
+
+
+def test_end_to_end_rows_above_the_model_alone_are_flagged(monkeypatch):
+    """An end-to-end rate above the model-alone rate is not a steady state (a model row slowed by a busy
+    host, batches prepared during the warm-up): the row says so instead of printing e.g. 1538% silently."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    assert bench_input.of_model(4583, 5568) == "82% of the model alone"
+    assert bench_input.of_model(157 * 15, 157).startswith("1500% of the model alone (above the model alone: not a ")

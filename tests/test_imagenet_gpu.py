@@ -765,3 +765,15 @@ def test_gpu_mode_loader_runs_under_the_spawn_start_method(shards):
     for b, b0 in zip(got, want):
         assert torch.equal(b.labels, b0.labels) and b.params.keys() == b0.params.keys()
         assert all(torch.equal(b.params[k], b0.params[k]) for k in b.params)
+
+
+def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
+    """The line logged when the train loader is built names the decode mode, the device stage's place and
+    whether the RandAugment layers replay CUDA graphs (on a CPU device ``cuda_graphs`` is said to do nothing)."""
+    dm = ImageNetDataModule(train_path="x.tar", decode="cpu", num_workers=3)
+    assert dm.pipeline_summary() == "decode cpu: JPEG decoding and augmentation in 3 DataLoader worker(s)"
+    text = ImageNetDataModule(train_path="x.tar", decode="gpu").pipeline_summary()
+    assert "on cpu" in text and "2 batch(es) ahead" in text and "cuda_graphs has no effect on a CPU device" in text
+    dm = ImageNetDataModule(train_path="x.tar", decode="gpu", cuda_graphs=False, prefetch_batches=0)
+    text = dm.pipeline_summary()
+    assert "in on_after_batch_transfer" in text and text.endswith("launched op by op")
