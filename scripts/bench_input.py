@@ -392,11 +392,13 @@ def main(argv: list[str] | None = None) -> str:
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])
+    graphs_mode = ("launched op by op (--no-cuda-graphs)" if a.no_cuda_graphs else "in CUDA graphs"
+                   if device.type == "cuda" else "launched op by op (CUDA graphs need a CUDA device)")
     lines = [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
              f"- device: {device_name(device)}; torch {torch.__version__}",
              f"- data: {what if a.shards is None else train_pattern}",
              f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed; training "
-             f"augmentation {'launched eagerly' if a.no_cuda_graphs else 'in CUDA graphs (on CUDA)'}",
+             f"augmentation (decode gpu) {graphs_mode}",
              f"- command: `{cmd}`", "",
              "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
              "|---|---|---|---|---:|---:|---|"]
