@@ -512,11 +512,15 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             raise ValueError(f"ImageNetDataModule: {split}_path is not set (needed for the {split} dataloader)")
         return p
 
+    def _root_device(self) -> torch.device | None:
+        """The trainer's root device, or None without a trainer."""
+        return getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+
     def decode_mode(self) -> str:
         """``"cpu"`` or ``"gpu"``: ``decode`` with ``"auto"`` resolved (see the class docstring)."""
         if self.decode != "auto":
             return self.decode
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        device = self._root_device()
         gpu = self.format == "wds" and torch.cuda.is_available() and getattr(device, "type", None) == "cuda"
         return "gpu" if gpu else "cpu"
 
@@ -637,7 +641,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
         if self.decode_mode() == "cpu":
             return f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s)"
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None) or torch.device("cpu")
+        device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
         if self.cuda_graphs and device.type == "cuda":
@@ -649,7 +653,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     def prefetched(self, loader: Any, train: bool) -> Any:
         """``loader`` behind a :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher` running the device
         stage (``decode: gpu``, ``prefetch_batches > 0``, a trainer's root device known); else ``loader``."""
-        device = getattr(getattr(self.trainer, "strategy", None), "root_device", None)
+        device = self._root_device()
         if self.decode_mode() != "gpu" or self.prefetch_batches == 0 or device is None:
             return loader
         from mixlab.datamodules.imagenet_gpu import DevicePrefetcher

@@ -844,17 +844,16 @@ class _Layer:
             codes = interp[idx]
             if f == "affine" and not np.isin(codes, self.modes).all():
                 raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in {self.modes}")
-            mode = np.searchsorted(np.asarray(self.modes), codes)
             self.sizes[f] = len(idx)
             if quantum:  # fixed length; scratch images B .. B + q - 1 with identity parameters after the real ones
                 pad = -(-n // quantum) * quantum - len(idx)
                 self.sizes[f] = -(-len(idx) // quantum) * quantum
                 idx = np.concatenate([idx, n + np.arange(pad) % quantum])
                 par = np.concatenate([par, np.tile(_IDENTITY[f], (pad, 1))])
-                mode = np.concatenate([mode, np.zeros(pad, np.int64)])
+                codes = np.concatenate([codes, np.full(pad, self.modes[0])])
             slot = [up.add(idx), up.add(par)]
             if f == "affine" and len(self.modes) > 1:
-                slot.append(up.add(mode))
+                slot.append(up.add(np.searchsorted(np.asarray(self.modes), codes)))
             self.slots[f] = slot
 
     def run(self, f: str, x: Tensor, segs: list[Tensor], fill: Tensor, m: int | None = None) -> None:
@@ -863,13 +862,10 @@ class _Layer:
         ``fill``: float ``[1, 3, 1, 1]`` levels outside the image (geometric ops); ``m``: run on the first ``m``
         entries of the family's arrays (default :attr:`sizes`)."""
         slot, m = self.slots[f], self.sizes[f] if m is None else m
-        idx, par = segs[slot[0]], segs[slot[1]]
-        if m != len(idx):
-            idx, par = idx[:m], par[:m]
+        idx, par = segs[slot[0]][:m], segs[slot[1]][:m]
         sub = x.index_select(0, idx)
         if f == "affine":
-            mode = None if len(slot) < 3 else segs[slot[2]] if m == len(segs[slot[2]]) else segs[slot[2]][:m]
-            y = _pil_affine(sub, par, self.modes, fill, mode)
+            y = _pil_affine(sub, par, self.modes, fill, segs[slot[2]][:m] if len(slot) > 2 else None)
         elif f == "blend":
             sharp, factor = par.to(x.dtype).view(m, 2, 1, 1, 1).unbind(1)
             y = _blend(torch.where(sharp > 0, _smooth(sub), _gray(sub)), sub, factor)
@@ -1345,11 +1341,7 @@ class DevicePrefetcher:
         thread.start()
         try:
             yield x, y
-        except BaseException:
-            self._stop(thread, out, stop)
-            raise
-        del x, y
-        try:
+            del x, y
             while True:
                 item = out.get()
                 if item is _END:
@@ -1364,14 +1356,10 @@ class DevicePrefetcher:
                     y.record_stream(current)
                 yield x, y
         finally:
-            self._stop(thread, out, stop)
-
-    @staticmethod
-    def _stop(thread: threading.Thread, out: queue.Queue, stop: threading.Event) -> None:
-        stop.set()
-        while thread.is_alive():  # unblock a producer waiting on a full queue
-            try:
-                out.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        thread.join()
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    out.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
