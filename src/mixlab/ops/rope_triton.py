@@ -121,7 +121,7 @@ class RopeQKV(torch.autograd.Function):
             raise ValueError(f"RopeQKV: cos/sin must be [1|{batch}, {T}, {HD // 2}] for head_dim {HD} and {axes} "
                              f"axes; got {tuple(cos.shape)}")
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        _rotate(qkv, cos, sin, batch, H, HD, axes)
+        _rotate(qkv, cos, sin, H, HD, axes)
         ctx.save_for_backward(cos, sin)
         ctx.args = (batch, H, HD, axes)
         return qkv.view(batch, T, 3, H, HD).permute(2, 0, 3, 1, 4).unbind(0)
@@ -136,7 +136,7 @@ def _meta(H: int, HD: int, axes: int, batched: bool) -> dict:
     return dict(H=H, HD=HD, HALF=HD // (2 * axes), NJ=HD // 2, JP=_pow2(HD // 2), BATCHED=batched, BLOCK_T=_BLOCK_T)
 
 
-def _rotate(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, H: int, HD: int, axes: int) -> None:
+def _rotate(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, HD: int, axes: int) -> None:
     """Rotate the q and k heads of the contiguous ``qkv [B * T, 3 H HD]`` in place (one kernel); ``cos, sin``
     float32 contiguous ``[B|1, T, HD / 2]``."""
     N, T = qkv.shape[0], cos.shape[1]
@@ -165,7 +165,7 @@ def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, he
     rotation from torch ops; one copy of ``qkv`` more than the eager path). ``cos, sin`` float32
     contiguous ``[B|1, T, d_h / 2]``."""
     out = qkv.contiguous().clone()
-    _rotate(out, cos, sin, batch, n_heads, head_dim, axes)
+    _rotate(out, cos, sin, n_heads, head_dim, axes)
     return out
 
 
