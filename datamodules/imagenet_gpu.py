@@ -380,7 +380,10 @@ class _Upload:
 
     def to(self, device: torch.device, out: Tensor | None = None) -> list[Tensor]:
         """The slots on ``device``: views of one fresh int64 buffer, or of ``out`` (int64, exactly the
-        parts' total length) after one copy into it (a buffer that CUDA graphs read)."""
+        parts' total length) after one copy into it (a buffer that CUDA graphs read).
+
+        Raises:
+            ValueError: ``out`` of another length than the parts together."""
         buf = torch.from_numpy(np.concatenate([p for p, _, _ in self.parts]) if self.parts else np.zeros(0, np.int64))
         if device.type == "cuda":
             buf = buf.pin_memory()

@@ -206,7 +206,11 @@ def pack_rope(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, h
               axes: int) -> tuple[Tensor, Tensor, Tensor]:
     """``q, k, v [B, H, T, d_h]`` of the packed projection ``qkv [B * T, 3 * H * d_h]`` with q and k rotated by
     the Triton kernels: in place (:class:`RopeQKV`) eagerly; under ``torch.compile`` through the custom op
-    :func:`rope_qkv` (out of place) with q, k, v views of its output. ``cos, sin``: ``[B|1, T, d_h / 2]``."""
+    :func:`rope_qkv` (out of place) with q, k, v views of its output. ``cos, sin``: ``[B|1, T, d_h / 2]``
+    (the GPT-NeoX half rotation of RoPE, Su et al. 2021, per axis block; see the module docstring).
+
+    Raises:
+        ValueError: ``qkv`` not ``[B*T, 3*H*d_h]`` (and, eagerly, the other checks of :class:`RopeQKV`)."""
     if torch.compiler.is_compiling():
         if qkv.dim() != 2 or qkv.shape[1] != 3 * n_heads * head_dim:
             raise ValueError(f"pack_rope: qkv must be [B*T, {3 * n_heads * head_dim}]; got {tuple(qkv.shape)}")
