@@ -531,3 +531,23 @@ def test_a_model_or_data_option_before_config_is_one_line_naming_it(capsys, monk
     assert cli._option_before_config(["fit", "--trainer.max_steps", "1", "--config", "x.yaml"]) is None
     assert cli._option_before_config(["fit", "--config", "x.yaml", "--model.init_args.d", "1"]) is None
     assert cli._option_before_config(["fit", "--model.init_args.d", "1"]) is None  # no config: jsonargparse's error
+
+
+def test_fit_without_validation_does_not_warn_about_the_best_checkpoint(tmp_path):
+    """A fit that ends before any validation (here ``limit_val_batches: 0``, validation due every epoch) writes
+    ``last.ckpt`` and keeps no best checkpoint, without Lightning's "could not find the monitored key" warning
+    (a user test saw it in every short ImageNet fit)."""
+    import warnings
+
+    from mixlab.cli import MixlabCLI
+
+    runs = tmp_path / "runs"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MixlabCLI(args=["fit", "--config", str(DIGITS), *TINY[1:2], *TINY[4:], "--trainer.max_steps=2",
+                        "--trainer.limit_val_batches=0", "--trainer.check_val_every_n_epoch=1",
+                        "--data.init_args.batch_size=8", "--run_root", str(runs)])
+    assert not [str(w.message) for w in caught if "monitored key" in str(w.message)]
+    ckpts = runs / "digits" / "goat2d" / "version_0" / "checkpoints"
+    assert [p.name for p in ckpts.glob("*.ckpt")] == ["last.ckpt"]
+    assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 2

@@ -146,7 +146,9 @@ class BestCheckpoint(ModelCheckpoint):
     Bad settings are one-line errors naming the option before any training step, where Lightning raised
     ``MisconfigurationException`` tracebacks: a ``mode`` other than ``min``/``max`` when it is built, a
     ``monitor`` that validation does not log at the first validation (the sanity check, which Lightning runs
-    before training; else the first real one, after ``last.ckpt`` is written).
+    before training; else the first real one, after ``last.ckpt`` is written). Before any validation has run
+    (a fit shorter than ``val_check_interval``, ``limit_val_batches: 0``) there is nothing to rank and nothing is
+    kept, silently: Lightning warned that the monitored key was missing, in every short fit.
 
     Raises:
         ValueError: ``mode`` not ``min``/``max``; ``monitor`` not among the validation metrics.
@@ -163,6 +165,12 @@ class BestCheckpoint(ModelCheckpoint):
             names = ", ".join(sorted(k for k in logged if k.startswith("val/")))
             raise ValueError(f"checkpoint.monitor {self.monitor!r} is not logged by validation; it logs {names}")
         super().on_validation_end(trainer, pl_module)
+
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, torch.Tensor]) -> None:
+        if self.monitor is not None and self.monitor not in monitor_candidates \
+                and not trainer.fit_loop.epoch_loop.val_loop._has_run:
+            return  # no validation yet: Lightning would warn and then keep nothing
+        super()._save_topk_checkpoint(trainer, monitor_candidates)
 
 
 class LossProgressBar(TQDMProgressBar):
