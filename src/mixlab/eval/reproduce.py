@@ -743,7 +743,8 @@ def run_suites(suites: list[str], out: Path, quick: bool = False, scale: float =
     if launch.mps.running:
         print(f"[reproduce] CUDA MPS daemon started for the runs ({launch.mps.env['CUDA_MPS_PIPE_DIRECTORY']}); "
               "--mps off runs without it", flush=True)
-    mode = "quick (CPU check, numbers not meaningful)" if quick else f"full budget x{scale:g}"
+    mode = ("quick (CPU check, numbers not meaningful; it runs one representative per row, so a cell of a run it "
+            "skips reads n/a)" if quick else f"full budget x{scale:g}")
     t0 = time.perf_counter()
     done: dict[str, dict[str, dict]] = {x: {} for x in chosen}
     finished: dict[str, dict[str, float]] = {x: {} for x in chosen}  # experiment -> seconds after the start
