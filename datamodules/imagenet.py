@@ -56,8 +56,10 @@ splits it by rank and saves its train position for exact resume.
 Bad input: a missing shard / folder raises FileNotFoundError naming the pattern; fewer shards than
 ``world_size * num_workers`` raises ValueError (see above); a label
 outside ``[0, num_classes)`` raises ValueError naming the sample key and shard; a corrupt or truncated
-image is skipped with a warning that counts the skipped samples (:data:`SKIPPED`), in shards and in
-ImageFolder trees alike (there the next image of the folder takes its place, so batches keep their size).
+image is skipped with a warning that counts the skipped samples, in shards and in ImageFolder trees alike
+(there the next image of the folder takes its place, so batches keep their size). The warning gives the count of
+the datamodule's whole run, over the training process and every DataLoader worker
+(:attr:`ImageNetDataModule.corrupt_skipped`, :class:`CorruptCount`); :data:`SKIPPED` counts one process.
 """
 
 from __future__ import annotations
@@ -94,6 +96,40 @@ __all__ = ["ImageNetDataModule", "ShardStream", "expand_shards", "decode_sample"
 
 SKIPPED = {"corrupt": 0}
 """Number of corrupt images skipped so far in this process (each DataLoader worker counts its own)."""
+
+_RUN_COUNT: tuple[torch.Tensor, int] | None = None  # (a CorruptCount's counts, this process's slot), once installed
+
+
+class CorruptCount:
+    """Corrupt images skipped by one datamodule's loaders, over every process that reads them: one int64
+    slot per process in shared memory (slot 0 the training process; then each DataLoader worker of the
+    train, val and test loaders), each written by its own process only, so no increment is lost.
+
+    :meth:`install` makes this process count into a slot (the loaders' ``worker_init_fn`` calls
+    :meth:`worker_init`); :func:`_skip_corrupt` then adds there and warns with :attr:`total`.
+
+    Args:
+        num_workers: DataLoader workers per loader (slots: ``1 + 3 * num_workers``)."""
+
+    SPLITS = ("train", "val", "test")
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.counts = torch.zeros(1 + len(self.SPLITS) * num_workers, dtype=torch.int64).share_memory_()
+
+    def install(self, slot: int = 0) -> None:
+        """Count this process's skipped images in ``slot``."""
+        global _RUN_COUNT
+        _RUN_COUNT = (self.counts, slot)
+
+    def worker_init(self, split: str, worker_id: int) -> None:
+        """A DataLoader ``worker_init_fn`` (with ``functools.partial(count.worker_init, split)``)."""
+        self.install(1 + self.SPLITS.index(split) * self.num_workers + worker_id)
+
+    @property
+    def total(self) -> int:
+        """Images skipped so far in all processes."""
+        return int(self.counts.sum())
 
 log = logging.getLogger("mixlab.imagenet")
 
@@ -155,10 +191,16 @@ def sample_image_and_label(sample: dict, num_classes: int) -> tuple[str, bytes, 
 
 
 def _skip_corrupt(what: str, exc: BaseException, then: str = "") -> None:
-    """Count a corrupt image in :data:`SKIPPED` and warn (RuntimeWarning) naming it and the count."""
+    """Count a corrupt image in :data:`SKIPPED` (and in the installed :class:`CorruptCount`'s slot) and warn
+    (RuntimeWarning) naming it and the count (the run's over all processes, where a datamodule installed one)."""
     SKIPPED["corrupt"] += 1
-    warnings.warn(f"skipped corrupt image {what} ({type(exc).__name__}: {exc}); {SKIPPED['corrupt']} corrupt "
-                  f"image(s) skipped so far in this process{then}", RuntimeWarning)
+    if _RUN_COUNT is not None:
+        counts, slot = _RUN_COUNT
+        counts[slot] += 1
+        so_far = f"{int(counts.sum())} corrupt image(s) skipped so far in this run (all loader processes)"
+    else:
+        so_far = f"{SKIPPED['corrupt']} corrupt image(s) skipped so far in this process"
+    warnings.warn(f"skipped corrupt image {what} ({type(exc).__name__}: {exc}); {so_far}{then}", RuntimeWarning)
 
 
 class CorruptImage(Exception):
@@ -504,6 +546,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         self.tf_args = dict(auto_augment=auto_augment, re_prob=re_prob, color_jitter=color_jitter, hflip=hflip,
                             scale=scale, interpolation=interpolation)
         self.crop_pct, self.interpolation = crop_pct, interpolation
+        self.corrupt = CorruptCount(num_workers)
 
     # ------------------------------------------------------------------ helpers
     def _path(self, split: str) -> str:
@@ -511,6 +554,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if not p:
             raise ValueError(f"ImageNetDataModule: {split}_path is not set (needed for the {split} dataloader)")
         return p
+
+    @property
+    def corrupt_skipped(self) -> int:
+        """Corrupt images this datamodule's loaders skipped so far, in the training process and all workers."""
+        return self.corrupt.total
 
     def _root_device(self) -> torch.device | None:
         """The trainer's root device, or None without a trainer."""
@@ -618,7 +666,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         ds = self.wds_dataset(split) if self.format == "wds" else self.folder_dataset(split)
         kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
                                   pin_memory=torch.cuda.is_available(),
-                                  persistent_workers=train and self.num_workers > 0 and self.persistent_workers)
+                                  persistent_workers=train and self.num_workers > 0 and self.persistent_workers,
+                                  worker_init_fn=functools.partial(self.corrupt.worker_init, split))
+        self.corrupt.install()  # this process: the accelerator decode (decode: gpu) and num_workers 0
         if self.format == "wds" and self.decode_mode() == "gpu":
             from mixlab.datamodules.imagenet_gpu import collate_encoded
 

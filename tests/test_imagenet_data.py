@@ -155,7 +155,8 @@ def test_label_out_of_range_names_sample_and_shard(shards):
         list(dm.val_dataloader())
 
 
-def test_corrupt_jpeg_is_skipped_with_counted_warning(folder, tmp_path):
+def test_corrupt_jpeg_is_skipped_with_counted_warning(folder, tmp_path, monkeypatch):
+    monkeypatch.setattr("mixlab.datamodules.imagenet._RUN_COUNT", None)  # no datamodule's run count installed
     good = (folder / "class_1" / "img1.jpg").read_bytes()
     samples = [{"__key__": "a", "__url__": "s.tar", "jpg": good, "cls": b"1"},
                {"__key__": "bad", "__url__": "s.tar", "jpg": good[: len(good) // 3], "cls": b"0"},
@@ -168,6 +169,30 @@ def test_corrupt_jpeg_is_skipped_with_counted_warning(folder, tmp_path):
     assert SKIPPED["corrupt"] - before == 2
     msgs = [str(w.message) for w in rec if "corrupt" in str(w.message)]
     assert len(msgs) == 2 and "'bad' in s.tar" in msgs[0] and f"{before + 2} corrupt image(s)" in msgs[1]
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_corrupt_images_are_counted_over_all_loader_processes(folder, tmp_path, monkeypatch, context):
+    """Two corrupt images in shards read by different DataLoader workers: the datamodule's count (and the
+    warnings') is the run's, 2, each worker counting in its own slot; before, each worker said "1 so far"."""
+    import webdataset as wds
+
+    monkeypatch.setattr("mixlab.datamodules.imagenet._RUN_COUNT", None)
+    good = (folder / "class_1" / "img1.jpg").read_bytes()
+    for k in range(4):  # worker 0 reads shards 0 and 2, worker 1 shards 1 and 3
+        with wds.TarWriter(str(tmp_path / f"c-{k:04d}.tar")) as tar:
+            for i in range(3):
+                bad = (k, i) in ((0, 1), (3, 2))
+                tar.write({"__key__": f"s{k}_{i}", "jpg": good[:300] if bad else good, "cls": b"1"})
+    dm = ImageNetDataModule(format="wds", val_path=str(tmp_path / "c-{0000..0003}.tar"), num_classes=3,
+                            eval_size=16, batch_size=2, num_workers=2)
+    loader = dm.val_dataloader()
+    if context:
+        loader.multiprocessing_context = context
+    n = sum(len(y) for _, y in loader)
+    assert n == 10 and dm.corrupt_skipped == 2
+    counts = dm.corrupt.counts.tolist()
+    assert counts[0] == 0 and sorted(counts)[-2:] == [1, 1], counts  # two val-worker slots, one each
 
 
 def test_eval_transform_resizes_by_256_over_224_then_center_crops():
