@@ -58,8 +58,8 @@ Bad input: a missing shard / folder raises FileNotFoundError naming the pattern;
 outside ``[0, num_classes)`` raises ValueError naming the sample key and shard; a corrupt or truncated
 image is skipped with a warning that counts the skipped samples, in shards and in ImageFolder trees alike
 (there the next image of the folder takes its place, so batches keep their size). The warning gives the count of
-the datamodule's whole run, over the training process and every DataLoader worker
-(:attr:`ImageNetDataModule.corrupt_skipped`, :class:`CorruptCount`); :data:`SKIPPED` counts one process.
+the datamodule, over the training process and its DataLoader workers (one rank under DDP;
+:attr:`ImageNetDataModule.corrupt_skipped`, :class:`CorruptCount`); :data:`SKIPPED` counts one process.
 """
 
 from __future__ import annotations
@@ -192,12 +192,14 @@ def sample_image_and_label(sample: dict, num_classes: int) -> tuple[str, bytes, 
 
 def _skip_corrupt(what: str, exc: BaseException, then: str = "") -> None:
     """Count a corrupt image in :data:`SKIPPED` (and in the installed :class:`CorruptCount`'s slot) and warn
-    (RuntimeWarning) naming it and the count (the run's over all processes, where a datamodule installed one)."""
+    (RuntimeWarning) naming it and the count: the datamodule's over its processes where one is installed (under
+    DDP each rank has its own), else this process's."""
     SKIPPED["corrupt"] += 1
     if _RUN_COUNT is not None:
         counts, slot = _RUN_COUNT
         counts[slot] += 1
-        so_far = f"{int(counts.sum())} corrupt image(s) skipped so far in this run (all loader processes)"
+        so_far = (f"{int(counts.sum())} corrupt image(s) skipped so far by this datamodule (this process and its "
+                  "DataLoader workers)")
     else:
         so_far = f"{SKIPPED['corrupt']} corrupt image(s) skipped so far in this process"
     warnings.warn(f"skipped corrupt image {what} ({type(exc).__name__}: {exc}); {so_far}{then}", RuntimeWarning)
