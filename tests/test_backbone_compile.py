@@ -1,5 +1,7 @@
 """``BackboneConfig.compile``: blocks through torch.compile on CUDA only, same values, same state keys."""
 
+import logging
+
 import torch
 
 import mixlab.backbone as bb
@@ -12,14 +14,21 @@ def _model(compile: bool) -> Backbone:
     return Backbone(BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat,kda", compile=compile)).double()
 
 
-def test_compile_option_keeps_cpu_eager_and_the_state_keys(monkeypatch):
+def test_compile_option_keeps_cpu_eager_and_the_state_keys(monkeypatch, caplog):
     calls = []
     monkeypatch.setattr(bb.torch, "compile", lambda m, **kw: calls.append(m) or m)
     eager, comp = _model(False), _model(True)
     assert list(comp.state_dict()) == list(eager.state_dict())
     x = torch.randn(2, 11, 32, dtype=torch.float64)
-    torch.testing.assert_close(comp(x), eager(x), rtol=0, atol=0)
-    assert calls == []  # a CPU forward never compiles
+    with caplog.at_level(logging.INFO, logger="mixlab.backbone"):
+        torch.testing.assert_close(comp(x), eager(x), rtol=0, atol=0)
+        comp(x)
+        assert calls == []  # a CPU forward never compiles, and says so once (a user test set it and heard nothing)
+        said = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+        assert said == ["backbone.compile: true has no effect on cpu: the blocks run eagerly (compiled on CUDA only)"]
+        comp._compiled_blocks()  # on CUDA: the blocks whose mixers are not compile_safe are named
+    said = [r.getMessage() for r in caplog.records]
+    assert "backbone.compile: blocks [1] stay eager (mixers that are not compile_safe: ['kda'])" in said, said
 
 
 def test_compiled_blocks_give_the_eager_values():

@@ -551,3 +551,19 @@ def test_fit_without_validation_does_not_warn_about_the_best_checkpoint(tmp_path
     ckpts = runs / "digits" / "goat2d" / "version_0" / "checkpoints"
     assert [p.name for p in ckpts.glob("*.ckpt")] == ["last.ckpt"]
     assert torch.load(ckpts / "last.ckpt", weights_only=False)["global_step"] == 2
+
+
+@pytest.mark.parametrize(("option", "value", "line"), [
+    ("lr", "-1", "error: optim.lr must be > 0; got -1.0"),
+    ("betas", "[0.9, 1.5]", "error: optim.betas must be two values in [0, 1); got (0.9, 1.5)"),
+    ("warmup_steps", "-5", "error: optim.warmup_steps must be >= 0; got -5"),
+    ("weight_decay", "-1", "error: optim.weight_decay must be >= 0; got -1.0"),
+    ("min_lr_ratio", "2", "error: optim.min_lr_ratio must be in [0, 1]; got 2.0"),
+])
+def test_bad_optimizer_values_are_one_line_errors(capsys, monkeypatch, tmp_path, option, value, line):
+    """Optimizer values AdamW or the schedule cannot use end the command with a line naming the field, before
+    any run folder is made (a user test got torch's ``Invalid learning rate`` traceback, or no word at all)."""
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), *TINY, f"--model.init_args.optim.{option}", value,
+                "--trainer.max_steps=1", "--run_root", str(tmp_path / "runs"))
+    assert err[0] == line, err
+    assert not list((tmp_path / "runs").glob("*/*/version_*"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -22,6 +23,8 @@ from torch import Tensor, nn
 from mixlab.coords import Coords
 from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
 from mixlab.registry import MIXERS, POSITIONS
+
+log = logging.getLogger("mixlab.backbone")
 
 __all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern", "mixer_names", "pattern_name"]
 
@@ -267,6 +270,10 @@ class Backbone(nn.Module):
         return {blk.mixer.position_axes for blk in self.blocks} - {None}
 
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
+        if self.cfg.compile and not x.is_cuda and not self.__dict__.get("_said_eager"):
+            self.__dict__["_said_eager"] = True
+            log.info("backbone.compile: true has no effect on %s: the blocks run eagerly (compiled on CUDA only)",
+                     x.device)
         blocks = self._compiled_blocks() if self.cfg.compile and x.is_cuda and caches is None else self.blocks
         for i, blk in enumerate(blocks):
             x = blk(x, coords, None if caches is None else caches[i])
@@ -279,6 +286,10 @@ class Backbone(nn.Module):
         if compiled is None:
             compiled = self.__dict__["_compiled"] = [torch.compile(blk, dynamic=False) if blk.mixer.compile_safe
                                                      else blk for blk in self.blocks]
+            eager = [i for i, blk in enumerate(self.blocks) if not blk.mixer.compile_safe]
+            if eager:
+                log.info("backbone.compile: blocks %s stay eager (mixers that are not compile_safe: %s)", eager,
+                         sorted({self.pattern[i] for i in eager}))
         return compiled
 
     def step(self, x: Tensor, states: list[dict[str, Tensor]], pos: Tensor) -> Tensor:

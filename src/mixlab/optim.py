@@ -29,6 +29,11 @@ class OptimConfig:
             that must reach logits of order 10 (a previous-token head) moves only ~lr per Adam
             step, so at ``lr=5e-4`` it needs tens of thousands of steps; a multiplier lets the
             prior keep pace with the content weights, whose logits grow multiplicatively.
+
+    Raises:
+        ValueError: a value AdamW or the schedule cannot use, naming the field (``optim.lr`` ...): ``lr`` or
+            ``eps`` <= 0, a beta outside [0, 1), ``weight_decay`` or ``warmup_steps`` < 0, ``min_lr_ratio``
+            outside [0, 1], ``total_steps`` < 1.
     """
 
     lr: float = 3e-4
@@ -39,6 +44,16 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     total_steps: int | None = None
     lr_scales: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks = [("lr", self.lr > 0, "> 0"), ("eps", self.eps > 0, "> 0"),
+                  ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two values in [0, 1)"),
+                  ("weight_decay", self.weight_decay >= 0, ">= 0"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
+                  ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                  ("total_steps", self.total_steps is None or self.total_steps >= 1, ">= 1 (or null)")]
+        for name, ok, want in checks:
+            if not ok:
+                raise ValueError(f"optim.{name} must be {want}; got {getattr(self, name)!r}")
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,

@@ -19,9 +19,10 @@ Temperature 0 is greedy decoding; otherwise the logits are divided by the temper
 tokenizer's end-of-document id unless ``--ignore-eos``.
 
 The generated text (the continuation only) goes to stdout, progress and timings to stderr.
-Mistakes end with one line and exit status 2: a missing checkpoint, a checkpoint that is not a
-decoder LM (a ViT, VQA or MAD-compression run), an empty prompt, characters the tokenizer cannot
-encode (named with their position), ``--fasta`` for a run that is not a genome LM.
+Mistakes end with one ``error:`` line (and the ``MIXLAB_TRACEBACK=1`` hint) and exit status 2: a missing
+checkpoint, a checkpoint that is not a decoder LM (a ViT, VQA or MAD-compression run), an empty prompt,
+characters the tokenizer cannot encode (named with their position), ``--fasta`` for a run that is not a genome
+LM.
 """
 
 from __future__ import annotations
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     codec = codec_for(run.data, run.data_args, model.vocab_size)
     if args.fasta is not None:
         if codec.name != "dna":
-            raise ValueError(f"--fasta is for genome LM checkpoints; {args.ckpt} is a {codec.name} run (use --prompt)")
+            raise ValueError(f"--fasta is for genome LM checkpoints; {args.ckpt} reads {codec.name!r} tokens "
+                             "(use --prompt)")
         from mixlab.datamodules.genome import read_fasta
 
         records, _ = read_fasta(args.fasta, run.data_args.get("lowercase", "fold"), run.data_args.get("iupac", "n"))
