@@ -345,8 +345,8 @@ def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeyp
     before = SKIPPED["corrupt"]
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     with pytest.warns(RuntimeWarning, match=rf"skipped corrupt image '{bad}' \(OSError: Truncated File Read\); "
-                                            rf"{before + 1} corrupt image\(s\) skipped so far in this process; "
-                                            rf"the next image takes its place"):
+                                            r"1 corrupt image\(s\) skipped so far by this datamodule \(this process "
+                                            r"and its DataLoader workers\); the next image takes its place"):
         cli.main(["fit", "--config", str(DIGITS), "--config", str(data), "--model.init_args.backbone.n_layers=1",
                   "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
                   "--run_root", str(tmp_path / "runs")])
