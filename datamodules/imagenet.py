@@ -131,6 +131,7 @@ class CorruptCount:
         """Images skipped so far in all processes."""
         return int(self.counts.sum())
 
+
 log = logging.getLogger("mixlab.imagenet")
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
