@@ -26,7 +26,10 @@ for the training and (``--val-shards`` or the synthetic set) the evaluation pipe
 (random tensors, same step). On CPU the device stage runs on the CPU. Also reported: the fraction of
 images whose JPEG could be decoded at reduced size (PIL ``Image.draft``, a 2x or more DCT scaling) without
 going under the resolution the crop needs (train: both crop sides >= 2 x 224; eval: short side >= 2 x 256).
-Writes a Markdown table with date, device and command to ``--out`` and prints it.
+Writes a Markdown table with date, device and command to ``--out`` and prints it. ``--profile N`` adds where the
+device stage's time goes (phases, top kernels); ``--profile-end-to-end N`` profiles N prefetched training steps
+and reports each CUDA stream's busy time and how much of the stage's work ran concurrently with the model's
+(is the stage's device time hidden, or added to the step?).
 """
 
 from __future__ import annotations
@@ -152,6 +155,73 @@ def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15
         name = e.key if len(e.key) <= 90 else e.key[:87] + "..."
         lines.append(f"| `{name.replace('|', '/')}` | {e.count / reps:.1f} | {dev_self(e) / reps / 1000:.3f} | "
                      f"{dev_self(e) / reps / 1000 / max(busy, 1e-9):.0%} |")
+    return lines
+
+
+def kernel_overlap(kernels: list[tuple[int, float, float]]) -> dict[int | str, float]:
+    """Busy time of each CUDA stream and how much of it ran concurrently with the other streams.
+
+    Args:
+        kernels: ``(stream, start, end)`` of each kernel / memcpy (any time unit).
+
+    Returns:
+        per stream its busy time (the union of its intervals), ``"union"`` the time any stream was busy and
+        ``"overlap"`` the time gained by concurrency: the streams' busy times summed minus ``"union"`` (0 when
+        the streams' work never ran at the same time)."""
+    def union(iv: list[tuple[float, float]]) -> float:
+        total, end = 0.0, -math.inf
+        for a, b in sorted(iv):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
+
+    by: dict[int, list[tuple[float, float]]] = {}
+    for stream, a, b in kernels:
+        by.setdefault(stream, []).append((a, b))
+    out: dict[int | str, float] = {k: union(v) for k, v in sorted(by.items())}
+    out["union"] = union([(a, b) for _, a, b in kernels])
+    out["overlap"] = sum(v for k, v in out.items() if k != "union") - out["union"]
+    return out
+
+
+def profile_end_to_end(dm, device: torch.device, step, prefetch: int, warmup: int, steps: int) -> list[str]:
+    """Markdown lines: does the device stage's work run concurrently with the model's? ``steps`` training
+    steps, the stage ``prefetch`` batches ahead (as training runs it), under ``torch.profiler``; from the
+    trace, each CUDA stream's busy milliseconds per step and the part that overlapped (:func:`kernel_overlap`).
+    The model runs on the default stream, the stage on the prefetcher's and the decoder's streams."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
+
+    head = [f"### End-to-end profile, train, {steps} steps (stage {prefetch} ahead)", ""]
+    if device.type != "cuda":
+        return head + [f"(no CUDA streams: the run is on {device.type})"]
+    it = iter(DevicePrefetcher(dm.train_dataloader(), dm.gpu_pipeline(True), device, max(prefetch, 1)))
+    for _ in range(warmup):
+        step(*next(it))
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(*next(it))
+        sync(device)
+    wall = 1000 * (time.perf_counter() - t0) / steps
+    del it
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        trace = json.load(open(f"{tmp}/trace.json"))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kernels = [(int(e.get("args", {}).get("stream", -1)), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+               for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ov = kernel_overlap(kernels)
+    busy, overlap = ov["union"] / 1000 / steps, ov["overlap"] / 1000 / steps
+    lines = head + [f"Wall {wall:.1f} ms per step (profiler on); device busy (any stream) {busy:.1f} ms per step; "
+                    f"**overlapped {overlap:.2f} ms per step**.", "",
+                    "| CUDA stream | busy ms/step |", "|---:|---:|"]
+    lines += [f"| {k} | {v / 1000 / steps:.2f} |" for k, v in ov.items() if k not in ("union", "overlap")]
     return lines
 
 
@@ -293,6 +363,9 @@ def main(argv: list[str] | None = None) -> str:
                         "thread (the datamodule's prefetch_batches; 0: only the synchronous stage)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="decode gpu: also profile the device stage over N calls (phases, top kernels)")
+    p.add_argument("--profile-end-to-end", type=int, default=0, metavar="N",
+                   help="decode gpu: also profile N prefetched training steps and report, per CUDA stream, the busy "
+                        "time and how much of the stage's work overlapped the model's")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
@@ -307,6 +380,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error("--no-train and --no-eval leave nothing to measure")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
+    if a.profile_end_to_end < 0:
+        p.error(f"--profile-end-to-end must be >= 0 steps; got {a.profile_end_to_end}")
     if a.quick:
         a.images, a.image_wh, a.classes, a.shard_size, a.workers = 48, "64x48", 4, 6, 2
         a.batch_size, a.image_size, a.warmup, a.batches, a.model = 8, 32, 1, 3, "tiny"
@@ -389,6 +464,9 @@ def main(argv: list[str] | None = None) -> str:
                                          prefetch=a.prefetch)
                     row(split, mode, f"end to end, device stage prefetched ({a.prefetch} ahead)", ips,
                         f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
+                if mode == "gpu" and a.profile_end_to_end:
+                    profiles += [""] + profile_end_to_end(dm, device, step, a.prefetch, a.warmup,
+                                                          a.profile_end_to_end)
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])

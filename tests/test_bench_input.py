@@ -13,7 +13,8 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
     import bench_input
 
     out = tmp_path / "bench.md"
-    text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data"), "--profile", "1"])
+    text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data"), "--profile", "1",
+                             "--profile-end-to-end", "2"])
     assert out.read_text() == text
     lines = text.splitlines()
     assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
@@ -48,6 +49,8 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
         assert got == ["stage/augment", "stage/crop_resize", "stage/decode"], got
         assert all(float(line.split("|")[2]) > 0 for line in lines[phases + 2:phases + 5])
         assert lines[phases + 6] == "(no accelerator kernels: the stage ran on cpu)"  # not an empty kernel table
+    at = lines.index("### End-to-end profile, train, 2 steps (stage 2 ahead)")
+    assert lines[at + 2] == "(no CUDA streams: the run is on cpu)"
     import re
 
     ops = int(re.search(r"ops per batch of 8: train ([\d,]+) ", text).group(1).replace(",", ""))
@@ -62,3 +65,16 @@ def test_end_to_end_rows_above_the_model_alone_are_flagged(monkeypatch):
 
     assert bench_input.of_model(4583, 5568) == "82% of the model alone"
     assert bench_input.of_model(157 * 15, 157).startswith("1500% of the model alone (above the model alone: not a ")
+
+
+def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
+    """``--profile-end-to-end``'s arithmetic: per stream the union of its kernels' intervals, over all streams
+    the union, and the overlap = the per-stream sum minus that union."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    serial = bench_input.kernel_overlap([(7, 0, 10), (7, 5, 12), (13, 12, 20)])  # stream 7 busy 0-12, 13: 12-20
+    assert serial == {7: 12.0, 13: 8.0, "union": 20.0, "overlap": 0.0}
+    both = bench_input.kernel_overlap([(7, 0, 10), (13, 4, 6), (13, 8, 14), (7, 20, 21)])
+    assert both == {7: 11.0, 13: 8.0, "union": 15.0, "overlap": 4.0}  # 4-6 and 8-10 ran side by side
+    assert bench_input.kernel_overlap([]) == {"union": 0.0, "overlap": 0.0}
