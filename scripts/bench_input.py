@@ -68,11 +68,7 @@ def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int,
     ``prefetch > 0`` (``decode: gpu``) runs the stage that many batches ahead in the datamodule's
     :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`, as training does."""
     loader = dm.train_dataloader() if split == "train" else dm.val_dataloader()
-    if prefetch:
-        from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
-
-        loader = DevicePrefetcher(loader, dm.gpu_pipeline(split == "train"), device, prefetch)
-    it = iter(loader)
+    it = iter(prefetched(dm, loader, split == "train", device, prefetch) if prefetch else loader)
     n = 0
     t0 = None
     for k in range(warmup + batches):
@@ -94,6 +90,14 @@ def time_loader(dm, split: str, device: torch.device, warmup: int, batches: int,
     dt = time.perf_counter() - (t0 if t0 is not None else time.perf_counter())
     del it
     return (n / dt if dt > 0 and n else float("nan")), n
+
+
+def prefetched(dm, loader, train: bool, device: torch.device, prefetch: int):
+    """``loader`` with the device stage run ``prefetch`` batches ahead, as training runs it
+    (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`)."""
+    from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
+
+    return DevicePrefetcher(loader, dm.gpu_pipeline(train), device, prefetch)
 
 
 def held_batch(dm, split: str, device: torch.device):
@@ -194,12 +198,10 @@ def profile_end_to_end(dm, device: torch.device, step, prefetch: int, warmup: in
 
     from torch.profiler import ProfilerActivity, profile
 
-    from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
-
     head = [f"### End-to-end profile, train, {steps} steps (stage {prefetch} ahead)", ""]
     if device.type != "cuda":
         return head + [f"(no CUDA streams: the run is on {device.type})"]
-    it = iter(DevicePrefetcher(dm.train_dataloader(), dm.gpu_pipeline(True), device, max(prefetch, 1)))
+    it = iter(prefetched(dm, dm.train_dataloader(), True, device, max(prefetch, 1)))
     for _ in range(warmup):
         step(*next(it))
     sync(device)
@@ -212,7 +214,7 @@ def profile_end_to_end(dm, device: torch.device, step, prefetch: int, warmup: in
     del it
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
-        trace = json.load(open(f"{tmp}/trace.json"))
+        trace = json.loads(Path(tmp, "trace.json").read_text())
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kernels = [(int(e.get("args", {}).get("stream", -1)), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
                for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]

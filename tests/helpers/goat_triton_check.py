@@ -220,6 +220,7 @@ def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False, compiled
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return err
 
+
 res = {
     "rope_causal_T37": rope_case(3, 37, 2, 16, 1, True, False, 25),
     "rope_T1": rope_case(2, 1, 2, 8, 1, True, False, 26),
