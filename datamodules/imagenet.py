@@ -487,6 +487,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             the first batch (:class:`~mixlab.datamodules.imagenet_gpu._AugmentGraphs`): the same images, one
             launch per family instead of ~70 ops (H200: 458 instead of 784 ops per batch of 256 for the whole
             stage). ``false``: every op launched from Python. No effect on a CPU device.
+        priority_training: with the device stage prefetched on CUDA, run the training step on a
+            high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
+            SMs the model leaves idle rather than delaying its kernels
+            (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`'s ``priority_consumer``).
     """
 
     task_name = "imagenet"
@@ -522,6 +526,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         decode: Literal["auto", "cpu", "gpu"] = "auto",
         prefetch_batches: int = 2,
         cuda_graphs: bool = True,
+        priority_training: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -535,6 +540,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if prefetch_batches < 0:
             raise ValueError(f"ImageNetDataModule: prefetch_batches must be >= 0; got {prefetch_batches}")
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
+        self.priority_training = priority_training
         self._gpu_pipelines: dict[bool, Any] = {}
         if batch_size % 2:
             warnings.warn(f"ImageNetDataModule: batch_size={batch_size} is odd; timm Mixup needs even batches")
@@ -701,7 +707,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             graphs = "in CUDA graphs"
         else:
             graphs = "launched op by op" + (" (cuda_graphs has no effect on a CPU device)" if self.cuda_graphs else "")
-        return f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}"
+        priority = ("; training step on a high-priority CUDA stream" if self.prefetch_batches and self.priority_training
+                    and device.type == "cuda" else "")
+        return f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
 
     def prefetched(self, loader: Any, train: bool) -> Any:
         """``loader`` behind a :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher` running the device
@@ -711,7 +719,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             return loader
         from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 
-        return DevicePrefetcher(loader, self.gpu_pipeline(train), device, self.prefetch_batches)
+        return DevicePrefetcher(loader, self.gpu_pipeline(train), device, self.prefetch_batches,
+                                priority_consumer=train and self.priority_training)
 
     def _stream_state_to_apply(self) -> dict[str, int] | None:
         """The loaded ``train_stream`` state while it still concerns the trainer's epoch. It is applied to

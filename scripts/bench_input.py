@@ -97,7 +97,8 @@ def prefetched(dm, loader, train: bool, device: torch.device, prefetch: int):
     (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`)."""
     from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 
-    return DevicePrefetcher(loader, dm.gpu_pipeline(train), device, prefetch)
+    return DevicePrefetcher(loader, dm.gpu_pipeline(train), device, prefetch,
+                            priority_consumer=train and dm.priority_training)
 
 
 def held_batch(dm, split: str, device: torch.device):

@@ -12,7 +12,8 @@ fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) an
 the hybrid ``--hybrid`` (default ``kda*3,goat``), ``rope_triton`` (RoPE with ``rotary_impl: triton``) and, on
 request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss),
 ``goat_torch_loss`` / ``rope_torch_loss`` (``loss_kernel: torch``: the float32 torch kernel in the chunked loss)
-and ``goat_full_loss`` / ``rope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the anchor),
+and ``goat_full_loss`` / ``rope_full_loss`` / ``nope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the
+anchor),
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
@@ -58,7 +59,7 @@ MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_trito
 #: cross-entropy kernels inside the chunked training loss; CUDA), and ``<mixer>_full_loss``, the model with
 #: ``loss_chunk_tokens=0`` (whole logits, as the anchor: what Inductor can fuse when compiled)
 FLA_LOSS = ["goat_fla_loss", "rope_fla_loss"]
-FULL_LOSS = ["goat_full_loss", "rope_full_loss"]
+FULL_LOSS = ["goat_full_loss", "rope_full_loss", "nope_full_loss"]
 TORCH_LOSS = ["goat_torch_loss", "rope_torch_loss"]
 MODES = ["eager", "compile", "compile-cudagraphs", "compile-blocks"]
 _T0 = time.perf_counter()
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> str:
 
 
 def profile(case: Case, top: int) -> str:
-    """The ``top`` kernels by total device time over 2 training steps of ``case`` (a text table)."""
+    """The ``top`` kernels by total device time over 2 training steps of ``case`` (a text table), on CUDA
+    also the ``top`` ops by host time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -370,7 +372,11 @@ def profile(case: Case, top: int) -> str:
             case.step()
         sync(case.dev)
     key = "self_cuda_time_total" if case.dev.type == "cuda" else "self_cpu_time_total"
-    return f"## {case.name} ({case.mode}), 2 steps\n" + prof.key_averages().table(sort_by=key, row_limit=top)
+    text = f"## {case.name} ({case.mode}), 2 steps\n" + prof.key_averages().table(sort_by=key, row_limit=top)
+    if case.dev.type == "cuda":  # host time too: a compiled model whose host time exceeds its device time is host-bound
+        text += "\n### by host (self CPU) time\n" + prof.key_averages().table(sort_by="self_cpu_time_total",
+                                                                              row_limit=top)
+    return text
 
 
 if __name__ == "__main__":

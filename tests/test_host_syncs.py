@@ -156,6 +156,30 @@ def test_vit_label_check_reads_host_tensors_only():
     assert _Dev.reads == 2  # min and max of the first batch only
 
 
+def test_constant_frequencies_are_built_on_the_device_under_compile(monkeypatch):
+    """Under ``torch.compile`` the fixed frequency grids of GOAT and RoPE are built on the device inside the graph
+    (a host-to-device copy there made the host wait once per layer and step), by the same functions that build
+    the host grids; on the CPU the host grids themselves (``meta`` stands in for an accelerator)."""
+    from mixlab.mixers.positions import GoatPrior, RotaryPositions, _goat_grid, _rope_inv_freq
+    from mixlab.ops import goat as G
+
+    goat, rope = GoatPrior(n_heads=2, head_dim=24, n_modes=4, axes=2), RotaryPositions(n_heads=2, head_dim=16)
+    cpu = torch.device("cpu")
+    assert goat._fixed_freqs_on(cpu) is goat._freqs_fixed and rope._inv_freq_on(cpu) is rope._inv_freq
+    assert torch.equal(goat._freqs_fixed, torch.cat([G.geometric_frequencies(2, 10000.0)] * 2))
+    assert torch.equal(rope._inv_freq, 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    assert torch.equal(_goat_grid((2, 2), 10000.0, cpu), goat._freqs_fixed)
+    assert torch.equal(_rope_inv_freq(16, 10000.0, cpu), rope._inv_freq)
+    goat.to("meta")
+    outside = goat.freqs()
+    assert goat.freqs() is outside  # outside a graph: one shared copy
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    a, b = goat.freqs(), goat.freqs()
+    assert a is not b and a is not outside and a.device.type == "meta" and a.shape == (4,)  # built per trace
+    r = rope._inv_freq_on(torch.device("meta"))
+    assert r.device.type == "meta" and r.shape == (8,)
+
+
 def test_goat_constant_frequencies_are_copied_to_the_device_once():
     """The fixed frequency grids reach an accelerator once, not in every forward (``meta`` stands in for it: the
     same tensor object comes back); on the CPU the host grid itself, with the reference values."""

@@ -482,6 +482,8 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
     assert len(got) == 4 and len(DevicePrefetcher(batches, pipe, "cpu")) == 4
     for (x, y), (xr, yr) in zip(got, direct):
         assert torch.equal(x, xr) and torch.equal(y, yr)
+    for (x, y), (xr, yr) in zip(DevicePrefetcher(batches, pipe, "cpu", priority_consumer=True), direct, strict=True):
+        assert torch.equal(x, xr) and torch.equal(y, yr)  # no streams on a CPU device: the same batches
 
     def bad_stage(b):
         raise ValueError("broken shard")
@@ -510,6 +512,34 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
     assert not any(t.name == "mixlab-device-prefetch" for t in threading.enumerate())
     with pytest.raises(ValueError, match="depth must be >= 1"):
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(samples):
+    """``priority_consumer``: while the pass runs, the consumer's current stream has priority -1 (above the
+    stage's stream), the batches equal the stage run directly, and afterwards the caller's stream is current
+    again; without it the consumer stays on the caller's stream."""
+    dev = torch.device("cuda")
+    tf = train_transform(32)
+    params = TrainParams(tf)
+    batches = []
+    for k in range(3):
+        enc = []
+        for i, s in enumerate(samples[6 * k: 6 * k + 6]):
+            with seeded_rngs(100 * k + i):
+                enc.append(encode_sample(s, 3, params))
+        batches.append(collate_encoded(enc))
+    pipe = GpuPipeline(tf, train=True)
+    direct = [pipe(b.to(dev)) for b in batches]
+    caller = torch.cuda.current_stream(dev)
+    for priority, expected in ((True, -1), (False, caller.priority)):
+        seen = []
+        for (x, y), (xr, yr) in zip(DevicePrefetcher(batches, pipe, dev, priority_consumer=priority), direct,
+                                    strict=True):
+            seen.append(torch.cuda.current_stream(dev).priority)
+            assert torch.equal(x, xr) and torch.equal(y, yr)
+        assert seen == [expected] * 3
+        assert torch.cuda.current_stream(dev) == caller
 
 
 @pytest.mark.parametrize("size", [24, 40])
@@ -774,6 +804,7 @@ def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
     assert dm.pipeline_summary() == "decode cpu: JPEG decoding and augmentation in 3 DataLoader worker(s)"
     text = ImageNetDataModule(train_path="x.tar", decode="gpu").pipeline_summary()
     assert "on cpu" in text and "2 batch(es) ahead" in text and "cuda_graphs has no effect on a CPU device" in text
+    assert "high-priority" not in text  # streams only on CUDA
     dm = ImageNetDataModule(train_path="x.tar", decode="gpu", cuda_graphs=False, prefetch_batches=0)
     text = dm.pipeline_summary()
     assert "in on_after_batch_transfer" in text and text.endswith("launched op by op")

@@ -158,12 +158,13 @@ def _compare_layers(ref, fast, x, gy, c, backward_node=None):
 
 
 def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
-    """The torch.compile path (``fullgraph=True``; the lanes through the custom op ``mixlab::goat_qkv``
-    and its registered backward) against the eager layer with torch lanes: output, input gradient and
-    parameter gradients; plus ``torch.library.opcheck`` of the op (schema, fake tensor, autograd)."""
+    """The torch.compile path (``fullgraph=True``; the lanes through the kernel op ``mixlab::goat_lanes`` and
+    its registered backward, placed next to the content dims by ``torch.cat``) against the eager layer with
+    torch lanes: output, input gradient and parameter gradients; plus ``torch.library.opcheck`` of the op
+    (schema, fake tensor, autograd)."""
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
-    from mixlab.ops.goat_triton import goat_qkv, meta_key, pack_features
+    from mixlab.ops.goat_triton import goat_lanes, meta_key, pack_features
 
     backend = "inductor" if DEV.type == "cuda" else "aot_eager"
     torch.manual_seed(seed)
@@ -182,9 +183,8 @@ def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
     f = pos._features(c, torch.float32)
     feat = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"], f["is_bos"],
                          f["is_none"])
-    qkv = torch.randn(B * T, 3 * H * d_h, device=DEV, requires_grad=True)
     params = pos._flat_params().detach().clone().requires_grad_()
-    torch.library.opcheck(goat_qkv, (qkv, feat, params, meta_key(pos._kernel_meta()), B, d_h),
+    torch.library.opcheck(goat_lanes, (feat, params, meta_key(pos._kernel_meta()), B, torch.float32),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
     return err
 

@@ -48,6 +48,18 @@ def _feature_cache(module: nn.Module, coords: Coords, dtype: torch.dtype) -> tup
     return (coords.key, coords.pos.device, dtype), module.__dict__.setdefault("_feature_cache", {})
 
 
+def _goat_grid(modes_per_axis: tuple[int, ...], base: float, device: torch.device) -> Tensor:
+    """``[R]`` float64 fixed GOAT frequencies on ``device``: one geometric grid per axis, concatenated."""
+    if not modes_per_axis:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat([G.geometric_frequencies(m, base, device) for m in modes_per_axis])
+
+
+def _rope_inv_freq(d_a: int, base: float, device: torch.device) -> Tensor:
+    """``[d_a / 2]`` float64 RoPE inverse frequencies ``base^(-2i / d_a)`` of one axis block on ``device``."""
+    return base ** (-torch.arange(0, d_a, 2, dtype=torch.float64, device=device) / d_a)
+
+
 class PositionScheme(SubLayer):
     """Base class. Subclasses set ``n_lanes`` and ``axes`` and override the hooks they need.
 
@@ -224,11 +236,11 @@ class GoatPrior(PositionScheme):
             raise ValueError(f"GOAT lane_impl must be 'auto', 'torch' or 'triton'; got {lane_impl!r}")
         self.lane_impl = lane_impl
 
+        freqs = _goat_grid(tuple(modes_per_axis) if n_modes else (), freq_base, torch.device("cpu"))
         if n_modes:
-            freqs = torch.cat([G.geometric_frequencies(m, freq_base) for m in modes_per_axis])
             mode_axis = torch.cat([torch.full((m,), a, dtype=torch.long) for a, m in enumerate(modes_per_axis)])
         else:
-            freqs, mode_axis = torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.long)
+            mode_axis = torch.zeros(0, dtype=torch.long)
         self.register_buffer("mode_axis", mode_axis, persistent=False)
         if learned_freqs:
             self.log_freqs = nn.Parameter(freqs.log().float())
@@ -237,7 +249,7 @@ class GoatPrior(PositionScheme):
         else:
             # kept as a plain float64 tensor, not a buffer: module.to(bfloat16) must not round the grid
             self._freqs_fixed = freqs
-            self._freqs_key = ("goat_freqs", tuple(modes_per_axis), float(freq_base))  # its name for G.on_device
+            self._freqs_key = ("goat_freqs", tuple(modes_per_axis) if n_modes else (), float(freq_base))  # G.on_device
             self.log_freqs = None
         # Every learned term lives in ONE flat float32 vector ``prior`` in the Triton kernels'
         # layout (mixlab.ops.goat.param_layout); ``alpha``, ``slope``, ``mlp_w1``,
@@ -308,7 +320,11 @@ class GoatPrior(PositionScheme):
         """``[R]`` float64 angular frequencies (radians per coordinate unit)."""
         if self.log_freqs is not None:
             return self.log_freqs.double().exp()
-        return G.on_device(self._freqs_key, lambda: self._freqs_fixed, self.prior.device)
+        return G.on_device(self._freqs_key, self._fixed_freqs_on, self.prior.device)
+
+    def _fixed_freqs_on(self, device: torch.device) -> Tensor:
+        """The fixed grid: the host tensor itself on the CPU, else built on ``device`` (:func:`G.on_device`)."""
+        return self._freqs_fixed if device.type == "cpu" else _goat_grid(*self._freqs_key[1:], device)
 
     def _coords(self, coords: Coords) -> Coords:
         c = coords.with_axes(self.axes)
@@ -577,15 +593,19 @@ class RotaryPositions(PositionScheme):
             raise ValueError("rope: position_args.rotary_impl must be 'torch', 'triton' or 'auto'; "
                              f"got {rotary_impl!r}")
         self.axes, self.base, self.rotary_impl = axes, base, rotary_impl
-        d_a = head_dim // axes
-        inv = base ** (-torch.arange(0, d_a, 2, dtype=torch.float64) / d_a)
-        self._inv_freq = inv  # float64, not a buffer: module.to(bfloat16) must not round it
+        self._inv_freq_key = ("rope_inv_freq", head_dim // axes, float(base))  # its name for G.on_device
+        # float64, not a buffer: module.to(bfloat16) must not round it
+        self._inv_freq = _rope_inv_freq(*self._inv_freq_key[1:], torch.device("cpu"))
 
     def angles(self, coords: Coords) -> Tensor:
         """``[B|1, T, head_dim/2]`` float64 rotation angles (per axis block)."""
         c = coords.with_axes(self.axes)
         pos = c.values(torch.float64) * c.full_mask().double()
-        return (pos.unsqueeze(-1) * self._inv_freq.to(pos.device)).flatten(-2)
+        return (pos.unsqueeze(-1) * G.on_device(self._inv_freq_key, self._inv_freq_on, pos.device)).flatten(-2)
+
+    def _inv_freq_on(self, device: torch.device) -> Tensor:
+        """``[d_a / 2]`` float64 inverse frequencies: the host tensor on the CPU, else built on ``device``."""
+        return self._inv_freq if device.type == "cpu" else _rope_inv_freq(*self._inv_freq_key[1:], device)
 
     def _cos_sin(self, coords: Coords, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         key, cache = _feature_cache(self, coords, dtype)

@@ -61,16 +61,19 @@ KEY_LINEAR_BLOCK = 128
 _ON_DEVICE: dict[tuple, Tensor] = {}
 
 
-def on_device(key: tuple, host: Callable[[], Tensor], device: torch.device | str) -> Tensor:
-    """The host tensor ``host()`` (a constant named by ``key``) on ``device``: on an accelerator copied once per
-    process and shared, since a copy from pageable host memory makes the host wait for the device, which inside
-    every forward would stall the step pipeline (under ``torch.compile``: copied in the graph). Callers must
-    not write to it."""
+def on_device(key: tuple, make: Callable[[torch.device], Tensor], device: torch.device | str) -> Tensor:
+    """A constant tensor named by ``key`` on ``device``; ``make(d)`` builds it with torch ops on device ``d``.
+
+    On the CPU: ``make(cpu)``. On an accelerator: built on the host once per process, copied once and shared,
+    since a copy from pageable host memory makes the host wait for the device, which inside every forward
+    would stall the step pipeline. Under ``torch.compile``: ``make(device)`` inside the graph, built on the
+    device itself (a host-to-device copy in the graph would make the host wait in every step; BENCHMARKS.md,
+    sixteenth session). Callers must not write to it."""
     device = torch.device(device)
     if device.type == "cpu" or torch.compiler.is_compiling():
-        return host().to(device)
+        return make(device)
     if (key, device) not in _ON_DEVICE:
-        _ON_DEVICE[key, device] = host().to(device)
+        _ON_DEVICE[key, device] = make(torch.device("cpu")).to(device)
     return _ON_DEVICE[key, device]
 
 
@@ -78,15 +81,21 @@ def geometric_frequencies(n: int, base: float, device: torch.device | str | None
     """``[n]`` float64 angular frequencies ``w_r = base^(-r/(n-1))`` (radians per unit).
 
     ``n = 1`` gives ``[1.0]``. Same grid as the reference implementation. Computed on the host; on an
-    accelerator ``device`` a shared copy made once (:func:`on_device`).
+    accelerator ``device`` a shared copy made once, or computed on the device under ``torch.compile``
+    (:func:`on_device`).
     """
-    if device is not None and torch.device(device).type != "cpu":
-        return on_device(("geometric_frequencies", n, float(base)), lambda: geometric_frequencies(n, base), device)
+    device = torch.device("cpu" if device is None else device)
+    if device.type != "cpu":
+        return on_device(("geometric_frequencies", n, float(base)), lambda d: _geometric(n, base, d), device)
+    return _geometric(n, base, device)
+
+
+def _geometric(n: int, base: float, device: torch.device) -> Tensor:
     if n <= 0:
-        return torch.zeros(0, dtype=torch.float64)
+        return torch.zeros(0, dtype=torch.float64, device=device)
     if n == 1:
-        return torch.ones(1, dtype=torch.float64)
-    r = torch.arange(n, dtype=torch.float64)
+        return torch.ones(1, dtype=torch.float64, device=device)
+    r = torch.arange(n, dtype=torch.float64, device=device)
     return base ** (-r / (n - 1))
 
 
@@ -383,12 +392,22 @@ def triton_lanes(feat_q: Tensor, feat_k: Tensor, params: Tensor, meta: dict,
 def triton_pack_qkv(qkv: Tensor, feat: Tensor, params: Tensor, meta: dict, batch: int,
                     head_dim: int) -> tuple[Tensor, Tensor, Tensor]:
     """Write the lanes into the packed projection ``qkv [B * T, 3 * H * d_h]`` in place and return
-    ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`). Under
-    ``torch.compile`` the same kernels run as the custom op ``mixlab::goat_qkv`` (out of place: the
-    compiler must see a functional op) and q, k, v are views of its output."""
-    from mixlab.ops.goat_triton import GoatQKV, goat_qkv, meta_key
+    ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`).
+
+    Under ``torch.compile`` the compiler must see functional code: the lanes ``[B, T, H, L]`` come from the
+    kernel op ``mixlab::goat_lanes`` (the same Triton kernel, launched by Inductor) and replace the last
+    ``L`` dims of q and k in a ``torch.where`` over the whole ``qkv``, which Inductor fuses into one copy
+    (the copy, not ``qkv``, is kept for the backward, as the eager path keeps only ``qkv``). Its backward
+    zeroes the projection's gradient under the lanes in the fused pass that assembles ``d qkv``, and
+    ``mixlab::goat_lanes_backward`` turns the lane gradients into the parameters'."""
+    from mixlab.ops.goat_triton import GoatQKV, goat_lanes, meta_key
 
     if torch.compiler.is_compiling():
-        out = goat_qkv(qkv, feat, params, meta_key(meta), batch, head_dim)
-        return out.view(batch, feat.shape[1], 3, meta["H"], head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        H, L, T = meta["H"], meta["L"], feat.shape[1]
+        ql, kl = goat_lanes(feat, params, meta_key(meta), batch, qkv.dtype)
+        lanes = torch.nn.functional.pad(torch.stack((ql, kl), dim=2), (head_dim - L, 0, 0, 0, 0, 1))  # [B,T,3,H,d_h]
+        part = torch.arange(3, device=qkv.device)[:, None, None]  # q, k, v
+        dim = torch.arange(head_dim, device=qkv.device)
+        out = torch.where((part < 2) & (dim >= head_dim - L), lanes, qkv.view(batch, T, 3, H, head_dim))
+        return out.permute(2, 0, 3, 1, 4).unbind(0)
     return GoatQKV.apply(qkv, feat, params, meta, batch, head_dim)

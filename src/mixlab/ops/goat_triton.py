@@ -4,7 +4,7 @@ Same math as ``GoatLanes`` (see its docstring and the equations in :mod:`mixlab.
 one kernel forward and one kernel backward, instead of ~25 + ~30 small eager kernels per
 layer, which dominate a short attention layer on a fast GPU.
 
-Three entry points share the kernels:
+Four entry points share the kernels:
 
 * :class:`GoatLanesTriton` - lanes as new tensors ``q_lanes [Bq, H, Tq, L]`` and
   ``k_lanes [Bk, H, Tk, L]`` (query and key coordinates may differ, e.g. decoding).
@@ -16,6 +16,9 @@ Three entry points share the kernels:
   projection gets no gradient through them - exact), summing the lane gradients on the way;
   that pass replaces the two copies autograd makes for a plain layer's ``view -> permute ->
   unbind`` (~260 us of a ~1.2 ms layer step at B8 T2048 d768 on an H200, BENCHMARKS.md).
+* :func:`goat_lanes` - the ``torch.compile`` path: lanes as new ``[B, T, H, L]`` tensors from a
+  ``torch.library.triton_op`` (Inductor traces it and launches the kernel from the compiled graph, no
+  Python per call); the layer puts them into q and k with a ``torch.where`` that Inductor fuses.
 * :class:`QKVSplit` - the same split and one-copy backward for schemes without lanes (NoPE,
   RoPE, APE): every attention layer on CUDA builds ``d qkv`` the same way
   (:func:`mixlab.ops.attention.split_qkv`).
@@ -46,6 +49,8 @@ Tests run these kernels on CPU under ``TRITON_INTERPRET=1`` against ``GoatLanes`
 from __future__ import annotations
 
 import math
+import os
+from typing import Callable
 
 import torch
 import triton
@@ -53,8 +58,8 @@ import triton.language as tl
 
 from mixlab.ops.goat import KEY_LINEAR_BLOCK, param_layout
 
-__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params", "goat_qkv",
-           "goat_qkv_backward", "meta_key"]
+__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params", "goat_lanes",
+           "goat_lanes_backward", "meta_key"]
 
 # Launch configuration; defaults from scripts/bench_goat_lanes.py on an H200 (BENCHMARKS.md).
 _BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
@@ -442,7 +447,10 @@ def _launch_args(meta: dict, shape_q: tuple, shape_k: tuple, NQ: int, NK: int) -
     if "_key" not in meta:  # hashable identity of the prior configuration (plain values only)
         meta["_key"] = tuple(sorted(meta.items()))
     key = (meta["_key"], shape_q[0], shape_q[1], shape_k[0], shape_k[1], NQ, NK, _PROGRAMS, _BLOCK_T, _NUM_WARPS)
-    hit = _LAUNCH.get(key)
+    try:
+        hit = _LAUNCH.get(key)
+    except TypeError:  # symbolic sizes (torch.compile with dynamic shapes): not memoised
+        hit = key = None
     if hit is not None:
         return hit
     H = meta["H"]
@@ -458,11 +466,12 @@ def _launch_args(meta: dict, shape_q: tuple, shape_k: tuple, NQ: int, NK: int) -
         BB = _cdiv(B, n)
         n_chunks = _cdiv(B, BB)
     const = {k: v for k, v in meta.items() if k not in ("H", "_key")}
-    if len(_LAUNCH) >= 256:
-        _LAUNCH.clear()
-    _LAUNCH[key] = ((H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=block, num_warps=_NUM_WARPS),
-                    {})
-    return _LAUNCH[key]
+    plan = ((H, NT, n_chunks), BB, dict(const, Q_BATCHED=qb, K_BATCHED=kb, BLOCK_T=block, num_warps=_NUM_WARPS), {})
+    if key is not None:
+        if len(_LAUNCH) >= 256:
+            _LAUNCH.clear()
+        _LAUNCH[key] = plan
+    return plan
 
 
 def _launch(fn, grid: tuple, kernels: dict, key: tuple, args: tuple, kwargs: dict) -> None:
@@ -527,16 +536,16 @@ class GoatLanesTriton(torch.autograd.Function):
         return None, None, _params_backward(g, grid, const, kernels, feat_q, feat_k, params), None, None, None, None
 
 
-def _params_backward(g, grid, const, kernels, feat_q, feat_k, params) -> torch.Tensor:
+def _params_backward(g, grid, const, kernels, feat_q, feat_k, params, launch: Callable = _launch) -> torch.Tensor:
     """Gradient of the flat parameter vector from the chunk sums of the lane gradients ``g
     [NC, H, TP, LP]`` (:func:`_lanes_bwd_params`, then one deterministic ``sum`` over its
-    per-program partial rows)."""
+    per-program partial rows); ``launch``: :func:`_launch`, or :func:`_traced_launch` inside a traced op."""
     H, NT, NC = grid
     per_sample = const["Q_BATCHED"] or const["K_BATCHED"]
     pgrid = (H, NT, NC if per_sample else 1)
     part = torch.empty(NT * pgrid[2], const["PT"], device=g.device, dtype=torch.float32)
-    _launch(_lanes_bwd_params, pgrid, kernels, (), (g, feat_q, feat_k, params, part, NC, feat_q.shape[1],
-                                                    feat_k.shape[1], g.shape[2]), const)
+    launch(_lanes_bwd_params, pgrid, kernels, (), (g, feat_q, feat_k, params, part, NC, feat_q.shape[1],
+                                                   feat_k.shape[1], g.shape[2]), const)
     return part.sum(0)  # [PT] == params.shape
 
 
@@ -629,14 +638,15 @@ def _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat=No
     return out, d_params
 
 
-# ---------------------------------------------------------------------- torch.compile path: custom ops
+# ---------------------------------------------------------------------- torch.compile path: kernel ops
 _META_BY_KEY: dict[str, dict] = {}
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def meta_key(meta: dict) -> str:
-    """A :func:`kernel_meta` dict as a string (custom ops take plain values, not dicts; a string, not an
-    index into a registry, because ``torch.compile`` traces the op's fake implementation before any side
-    effect of the traced code on a registry would have happened)."""
+    """A :func:`kernel_meta` dict as a string (ops take plain values, not dicts; a string, not an index into a
+    registry, because ``torch.compile`` traces the op before any side effect of the traced code on a registry
+    would have happened)."""
     return repr(sorted((k, v) for k, v in meta.items() if not k.startswith("_")))
 
 
@@ -649,55 +659,88 @@ def _meta(key: str) -> dict:
     return m
 
 
-@torch.library.custom_op("mixlab::goat_qkv", mutates_args=())
-def goat_qkv(qkv: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
-             head_dim: int) -> torch.Tensor:
-    """``qkv [B * T, 3 * H * d_h]`` (any float dtype) -> a new tensor of the same shape and dtype: a copy with
-    the GOAT lanes written into the last ``L`` dims of every q and k head (the functional twin of
-    :class:`GoatQKV` for ``torch.compile``: Inductor sees an opaque op with a fake implementation and a
-    registered backward, :func:`goat_qkv_backward`, so the compiled model keeps the Triton kernels; one
-    copy of ``qkv`` more than the eager path). ``meta`` from :func:`meta_key`."""
-    out = qkv.contiguous().clone()
-    _write_lanes(out, feat, params, _meta(meta), batch, head_dim)
-    return out
+def _traced_launch(fn, grid: tuple, kernels: dict, key: tuple, args: tuple, kwargs: dict) -> None:
+    """:func:`_launch` for the bodies of :func:`_kernel_op` ops: ``wrap_triton(fn)[grid](...)``, which
+    ``torch.compile`` records as a Triton kernel call that Inductor launches from its own wrapper (no cache
+    keyed by data pointers: the op is traced with fake tensors). Under ``TRITON_INTERPRET`` a plain call."""
+    (fn if _INTERPRET else torch.library.wrap_triton(fn))[grid](*args, **kwargs)
 
 
-@goat_qkv.register_fake
-def _goat_qkv_fake(qkv, feat, params, meta, batch, head_dim):
-    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+def _kernel_op(name: str, fake: Callable):
+    """Register ``fn`` as the operator ``name`` for ``torch.compile``: a ``torch.library.triton_op``, whose
+    body Inductor traces, so the compiled graph launches the Triton kernels itself with no Python per call
+    (an opaque ``custom_op`` costs ~0.1 ms of host time per call, BENCHMARKS.md). Under Triton's CPU
+    interpreter (``TRITON_INTERPRET=1``, the tests), whose kernels cannot be traced, a ``custom_op`` with
+    the explicit ``fake`` (output shapes) runs the same body instead."""
+    def register(fn):
+        if _INTERPRET:
+            op = torch.library.custom_op(name, fn, mutates_args=())
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(name, fn, mutates_args=())
+    return register
 
 
-@torch.library.custom_op("mixlab::goat_qkv_backward", mutates_args=())
-def goat_qkv_backward(grad: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
-                      head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(d qkv, d params)`` of :func:`goat_qkv` from the gradient of its output (one :func:`_qkv_grad`
-    launch and the parameter reduction, as :class:`GoatQKV`'s backward)."""
+def _goat_lanes_fake(feat, params, meta, batch, dtype):
     m = _meta(meta)
-    H, T = m["H"], feat.shape[1]
+    shape = (batch, feat.shape[1], m["H"], m["L"])
+    return feat.new_empty(shape, dtype=dtype), feat.new_empty(shape, dtype=dtype)
+
+
+@_kernel_op("mixlab::goat_lanes", _goat_lanes_fake)
+def goat_lanes(feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """GOAT's query and key lanes for ``torch.compile``: ``(q_lanes, k_lanes)``, each ``[B, T, H, L]`` in
+    ``dtype`` (``B = batch``, ``L = 2R + 2``), from ``feat [B|1, T, NF]`` (:func:`pack_features`), ``params``
+    (:func:`pack_params`) and ``meta`` (:func:`meta_key`): one :func:`_lanes_fwd` launch, the values that
+    :class:`GoatQKV` writes into the packed ``qkv`` eagerly (paper Eqs. 23-27). The attention layer places
+    them next to the content dims with ``torch.cat``, which Inductor fuses into the copy of q and k.
+    Backward (registered): :func:`goat_lanes_backward`."""
+    m = _meta(meta)
+    H, L, T = m["H"], m["L"], feat.shape[1]
     grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
-    dq, dk, dv = grad.contiguous().view(batch, T, 3, H, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat, params)
+    ql = torch.empty(batch, T, H, L, device=feat.device, dtype=dtype)  # the kernel casts on store
+    kl = torch.empty(batch, T, H, L, device=feat.device, dtype=dtype)
+    _traced_launch(_lanes_fwd, grid, kernels, ("sep",), (feat, feat, params, ql, kl, batch, batch, T, T, BB),
+                   dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
+    return ql, kl
 
 
-@goat_qkv_backward.register_fake
-def _goat_qkv_backward_fake(grad, feat, params, meta, batch, head_dim):
-    return (torch.empty(grad.shape, dtype=grad.dtype, device=grad.device),
-            torch.empty(_meta(meta)["PT"], dtype=torch.float32, device=grad.device))  # shapes may be symbolic
+def _goat_lanes_backward_fake(dq_l, dk_l, feat, params, meta, batch):
+    return params.new_empty(params.shape, dtype=torch.float32)
 
 
-def _goat_qkv_setup(ctx, inputs, output):
-    _, feat, params, meta, batch, head_dim = inputs
+@_kernel_op("mixlab::goat_lanes_backward", _goat_lanes_backward_fake)
+def goat_lanes_backward(dq_l: torch.Tensor, dk_l: torch.Tensor, feat: torch.Tensor, params: torch.Tensor,
+                        meta: str, batch: int) -> torch.Tensor:
+    """Gradient ``[PT]`` float32 of the flat parameter vector from the lane gradients ``dq_l, dk_l [B, T, H, L]``
+    of :func:`goat_lanes` (:func:`_lanes_bwd_reduce` sums each batch chunk in float32, then
+    :func:`_lanes_bwd_params` and one ``sum``, as :class:`GoatLanesTriton`'s backward)."""
+    m = _meta(meta)
+    H, L, T = m["H"], m["L"], feat.shape[1]
+    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
+    dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
+    _, NT, NC = grid
+    TP = NT * const["BLOCK_T"]
+    g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
+    _traced_launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, batch, batch, T, T, BB, TP),
+                   dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"],
+                        BLOCK_T=const["BLOCK_T"], num_warps=const["num_warps"]))
+    return _params_backward(g, grid, const, kernels, feat, feat, params, launch=_traced_launch)
+
+
+def _goat_lanes_setup(ctx, inputs, output):
+    feat, params, meta, batch, _ = inputs
     ctx.save_for_backward(feat, params)
-    ctx.args = (meta, batch, head_dim)
+    ctx.args = (meta, batch)
 
 
-def _goat_qkv_grad(ctx, grad):
+def _goat_lanes_grad(ctx, dq_l, dk_l):
     feat, params = ctx.saved_tensors
-    d_qkv, d_params = goat_qkv_backward(grad, feat, params, *ctx.args)
-    return d_qkv, None, d_params, None, None, None
+    return None, goat_lanes_backward(dq_l, dk_l, feat, params, *ctx.args), None, None, None
 
 
-goat_qkv.register_autograd(_goat_qkv_grad, setup_context=_goat_qkv_setup)
+goat_lanes.register_autograd(_goat_lanes_grad, setup_context=_goat_lanes_setup)
 
 
 _PLAIN_META: dict[int, dict] = {}

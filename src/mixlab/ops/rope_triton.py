@@ -159,7 +159,7 @@ def _rotate_back(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, b
 @torch.library.custom_op("mixlab::rope_qkv", mutates_args=())
 def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int, axes: int) -> Tensor:
     """``qkv [B * T, 3 * H * d_h]`` -> a new tensor of the same shape and dtype: a copy with q and k rotated
-    (the functional twin of :class:`RopeQKV` for ``torch.compile``, as ``mixlab::goat_qkv`` is GOAT's:
+    (the functional twin of :class:`RopeQKV` for ``torch.compile``, as ``mixlab::goat_lanes`` is GOAT's:
     Inductor sees an opaque op with a fake implementation and a registered backward,
     :func:`rope_qkv_backward`, so a compiled model keeps the Triton kernels instead of compiling the
     rotation from torch ops; one copy of ``qkv`` more than the eager path). ``cos, sin`` float32
