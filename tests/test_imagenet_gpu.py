@@ -463,19 +463,25 @@ def test_resized_crops_on_cuda_with_and_without_tf32():
     assert torch.backends.cuda.matmul.allow_tf32 == before
 
 
-def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(samples):
-    """The prefetcher hands out exactly what the stage gives batch by batch; the first batch runs in the
-    consumer's thread, the others in the background thread; an error in either reaches the consumer; leaving
-    the loop early ends the thread; an empty loader yields nothing."""
-    tf = train_transform(32)
+def _encoded_batches(samples, tf, n: int) -> list:
+    """``n`` training batches of 6 encoded samples each (bytes + parameters drawn under fixed seeds)."""
     params = TrainParams(tf)
     batches = []
-    for k in range(4):
+    for k in range(n):
         enc = []
         for i, s in enumerate(samples[6 * k: 6 * k + 6]):
             with seeded_rngs(100 * k + i):
                 enc.append(encode_sample(s, 3, params))
         batches.append(collate_encoded(enc))
+    return batches
+
+
+def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(samples):
+    """The prefetcher hands out exactly what the stage gives batch by batch; the first batch runs in the
+    consumer's thread, the others in the background thread; an error in either reaches the consumer; leaving
+    the loop early ends the thread; an empty loader yields nothing."""
+    tf = train_transform(32)
+    batches = _encoded_batches(samples, tf, 4)
     pipe = GpuPipeline(tf, train=True)
     direct = [pipe(b) for b in batches]
     got = list(DevicePrefetcher(batches, pipe, "cpu", depth=2))
@@ -521,14 +527,7 @@ def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(s
     again; without it the consumer stays on the caller's stream."""
     dev = torch.device("cuda")
     tf = train_transform(32)
-    params = TrainParams(tf)
-    batches = []
-    for k in range(3):
-        enc = []
-        for i, s in enumerate(samples[6 * k: 6 * k + 6]):
-            with seeded_rngs(100 * k + i):
-                enc.append(encode_sample(s, 3, params))
-        batches.append(collate_encoded(enc))
+    batches = _encoded_batches(samples, tf, 3)
     pipe = GpuPipeline(tf, train=True)
     direct = [pipe(b.to(dev)) for b in batches]
     caller = torch.cuda.current_stream(dev)
