@@ -446,6 +446,32 @@ class ShardStream(torch.utils.data.IterableDataset):
                 return
 
 
+def _check_ranges(**values: Any) -> None:
+    """Refuse out-of-range ImageNetDataModule arguments before anything is built.
+
+    Raises:
+        ValueError: naming the argument, its allowed range and the value given.
+    """
+    def sizes(v: Any) -> list:
+        return list(v) if isinstance(v, (list, tuple)) else [v]
+
+    rules = {  # name: (test, allowed range in words); None values are "not set"
+        "batch_size": (lambda v: v >= 1, ">= 1"), "eval_batch_size": (lambda v: v >= 1, ">= 1 (or null)"),
+        "num_workers": (lambda v: v >= 0, ">= 0"), "shuffle_buffer": (lambda v: v >= 0, ">= 0"),
+        "shard_shuffle": (lambda v: v >= 0, ">= 0"), "train_samples": (lambda v: v >= 1, ">= 1 (or null)"),
+        "num_classes": (lambda v: v >= 1, ">= 1"),
+        "image_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel"),
+        "eval_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel (or null)"),
+        "crop_pct": (lambda v: 0 < v <= 1, "in (0, 1]"), "re_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+        "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0"),
+        "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
+    }
+    for name, value in values.items():
+        test, allowed = rules[name]
+        if value is not None and not test(value):
+            raise ValueError(f"ImageNetDataModule: {name} must be {allowed}; got {value!r}")
+
+
 class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     """ImageNet (or any ImageNet-format classification set) as WebDataset shards or ImageFolder trees.
 
@@ -539,6 +565,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                              "or decode='cpu'")
         if prefetch_batches < 0:
             raise ValueError(f"ImageNetDataModule: prefetch_batches must be >= 0; got {prefetch_batches}")
+        _check_ranges(batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers,
+                      shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle, train_samples=train_samples,
+                      num_classes=num_classes, image_size=image_size, eval_size=eval_size, crop_pct=crop_pct,
+                      re_prob=re_prob, hflip=hflip, color_jitter=color_jitter, scale=scale)
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training = priority_training
         self._gpu_pipelines: dict[bool, Any] = {}
@@ -707,8 +737,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             graphs = "in CUDA graphs"
         else:
             graphs = "launched op by op" + (" (cuda_graphs has no effect on a CPU device)" if self.cuda_graphs else "")
-        priority = ("; training step on a high-priority CUDA stream" if self.prefetch_batches and self.priority_training
-                    and device.type == "cuda" else "")
+        priority = ""
+        if self.prefetch_batches and self.priority_training:
+            priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
+                        else " (priority_training has no effect on a CPU device)")
         return f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
 
     def prefetched(self, loader: Any, train: bool) -> Any:
@@ -774,6 +806,9 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
     Raises:
         FileNotFoundError: ``root`` is not a directory or holds no images.
         ValueError: ``pattern`` has no ``%d``-style field.
+
+    A file that is not a JPEG and cannot be read as an image is skipped with a warning naming it (JPEG files are
+    copied unchecked; a corrupt one is skipped and counted by the loaders).
     """
     import random
 
@@ -795,12 +830,19 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
     out_dir = Path(pattern).parent
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
+    skipped = 0
     with wds.ShardWriter(pattern, maxcount=maxcount, verbose=0) as sink:
         for p, label in items:
             data = p.read_bytes()
             if data[:2] != b"\xff\xd8":  # not a JPEG: re-encode
                 buf = io.BytesIO()
-                Image.open(io.BytesIO(data)).convert("RGB").save(buf, format="JPEG", quality=quality)
+                try:
+                    Image.open(io.BytesIO(data)).convert("RGB").save(buf, format="JPEG", quality=quality)
+                except (OSError, ValueError, Image.DecompressionBombError) as exc:  # unreadable: skip it
+                    skipped += 1
+                    warnings.warn(f"write_imagefolder_shards: skipped {str(p)!r}, not a readable image ({exc}); "
+                                  f"{skipped} skipped so far")
+                    continue
                 data = buf.getvalue()
             rel = p.relative_to(root).with_suffix("")
             key = re.sub(r"[^A-Za-z0-9_-]", "_", str(rel))

@@ -40,6 +40,7 @@ import io
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -379,6 +380,25 @@ def main(argv: list[str] | None = None) -> str:
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    quick_sets = ("--images", "--image-wh", "--classes", "--shard-size", "--workers", "--batch-size", "--image-size",
+                  "--warmup", "--batches", "--model")
+    clash = [o for o in quick_sets if any(g == o or g.startswith(o + "=") for g in given)]
+    if a.quick and clash:
+        p.error(f"--quick sets {', '.join(clash)} itself; drop {'them' if len(clash) > 1 else 'it'} or drop --quick")
+    for name, least in (("images", 1), ("classes", 1), ("shard_size", 1), ("workers", 0), ("batch_size", 2),
+                        ("image_size", 1), ("warmup", 0), ("batches", 1), ("prefetch", 0)):
+        if getattr(a, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}; got {getattr(a, name)}")
+    if not re.fullmatch(r"\d+x\d+", a.image_wh.lower()) or min(int(v) for v in a.image_wh.lower().split("x")) < 1:
+        p.error(f"--image-wh must be WIDTHxHEIGHT in pixels, e.g. 500x375; got {a.image_wh!r}")
+    if a.device is not None and a.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {a.device}: no CUDA device is available here")
+    if a.model not in ("tiny",) and not a.model.startswith("mixlab-"):
+        import timm
+
+        if not timm.is_model(a.model):
+            p.error(f"--model {a.model!r} is not a timm model name (nor 'tiny' or mixlab-<preset>)")
     if a.no_train and a.no_eval:  # before any shard is written
         p.error("--no-train and --no-eval leave nothing to measure")
     if a.profile < 0:

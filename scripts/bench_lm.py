@@ -296,6 +296,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.device.startswith("cuda") and "compile-blocks" in args.modes:
         p.error(f"--modes compile-blocks needs CUDA: backbone.compile compiles blocks on CUDA only (on {args.device} "
                 "the blocks would run eagerly against a compiled anchor)")
+    if not args.device.startswith("cuda") and "compile-cudagraphs" in args.modes:
+        p.error(f"--modes compile-cudagraphs needs CUDA: there are no CUDA graphs on {args.device} "
+                "(use --modes compile)")
     chunked = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else args.vocab >= AUTO_CHUNK_MIN_VOCAB
     fla = [m for m in args.models if m in FLA_LOSS]
     if not chunked and fla:  # fla's kernels run inside the chunked loss only

@@ -78,3 +78,28 @@ def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
     both = bench_input.kernel_overlap([(7, 0, 10), (13, 4, 6), (13, 8, 14), (7, 20, 21)])
     assert both == {7: 11.0, 13: 8.0, "union": 15.0, "overlap": 4.0}  # 4-6 and 8-10 ran side by side
     assert bench_input.kernel_overlap([]) == {"union": 0.0, "overlap": 0.0}
+
+
+def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
+    """Counts, sizes, the image shape, the model name and --quick's own settings are checked before any shard is
+    written: one argparse line naming the option, exit 2 (they were tracebacks, a division by zero, or --quick
+    silently replacing the user's values)."""
+    import pytest
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    cases = {("--workers", "-1"): "--workers must be >= 0; got -1", ("--batch-size", "0"): "--batch-size must be >= 2",
+             ("--images", "0"): "--images must be >= 1; got 0", ("--batches", "0"): "--batches must be >= 1; got 0",
+             ("--prefetch", "-2"): "--prefetch must be >= 0; got -2",
+             ("--image-wh", "10"): "--image-wh must be WIDTHxHEIGHT in pixels, e.g. 500x375; got '10'",
+             ("--model", "nosuchmodel"): "--model 'nosuchmodel' is not a timm model name",
+             ("--quick", "--batch-size", "4", "--model=tiny"): "--quick sets --batch-size, --model itself; drop them"}
+    if not torch.cuda.is_available():
+        cases[("--device", "cuda")] = "--device cuda: no CUDA device is available here"
+    for argv, message in cases.items():
+        with pytest.raises(SystemExit) as exit_info:
+            bench_input.main(list(argv))
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err, argv

@@ -82,6 +82,7 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
         cases[("--models", "goat_fla_loss")] = "goat_fla_loss needs CUDA; nothing besides the plain anchor is left"
         cases[("--models", "goat_fla_loss", "--loss-chunk-tokens", "0")] = "goat_fla_loss needs CUDA"
         cases[("--quick", "--modes", "eager", "compile-blocks")] = "--modes compile-blocks needs CUDA"
+        cases[("--quick", "--modes", "compile-cudagraphs")] = "--modes compile-cudagraphs needs CUDA: there are no CUDA"
     for argv, message in cases.items():
         with pytest.raises(SystemExit) as exit_info:
             bench.parse(list(argv))

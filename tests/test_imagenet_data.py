@@ -110,6 +110,21 @@ def test_training_pipeline_has_fixed_epoch_and_even_batches(shards):
         assert x.shape == (2, 3, 32, 32) and ((y >= 0) & (y < N_CLASSES)).all()
 
 
+@pytest.mark.parametrize("name, value, allowed", [
+    ("batch_size", 0, ">= 1"), ("eval_batch_size", 0, ">= 1 (or null)"), ("num_workers", -1, ">= 0"),
+    ("shuffle_buffer", -5, ">= 0"), ("train_samples", 0, ">= 1 (or null)"), ("image_size", 0, ">= 1 pixel"),
+    ("image_size", [224, 0], ">= 1 pixel"), ("eval_size", -3, ">= 1 pixel (or null)"), ("re_prob", 2.0, "in [0, 1]"),
+    ("hflip", -0.1, "in [0, 1]"), ("crop_pct", 0.0, "in (0, 1]"), ("color_jitter", -0.3, ">= 0"),
+    ("scale", (1.0, 0.1), "(min, max) with 0 < min <= max <= 1"), ("num_classes", 0, ">= 1"),
+])
+def test_out_of_range_arguments_are_refused_at_construction(name, value, allowed):
+    """Each size, count and probability is checked when the datamodule is built, with the argument's name, its
+    range and the value in the message (before: a ZeroDivisionError or a DataLoader worker's traceback later)."""
+    with pytest.raises(ValueError) as err:
+        ImageNetDataModule(train_path="x.tar", **{name: value})
+    assert str(err.value) == f"ImageNetDataModule: {name} must be {allowed}; got {value!r}"
+
+
 def test_missing_shards_and_too_few_shards_are_clear_errors(shards, tmp_path):
     out, _ = shards
     with pytest.raises(FileNotFoundError, match=r"val_path: 2 of 6 shards .*train-\{0000\.\.0005\}"):
@@ -391,3 +406,23 @@ def test_wds_run_stopped_at_max_steps_and_extended_continues_its_epoch(shards, t
     assert len(rest) == 10 - stop
     for j, ((e, x, y), (e_ref, x_ref, y_ref)) in enumerate(zip(rest, full[stop:])):
         assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref), (stop, j)
+
+
+def test_shard_writer_skips_an_unreadable_image_with_a_warning_naming_it(tmp_path):
+    """A file that is neither a JPEG nor a readable image (a truncated PNG, a stray text file named .png) is
+    skipped with a warning naming it; the others are written and classes.txt exists (before: PIL's traceback
+    stopped the writer, leaving partial shards and no classes.txt)."""
+    import webdataset as wds
+
+    from mixlab.datamodules.imagenet import write_imagefolder_shards
+
+    for c in ("a", "b"):
+        (tmp_path / "tree" / c).mkdir(parents=True)
+        Image.new("RGB", (8, 6), (10, 200, 30)).save(tmp_path / "tree" / c / "ok.png")
+    bad = tmp_path / "tree" / "b" / "bad.png"
+    bad.write_bytes(b"not an image at all")
+    with pytest.warns(UserWarning, match=r"skipped '.*bad\.png', not a readable image .*1 skipped so far"):
+        shards = write_imagefolder_shards(tmp_path / "tree", str(tmp_path / "out" / "s-%04d.tar"), maxcount=10)
+    keys = sorted(x["__key__"] for x in wds.WebDataset(shards, shardshuffle=False))
+    assert keys == ["a_ok", "b_ok"]
+    assert (tmp_path / "out" / "classes.txt").read_text() == "a\nb\n"

@@ -803,7 +803,7 @@ def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
     assert dm.pipeline_summary() == "decode cpu: JPEG decoding and augmentation in 3 DataLoader worker(s)"
     text = ImageNetDataModule(train_path="x.tar", decode="gpu").pipeline_summary()
     assert "on cpu" in text and "2 batch(es) ahead" in text and "cuda_graphs has no effect on a CPU device" in text
-    assert "high-priority" not in text  # streams only on CUDA
+    assert "high-priority" not in text and "priority_training has no effect on a CPU device" in text
     dm = ImageNetDataModule(train_path="x.tar", decode="gpu", cuda_graphs=False, prefetch_batches=0)
     text = dm.pipeline_summary()
     assert "in on_after_batch_transfer" in text and text.endswith("launched op by op")
