@@ -458,6 +458,7 @@ def _check_ranges(**values: Any) -> None:
     rules = {  # name: (test, allowed range in words); None values are "not set"
         "batch_size": (lambda v: v >= 1, ">= 1"), "eval_batch_size": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_workers": (lambda v: v >= 0, ">= 0"), "shuffle_buffer": (lambda v: v >= 0, ">= 0"),
+        "prefetch_batches": (lambda v: v >= 0, ">= 0"),
         "shard_shuffle": (lambda v: v >= 0, ">= 0"), "train_samples": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_classes": (lambda v: v >= 1, ">= 1"),
         "image_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel"),
@@ -563,12 +564,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if decode == "gpu" and format != "wds":
             raise ValueError("ImageNetDataModule: decode='gpu' reads WebDataset shards; use format='wds' "
                              "or decode='cpu'")
-        if prefetch_batches < 0:
-            raise ValueError(f"ImageNetDataModule: prefetch_batches must be >= 0; got {prefetch_batches}")
-        _check_ranges(batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers,
-                      shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle, train_samples=train_samples,
-                      num_classes=num_classes, image_size=image_size, eval_size=eval_size, crop_pct=crop_pct,
-                      re_prob=re_prob, hflip=hflip, color_jitter=color_jitter, scale=scale)
+        _check_ranges(prefetch_batches=prefetch_batches, batch_size=batch_size, eval_batch_size=eval_batch_size,
+                      num_workers=num_workers, shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle,
+                      train_samples=train_samples, num_classes=num_classes, image_size=image_size,
+                      eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
+                      scale=scale)
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training = priority_training
         self._gpu_pipelines: dict[bool, Any] = {}

@@ -511,29 +511,47 @@ class GoatLanesTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, feat_q, feat_k, params, meta, batch_q, batch_k, out_dtype):
-        H, L = meta["H"], meta["L"]
-        grid, BB, const, kernels = _launch_args(meta, feat_q.shape, feat_k.shape, batch_q, batch_k)
-        Tq, Tk = feat_q.shape[1], feat_k.shape[1]
-        ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=out_dtype)  # the kernel casts on store
-        kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=out_dtype)
-        _launch(_lanes_fwd, grid, kernels, ("sep",), (feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB),
-                dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
+        ql, kl, plan = _lanes_forward(feat_q, feat_k, params, meta, batch_q, batch_k, out_dtype)
         ctx.save_for_backward(feat_q, feat_k, params)
-        ctx.args = (grid, BB, const, kernels, batch_q, batch_k)
+        ctx.args = (plan, batch_q, batch_k)
         return ql.transpose(1, 2), kl.transpose(1, 2)
 
     @staticmethod
     def backward(ctx, dq_l, dk_l):
         feat_q, feat_k, params = ctx.saved_tensors
-        grid, BB, const, kernels, NQ, NK = ctx.args
-        dq_l, dk_l = dq_l.transpose(1, 2).contiguous(), dk_l.transpose(1, 2).contiguous()  # [B, T, H, L]
-        H, NT, NC = grid
-        L, TP = const["L"], NT * const["BLOCK_T"]
-        g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
-        _launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB, TP),
-                dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
-                     num_warps=const["num_warps"]))
-        return None, None, _params_backward(g, grid, const, kernels, feat_q, feat_k, params), None, None, None, None
+        d_params = _lanes_param_grad(dq_l.transpose(1, 2), dk_l.transpose(1, 2), feat_q, feat_k, params, *ctx.args)
+        return None, None, d_params, None, None, None, None
+
+
+def _lanes_forward(feat_q, feat_k, params, meta: dict, batch_q: int, batch_k: int, dtype: torch.dtype,
+                   launch: Callable = _launch) -> tuple:
+    """``(q_lanes [Bq, Tq, H, L], k_lanes [Bk, Tk, H, L], plan)``: the lanes as new tensors in ``dtype`` (one
+    :func:`_lanes_fwd` launch; the kernel casts on store) and the launch plan (:func:`_launch_args`) for
+    :func:`_lanes_param_grad`. ``launch``: :func:`_launch`, or :func:`_traced_launch` inside a traced op."""
+    H, L = meta["H"], meta["L"]
+    plan = grid, BB, const, kernels = _launch_args(meta, feat_q.shape, feat_k.shape, batch_q, batch_k)
+    Tq, Tk = feat_q.shape[1], feat_k.shape[1]
+    ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=dtype)
+    kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=dtype)
+    launch(_lanes_fwd, grid, kernels, ("sep",), (feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB),
+           dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
+    return ql, kl, plan
+
+
+def _lanes_param_grad(dq_l, dk_l, feat_q, feat_k, params, plan: tuple, NQ: int, NK: int,
+                      launch: Callable = _launch) -> torch.Tensor:
+    """Gradient ``[PT]`` float32 of the flat parameter vector from the lane gradients ``dq_l [NQ, Tq, H, L]`` and
+    ``dk_l [NK, Tk, H, L]`` (any strides) of :func:`_lanes_forward`: :func:`_lanes_bwd_reduce` sums each batch
+    chunk in float32, then :func:`_params_backward`."""
+    grid, BB, const, kernels = plan
+    dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
+    H, NT, NC = grid
+    L, TP = const["L"], NT * const["BLOCK_T"]
+    g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
+    launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB, TP),
+           dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
+                num_warps=const["num_warps"]))
+    return _params_backward(g, grid, const, kernels, feat_q, feat_k, params, launch=launch)
 
 
 def _params_backward(g, grid, const, kernels, feat_q, feat_k, params, launch: Callable = _launch) -> torch.Tensor:
@@ -694,15 +712,9 @@ def goat_lanes(feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
     ``dtype`` (``B = batch``, ``L = 2R + 2``), from ``feat [B|1, T, NF]`` (:func:`pack_features`), ``params``
     (:func:`pack_params`) and ``meta`` (:func:`meta_key`): one :func:`_lanes_fwd` launch, the values that
     :class:`GoatQKV` writes into the packed ``qkv`` eagerly (paper Eqs. 23-27). The attention layer places
-    them next to the content dims with ``torch.cat``, which Inductor fuses into the copy of q and k.
-    Backward (registered): :func:`goat_lanes_backward`."""
-    m = _meta(meta)
-    H, L, T = m["H"], m["L"], feat.shape[1]
-    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
-    ql = torch.empty(batch, T, H, L, device=feat.device, dtype=dtype)  # the kernel casts on store
-    kl = torch.empty(batch, T, H, L, device=feat.device, dtype=dtype)
-    _traced_launch(_lanes_fwd, grid, kernels, ("sep",), (feat, feat, params, ql, kl, batch, batch, T, T, BB),
-                   dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
+    them into q and k with a ``torch.where`` over ``qkv`` that Inductor fuses into one copy
+    (:func:`mixlab.ops.goat.triton_pack_qkv`). Backward (registered): :func:`goat_lanes_backward`."""
+    ql, kl, _ = _lanes_forward(feat, feat, params, _meta(meta), batch, batch, dtype, launch=_traced_launch)
     return ql, kl
 
 
@@ -714,19 +726,9 @@ def _goat_lanes_backward_fake(dq_l, dk_l, feat, params, meta, batch):
 def goat_lanes_backward(dq_l: torch.Tensor, dk_l: torch.Tensor, feat: torch.Tensor, params: torch.Tensor,
                         meta: str, batch: int) -> torch.Tensor:
     """Gradient ``[PT]`` float32 of the flat parameter vector from the lane gradients ``dq_l, dk_l [B, T, H, L]``
-    of :func:`goat_lanes` (:func:`_lanes_bwd_reduce` sums each batch chunk in float32, then
-    :func:`_lanes_bwd_params` and one ``sum``, as :class:`GoatLanesTriton`'s backward)."""
-    m = _meta(meta)
-    H, L, T = m["H"], m["L"], feat.shape[1]
-    grid, BB, const, kernels = _launch_args(m, feat.shape, feat.shape, batch, batch)
-    dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
-    _, NT, NC = grid
-    TP = NT * const["BLOCK_T"]
-    g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
-    _traced_launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, batch, batch, T, T, BB, TP),
-                   dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"],
-                        BLOCK_T=const["BLOCK_T"], num_warps=const["num_warps"]))
-    return _params_backward(g, grid, const, kernels, feat, feat, params, launch=_traced_launch)
+    of :func:`goat_lanes` (:func:`_lanes_param_grad`, as :class:`GoatLanesTriton`'s backward)."""
+    plan = _launch_args(_meta(meta), feat.shape, feat.shape, batch, batch)
+    return _lanes_param_grad(dq_l, dk_l, feat, feat, params, plan, batch, batch, launch=_traced_launch)
 
 
 def _goat_lanes_setup(ctx, inputs, output):
