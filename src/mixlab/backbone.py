@@ -106,9 +106,9 @@ class BackboneConfig:
             ``std / sqrt(2 n_layers)``.
         compile: run each block through ``torch.compile`` in parallel forwards on CUDA (training,
             validation, prefill), for mixers marked ``compile_safe`` (the attention mixers: GOAT's
-            lane kernels stay on their Triton path inside the graph, the kernel op
-            ``mixlab::goat_lanes``); other blocks, CPU forwards and cached decoding stay eager. The
-            parameters and checkpoint keys are unchanged.
+            lane kernels stay on their Triton path inside the graph, the kernel ops
+            ``mixlab::goat_lanes_into`` / ``mixlab::goat_lanes_backward``); other blocks, CPU forwards and
+            cached decoding stay eager. The parameters and checkpoint keys are unchanged.
     """
 
     d_model: int = 256

@@ -158,13 +158,14 @@ def _compare_layers(ref, fast, x, gy, c, backward_node=None):
 
 
 def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
-    """The torch.compile path (``fullgraph=True``; the lanes through the kernel op ``mixlab::goat_lanes`` and
-    its registered backward, placed next to the content dims by ``torch.cat``) against the eager layer with
-    torch lanes: output, input gradient and parameter gradients; plus ``torch.library.opcheck`` of the op
-    (schema, fake tensor, autograd)."""
+    """The torch.compile path (``fullgraph=True``; the lanes written into the packed qkv in place by the kernel
+    op ``mixlab::goat_lanes_into`` inside ``GoatLanesInto``; the parameter gradient and the zeroed lane entries
+    of ``d qkv`` by ``mixlab::goat_lanes_backward``) against the eager layer with torch lanes: output, input
+    gradient and parameter gradients; plus ``torch.library.opcheck`` of both ops (schema with the mutation,
+    fake tensors)."""
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
-    from mixlab.ops.goat_triton import goat_lanes, meta_key, pack_features
+    from mixlab.ops.goat_triton import goat_lanes_backward, goat_lanes_into, meta_key, pack_features
 
     backend = "inductor" if DEV.type == "cuda" else "aot_eager"
     torch.manual_seed(seed)
@@ -178,25 +179,29 @@ def compiled_case(B, T, H, d_h, n_modes, axes, causal, seed):
     c = Coords.seq(T, device=DEV) if axes == 1 else Coords(torch.randint(0, 9, (1, T, axes)).to(DEV))
     x, gy = torch.randn(B, T, H * d_h).to(DEV), torch.randn(B, T, H * d_h).to(DEV)
     err = _compare_layers(ref, (fast, torch.compile(fast, backend=backend, fullgraph=True)), x, gy, c)
-    # the op itself: opcheck runs its schema, fake-tensor and autograd-registration tests
+    # the ops themselves: opcheck runs their schema (incl. the declared mutation) and fake-tensor tests
     pos = fast.pos
     f = pos._features(c, torch.float32)
     feat = pack_features(f["cos"], f["sin"], f["present"], f.get("phi"), f["j_hi"], f["j_lo"], f["is_bos"],
                          f["is_none"])
-    params = pos._flat_params().detach().clone().requires_grad_()
-    torch.library.opcheck(goat_lanes, (feat, params, meta_key(pos._kernel_meta()), B, torch.float32),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    params, key = pos._flat_params().detach().clone(), meta_key(pos._kernel_meta())
+    qkv = torch.randn(B * T, 3 * H * d_h, device=DEV)
+    torch.library.opcheck(goat_lanes_into, (qkv, feat, params, key, B, d_h),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(goat_lanes_backward, (torch.randn_like(qkv), feat, params, key, B, d_h),
+                          test_utils=("test_schema", "test_faketensor"))
     return err
 
 
 def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False, compiled=False):
     """RoPE's in-place path (``rotary_impl="triton"``: q, k rotated inside the packed qkv by RopeQKV) against
     the torch path (QKVSplit views + rotation): output, input gradient, every parameter gradient. With
-    ``compiled``: the fast layer under ``torch.compile`` (``fullgraph=True``), where the rotation runs as the
-    custom op ``mixlab::rope_qkv`` with its registered backward; plus ``torch.library.opcheck`` of the op."""
+    ``compiled``: the fast layer under ``torch.compile`` (``fullgraph=True``), where the rotation runs in place as
+    the kernel op ``mixlab::rope_rotate`` inside ``RopeQKVInto`` (forward, and by ``-theta`` on ``d qkv``
+    backward); plus ``torch.library.opcheck`` of the op and the op's inverse undoing its rotation."""
     from mixlab.coords import Coords
     from mixlab.mixers.attention import Attention
-    from mixlab.ops.rope_triton import rope_qkv
+    from mixlab.ops.rope_triton import rope_rotate
 
     torch.manual_seed(seed)
     args = dict(d_model=H * d_h, n_heads=H, causal=causal, position="rope", bias=bias)
@@ -215,10 +220,15 @@ def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False, compiled
     backend = "inductor" if DEV.type == "cuda" else "aot_eager"
     err = _compare_layers(ref, (fast, torch.compile(fast, backend=backend, fullgraph=True)), x, gy, c)
     cos, sin = (t.squeeze(1).float().contiguous() for t in fast.pos._cos_sin(c, torch.float32))
-    qkv = torch.randn(B * T, 3 * H * d_h, device=DEV, requires_grad=True)
-    torch.library.opcheck(rope_qkv, (qkv, cos, sin, B, H, d_h, axes),
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
-    return err
+    qkv = torch.randn(B * T, 3 * H * d_h, device=DEV)
+    torch.library.opcheck(rope_rotate, (qkv.clone(), cos, sin, H, d_h, axes, False),
+                          test_utils=("test_schema", "test_faketensor"))
+    turned = qkv.clone()
+    rope_rotate(turned, cos, sin, H, d_h, axes, False)
+    moved = (turned - qkv).abs().max().item()
+    rope_rotate(turned, cos, sin, H, d_h, axes, True)
+    assert moved > 0.1, moved  # it rotated, and the inverse rotation undoes it
+    return max(err, (turned - qkv).abs().max().item())
 
 
 res = {
@@ -268,4 +278,7 @@ if DEV.type == "cuda":  # ViT-S/16 at 224: 196 patches + [CLS] (no coordinates),
     res["layer_vit_s_B64"] = layer_case(64, 197, 6, 64, 16, 2, False, False, True, 15, mlp=(32, 8))
     res["layer_lm_B8_T2048"] = layer_case(8, 2048, 12, 64, 4, 1, True, False, False, 16, mlp=(32, 8))
     res["deterministic_lm_B8_T2048"] = deterministic_case(8, 2048, 12, 4, 19)  # must be exactly 0
+    res["compiled_layer_lm_B8_T2048"] = compiled_case(8, 2048, 12, 64, 4, 1, True, 30)  # Inductor, 124M-sized
+    res["compiled_layer_vit_s_B64"] = compiled_case(64, 196, 6, 64, 16, 2, False, 31)
+    res["compiled_rope_lm_B8_T2048"] = rope_case(8, 2048, 12, 64, 1, True, False, 32, compiled=True)
 print(json.dumps(res))

@@ -574,8 +574,8 @@ class RotaryPositions(PositionScheme):
     ``rotary_impl``: ``"auto"`` (default: ``triton`` on CUDA, under ``torch.compile`` too, else ``torch``),
     ``"torch"`` (:class:`~mixlab.ops.goat_triton.QKVSplit` views, then a compiled rotation per tensor)
     or ``"triton"`` (q and k rotated in place in the packed projection by
-    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way; under ``torch.compile`` the same kernels
-    as the custom op ``mixlab::rope_qkv``, out of place; on CPU tensors it warns once and
+    :class:`~mixlab.ops.rope_triton.RopeQKV`, one kernel each way; under ``torch.compile`` the same kernel
+    in place each way as the kernel op ``mixlab::rope_rotate``; on CPU tensors it warns once and
     takes the torch rotation, so a checkpoint trained with it runs anywhere: on the H200 the layer's forward +
     backward takes 1.03x the plain layer's, the torch path 1.42x; BENCHMARKS.md). Same values up to
     rounding (the kernel rotates in fp32).

@@ -394,20 +394,14 @@ def triton_pack_qkv(qkv: Tensor, feat: Tensor, params: Tensor, meta: dict, batch
     """Write the lanes into the packed projection ``qkv [B * T, 3 * H * d_h]`` in place and return
     ``q, k, v [B, H, T, d_h]`` as views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`).
 
-    Under ``torch.compile`` the compiler must see functional code: the lanes ``[B, T, H, L]`` come from the
-    kernel op ``mixlab::goat_lanes`` (the same Triton kernel, launched by Inductor) and replace the last
-    ``L`` dims of q and k in a ``torch.where`` over the whole ``qkv``, which Inductor fuses into one copy
-    (the copy, not ``qkv``, is kept for the backward, as the eager path keeps only ``qkv``). Its backward
-    zeroes the projection's gradient under the lanes in the fused pass that assembles ``d qkv``, and
-    ``mixlab::goat_lanes_backward`` turns the lane gradients into the parameters'."""
-    from mixlab.ops.goat_triton import GoatQKV, goat_lanes, meta_key
+    Under ``torch.compile`` the same kernel runs as the operator ``mixlab::goat_lanes_into`` inside
+    :class:`~mixlab.ops.goat_triton.GoatLanesInto` (Inductor launches it and writes into the projection's
+    buffer: no copy); ``mixlab::goat_lanes_backward`` reads the lane entries of ``d qkv`` into the parameter
+    gradient and zeroes them in place (the projection gets no gradient under the lanes)."""
+    from mixlab.ops.goat_triton import GoatLanesInto, GoatQKV, meta_key
 
     if torch.compiler.is_compiling():
-        H, L, T = meta["H"], meta["L"], feat.shape[1]
-        ql, kl = goat_lanes(feat, params, meta_key(meta), batch, qkv.dtype)
-        lanes = torch.nn.functional.pad(torch.stack((ql, kl), dim=2), (head_dim - L, 0, 0, 0, 0, 1))  # [B,T,3,H,d_h]
-        part = torch.arange(3, device=qkv.device)[:, None, None]  # q, k, v
-        dim = torch.arange(head_dim, device=qkv.device)
-        out = torch.where((part < 2) & (dim >= head_dim - L), lanes, qkv.view(batch, T, 3, H, head_dim))
-        return out.permute(2, 0, 3, 1, 4).unbind(0)
+        T = feat.shape[1]
+        qkv = GoatLanesInto.apply(qkv, feat, params, meta_key(meta), batch, head_dim)
+        return qkv.view(batch, T, 3, meta["H"], head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return GoatQKV.apply(qkv, feat, params, meta, batch, head_dim)

@@ -16,9 +16,11 @@ Four entry points share the kernels:
   projection gets no gradient through them - exact), summing the lane gradients on the way;
   that pass replaces the two copies autograd makes for a plain layer's ``view -> permute ->
   unbind`` (~260 us of a ~1.2 ms layer step at B8 T2048 d768 on an H200, BENCHMARKS.md).
-* :func:`goat_lanes` - the ``torch.compile`` path: lanes as new ``[B, T, H, L]`` tensors from a
-  ``torch.library.triton_op`` (Inductor traces it and launches the kernel from the compiled graph, no
-  Python per call); the layer puts them into q and k with a ``torch.where`` that Inductor fuses.
+* :class:`GoatLanesInto` - the ``torch.compile`` path: the same in-place write as :class:`GoatQKV`, through
+  the ``torch.library.triton_op`` :func:`goat_lanes_into` (Inductor traces it, launches the kernel from the
+  compiled graph with no Python per call, and writes into the projection's buffer: no copy); its backward
+  zeroes the lane entries of ``d qkv`` with a ``torch.where`` that Inductor fuses into the pass assembling
+  ``d qkv``, and :func:`goat_lanes_backward` turns the lane gradients into the parameters'.
 * :class:`QKVSplit` - the same split and one-copy backward for schemes without lanes (NoPE,
   RoPE, APE): every attention layer on CUDA builds ``d qkv`` the same way
   (:func:`mixlab.ops.attention.split_qkv`).
@@ -49,17 +51,17 @@ Tests run these kernels on CPU under ``TRITON_INTERPRET=1`` against ``GoatLanes`
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from mixlab.ops.compile import kernel_op, traced_launch
 from mixlab.ops.goat import KEY_LINEAR_BLOCK, param_layout
 
-__all__ = ["GoatLanesTriton", "GoatQKV", "QKVSplit", "kernel_meta", "pack_features", "pack_params", "goat_lanes",
-           "goat_lanes_backward", "meta_key"]
+__all__ = ["GoatLanesTriton", "GoatQKV", "GoatLanesInto", "QKVSplit", "kernel_meta", "pack_features", "pack_params",
+           "goat_lanes_into", "goat_lanes_backward", "meta_key"]
 
 # Launch configuration; defaults from scripts/bench_goat_lanes.py on an H200 (BENCHMARKS.md).
 _BLOCK_T = None  # tokens per program; None: 32 up to 256 tokens (ViT), else 64
@@ -109,10 +111,12 @@ def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
                O_BETA: tl.constexpr, O_SLOPE: tl.constexpr, O_BOS: tl.constexpr, O_DEF: tl.constexpr,
                O_B1: tl.constexpr, O_W2: tl.constexpr, O_W1: tl.constexpr, PT: tl.constexpr,
                HAS_SLOPE: tl.constexpr, HAS_BOS: tl.constexpr, HAS_DEFAULT: tl.constexpr, HAS_MLP: tl.constexpr,
-               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+               Q_BATCHED: tl.constexpr, K_BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, ONE_OUT: tl.constexpr):
     """Program (head h, token block, batch chunk of BB outputs) builds the block's ``[BT, L]``
     q and k lane tiles once (per-sample features come with BB = 1) and stores each token's
-    lanes as one contiguous run for every output batch of its chunk."""
+    lanes as one contiguous run for every output batch of its chunk. ``ONE_OUT``: the k lanes go
+    into ``qout`` too (at ``KOFF``; ``kout`` is not touched), so a buffer that the kernel writes is
+    passed once (``torch.compile`` clones each written argument of a traced kernel on its own)."""
     h = tl.program_id(0)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     b0 = tl.program_id(2) * BB
@@ -150,6 +154,8 @@ def _lanes_fwd(featq, featk, prm, qout, kout, NQ, NK, Tq, Tk, BB,
         u += tl.load(prm + O_DEF + h) * _column(featk, rk, tk, 3 * R + F + 3, NF)
     k_tile = tl.where(rel[None, :], tl.where(even[None, :], ck, sk),
                       tl.where((l == 2 * R)[None, :], khi[:, None], u[:, None]))
+    if ONE_OUT:
+        kout = qout
     for i in range(0, BB):
         ob = b0 + i
         pq = qout + (ob * Tq + t).to(tl.int64) * ROW + h * HD + QOFF
@@ -224,10 +230,15 @@ def _param_grads(gq, dus, featq, featk, prm, row, h, rq, rk, tq, tk,
 @triton.jit(do_not_specialize=["NQ", "NK", "Tq", "Tk", "BB", "TP"])
 def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
                       ROW: tl.constexpr, HD: tl.constexpr, QOFF: tl.constexpr, KOFF: tl.constexpr,
-                      R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr):
+                      R: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, BLOCK_T: tl.constexpr,
+                      ZERO: tl.constexpr):
     """Backward of separate lane tensors, step 1: program (head, token block, batch chunk) sums its
     chunk's lane gradients into ``g [chunks, H, TP, LP]`` fp32 (q lanes, and ``u``'s gradient in
-    lane ``2R + 1``, whose q-side constant has no parameter)."""
+    lane ``2R + 1``, whose q-side constant has no parameter). With ``ZERO`` (the lane dims inside ``d qkv``,
+    ``dq``, at ``QOFF`` and ``KOFF``; ``dk`` is not touched: a written buffer is passed once) it then zeroes the
+    lane entries it read, q's and k's, in place."""
+    if ZERO:
+        dk = dq
     h = tl.program_id(0)
     nb = tl.program_id(2)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -236,6 +247,14 @@ def _lanes_bwd_reduce(dq, dk, g, NQ, NK, Tq, Tk, BB, TP,
     tile = tl.where((l == 2 * R + 1)[None, :], dus[:, None], gq)
     base = g + ((nb * tl.num_programs(0) + h) * TP + t).to(tl.int64) * LP
     tl.store(base[:, None] + l[None, :], tile)
+    if ZERO:
+        zero = tl.zeros([BLOCK_T, LP], dtype=dq.dtype.element_ty)
+        for i in range(0, BB):
+            ob = nb * BB + i
+            mq = ((t < Tq) & (ob < NQ))[:, None] & (l < L)[None, :]
+            tl.store((dq + (ob * Tq + t).to(tl.int64) * ROW + h * HD + QOFF)[:, None] + l[None, :], zero, mask=mq)
+            mk = ((t < Tk) & (ob < NK))[:, None] & (l < L)[None, :]
+            tl.store((dk + (ob * Tk + t).to(tl.int64) * ROW + h * HD + KOFF)[:, None] + l[None, :], zero, mask=mk)
 
 
 @triton.jit
@@ -534,23 +553,31 @@ def _lanes_forward(feat_q, feat_k, params, meta: dict, batch_q: int, batch_k: in
     ql = torch.empty(batch_q, Tq, H, L, device=feat_q.device, dtype=dtype)
     kl = torch.empty(batch_k, Tk, H, L, device=feat_q.device, dtype=dtype)
     launch(_lanes_fwd, grid, kernels, ("sep",), (feat_q, feat_k, params, ql, kl, batch_q, batch_k, Tq, Tk, BB),
-           dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, **const))
+           dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, ONE_OUT=False, **const))
     return ql, kl, plan
 
 
 def _lanes_param_grad(dq_l, dk_l, feat_q, feat_k, params, plan: tuple, NQ: int, NK: int,
-                      launch: Callable = _launch) -> torch.Tensor:
+                      launch: Callable = _launch, head_dim: int | None = None) -> torch.Tensor:
     """Gradient ``[PT]`` float32 of the flat parameter vector from the lane gradients ``dq_l [NQ, Tq, H, L]`` and
     ``dk_l [NK, Tk, H, L]`` (any strides) of :func:`_lanes_forward`: :func:`_lanes_bwd_reduce` sums each batch
-    chunk in float32, then :func:`_params_backward`."""
+    chunk in float32, then :func:`_params_backward`. With ``head_dim``, ``dq_l`` is instead the whole
+    contiguous ``d qkv [B * T, 3 * H * head_dim]`` (lanes in the last ``L`` dims of its q and k heads,
+    ``dk_l`` ignored), whose lane entries the first kernel zeroes in place after reading them."""
     grid, BB, const, kernels = plan
-    dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
     H, NT, NC = grid
     L, TP = const["L"], NT * const["BLOCK_T"]
+    if head_dim is None:
+        dq_l, dk_l = dq_l.contiguous(), dk_l.contiguous()
+        layout = dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, ZERO=False)
+    else:
+        dk_l = params  # not read: the kernel takes both lanes from dq_l (ZERO)
+        layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=head_dim - L, KOFF=H * head_dim + head_dim - L,
+                      ZERO=True)
     g = torch.empty(NC, H, TP, const["LP"], device=dq_l.device, dtype=torch.float32)
-    launch(_lanes_bwd_reduce, grid, kernels, (), (dq_l, dk_l, g, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB, TP),
-           dict(ROW=H * L, HD=L, QOFF=0, KOFF=0, R=const["R"], L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"],
-                num_warps=const["num_warps"]))
+    launch(_lanes_bwd_reduce, grid, kernels, tuple(layout.values()),
+           (dq_l, dk_l, g, NQ, NK, feat_q.shape[1], feat_k.shape[1], BB, TP),
+           dict(**layout, R=const["R"], L=L, LP=const["LP"], BLOCK_T=const["BLOCK_T"], num_warps=const["num_warps"]))
     return _params_backward(g, grid, const, kernels, feat_q, feat_k, params, launch=launch)
 
 
@@ -567,15 +594,16 @@ def _params_backward(g, grid, const, kernels, feat_q, feat_k, params, launch: Ca
     return part.sum(0)  # [PT] == params.shape
 
 
-def _write_lanes(qkv, feat, params, meta, batch, head_dim) -> tuple:
+def _write_lanes(qkv, feat, params, meta, batch, head_dim, launch: Callable = _launch) -> tuple:
     """Write the lanes into the q/k heads' last ``L`` dims of ``qkv [B * T, 3 * H * d_h]`` in place (one
-    :func:`_lanes_fwd` launch); returns the launch arguments ``(grid, BB, constexprs, kernels)``."""
+    :func:`_lanes_fwd` launch); returns the launch arguments ``(grid, BB, constexprs, kernels)``.
+    ``launch``: :func:`_launch`, or :func:`_traced_launch` inside a traced op."""
     H, L, T = meta["H"], meta["L"], feat.shape[1]
     grid, BB, const, kernels = _launch_args(meta, feat.shape, feat.shape, batch, batch)
     d_c = head_dim - L
     layout = dict(ROW=3 * H * head_dim, HD=head_dim, QOFF=d_c, KOFF=H * head_dim + d_c)
-    _launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
-            (feat, feat, params, qkv, qkv, batch, batch, T, T, BB), dict(**layout, **const))
+    launch(_lanes_fwd, grid, kernels, tuple(layout.values()),
+           (feat, feat, params, qkv, params, batch, batch, T, T, BB), dict(**layout, ONE_OUT=True, **const))
     return grid, BB, const, kernels
 
 
@@ -658,7 +686,6 @@ def _qkv_backward(dq, dk, dv, grid, BB, const, kernels, batch, head_dim, feat=No
 
 # ---------------------------------------------------------------------- torch.compile path: kernel ops
 _META_BY_KEY: dict[str, dict] = {}
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def meta_key(meta: dict) -> str:
@@ -678,71 +705,71 @@ def _meta(key: str) -> dict:
 
 
 def _traced_launch(fn, grid: tuple, kernels: dict, key: tuple, args: tuple, kwargs: dict) -> None:
-    """:func:`_launch` for the bodies of :func:`_kernel_op` ops: ``wrap_triton(fn)[grid](...)``, which
-    ``torch.compile`` records as a Triton kernel call that Inductor launches from its own wrapper (no cache
-    keyed by data pointers: the op is traced with fake tensors). Under ``TRITON_INTERPRET`` a plain call."""
-    (fn if _INTERPRET else torch.library.wrap_triton(fn))[grid](*args, **kwargs)
+    """:func:`_launch`'s signature for the bodies of the kernel ops: :func:`mixlab.ops.compile.traced_launch`
+    (no cache keyed by data pointers: the op is traced with fake tensors)."""
+    traced_launch(fn, grid, args, kwargs)
 
 
-def _kernel_op(name: str, fake: Callable):
-    """Register ``fn`` as the operator ``name`` for ``torch.compile``: a ``torch.library.triton_op``, whose
-    body Inductor traces, so the compiled graph launches the Triton kernels itself with no Python per call
-    (an opaque ``custom_op`` costs ~0.1 ms of host time per call, BENCHMARKS.md). Under Triton's CPU
-    interpreter (``TRITON_INTERPRET=1``, the tests), whose kernels cannot be traced, a ``custom_op`` with
-    the explicit ``fake`` (output shapes) runs the same body instead."""
-    def register(fn):
-        if _INTERPRET:
-            op = torch.library.custom_op(name, fn, mutates_args=())
-            op.register_fake(fake)
-            return op
-        return torch.library.triton_op(name, fn, mutates_args=())
-    return register
+def _goat_lanes_into_fake(qkv, feat, params, meta, batch, head_dim):
+    return None
 
 
-def _goat_lanes_fake(feat, params, meta, batch, dtype):
-    m = _meta(meta)
-    shape = (batch, feat.shape[1], m["H"], m["L"])
-    return feat.new_empty(shape, dtype=dtype), feat.new_empty(shape, dtype=dtype)
+@kernel_op("mixlab::goat_lanes_into", _goat_lanes_into_fake, mutates=("qkv",))
+def goat_lanes_into(qkv: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
+                    head_dim: int) -> None:
+    """Write GOAT's lanes (paper Eqs. 23-27) into the last ``L = 2R + 2`` dims of every q and k head of the
+    packed projection ``qkv [B * T, 3 * H * d_h]`` in place (``B = batch``), from ``feat [B|1, T, NF]``
+    (:func:`pack_features`), ``params`` (:func:`pack_params`) and ``meta`` (:func:`meta_key`): one
+    :func:`_lanes_fwd` launch, what :class:`GoatQKV` does eagerly. A ``torch.library.triton_op`` for
+    ``torch.compile``; differentiable through :class:`GoatLanesInto`."""
+    _write_lanes(qkv, feat, params, _meta(meta), batch, head_dim, launch=_traced_launch)
 
 
-@_kernel_op("mixlab::goat_lanes", _goat_lanes_fake)
-def goat_lanes(feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """GOAT's query and key lanes for ``torch.compile``: ``(q_lanes, k_lanes)``, each ``[B, T, H, L]`` in
-    ``dtype`` (``B = batch``, ``L = 2R + 2``), from ``feat [B|1, T, NF]`` (:func:`pack_features`), ``params``
-    (:func:`pack_params`) and ``meta`` (:func:`meta_key`): one :func:`_lanes_fwd` launch, the values that
-    :class:`GoatQKV` writes into the packed ``qkv`` eagerly (paper Eqs. 23-27). The attention layer places
-    them into q and k with a ``torch.where`` over ``qkv`` that Inductor fuses into one copy
-    (:func:`mixlab.ops.goat.triton_pack_qkv`). Backward (registered): :func:`goat_lanes_backward`."""
-    ql, kl, _ = _lanes_forward(feat, feat, params, _meta(meta), batch, batch, dtype, launch=_traced_launch)
-    return ql, kl
-
-
-def _goat_lanes_backward_fake(dq_l, dk_l, feat, params, meta, batch):
+def _goat_lanes_backward_fake(grad, feat, params, meta, batch, head_dim):
     return params.new_empty(params.shape, dtype=torch.float32)
 
 
-@_kernel_op("mixlab::goat_lanes_backward", _goat_lanes_backward_fake)
-def goat_lanes_backward(dq_l: torch.Tensor, dk_l: torch.Tensor, feat: torch.Tensor, params: torch.Tensor,
-                        meta: str, batch: int) -> torch.Tensor:
-    """Gradient ``[PT]`` float32 of the flat parameter vector from the lane gradients ``dq_l, dk_l [B, T, H, L]``
-    of :func:`goat_lanes` (:func:`_lanes_param_grad`, as :class:`GoatLanesTriton`'s backward)."""
+@kernel_op("mixlab::goat_lanes_backward", _goat_lanes_backward_fake, mutates=("grad",))
+def goat_lanes_backward(grad: torch.Tensor, feat: torch.Tensor, params: torch.Tensor, meta: str, batch: int,
+                        head_dim: int) -> torch.Tensor:
+    """Backward of :func:`goat_lanes_into`: the gradient ``[PT]`` float32 of the flat parameter vector from the
+    lane entries of ``grad`` (``d qkv``, contiguous ``[B * T, 3 * H * d_h]`` or ``[B, T, 3, H, d_h]``), which are
+    then set to zero in place
+    (the lanes replaced those projection outputs, so the projection gets no gradient there): two kernels,
+    :func:`_lanes_bwd_reduce` (reads and zeroes only the lane entries) and :func:`_lanes_bwd_params`."""
     plan = _launch_args(_meta(meta), feat.shape, feat.shape, batch, batch)
-    return _lanes_param_grad(dq_l, dk_l, feat, feat, params, plan, batch, batch, launch=_traced_launch)
+    return _lanes_param_grad(grad, grad, feat, feat, params, plan, batch, batch, launch=_traced_launch,
+                             head_dim=head_dim)
 
 
-def _goat_lanes_setup(ctx, inputs, output):
-    feat, params, meta, batch, _ = inputs
-    ctx.save_for_backward(feat, params)
-    ctx.args = (meta, batch)
+class GoatLanesInto(torch.autograd.Function):
+    """:class:`GoatQKV` for ``torch.compile``: ``qkv [B * T, 3 * H * d_h]`` (the projection's own output) with
+    the lanes written into it in place by the kernel op :func:`goat_lanes_into` (marked dirty, so autograd
+    knows), returned for the caller's ``view -> permute -> unbind``. Inductor writes into the projection's
+    buffer: no copy of ``qkv``, as eagerly. Backward: :func:`goat_lanes_backward` reads the lane entries of
+    ``d qkv`` (assembled by Inductor from ``dq, dk, dv``) into the parameter gradient and zeroes them in place.
+    Arguments: ``qkv``, ``feat``, ``params``, ``meta`` (:func:`meta_key`), ``batch``, ``head_dim``. Measured on
+    an H200 (BENCHMARKS.md, seventeenth session): the ``torch.where`` placement it replaces wrote into a copy
+    of ``qkv``; kernels given one written buffer twice must not be traced (each argument would be cloned on
+    its own, so ``_lanes_fwd`` takes ``ONE_OUT`` and ``_lanes_bwd_reduce`` ``ZERO``)."""
 
+    @staticmethod
+    def forward(ctx, qkv, feat, params, meta, batch, head_dim):
+        goat_lanes_into(qkv, feat, params, meta, batch, head_dim)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(feat, params)
+        ctx.args = (meta, batch, head_dim)
+        return qkv
 
-def _goat_lanes_grad(ctx, dq_l, dk_l):
-    feat, params = ctx.saved_tensors
-    return None, goat_lanes_backward(dq_l, dk_l, feat, params, *ctx.args), None, None, None
-
-
-goat_lanes.register_autograd(_goat_lanes_grad, setup_context=_goat_lanes_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        feat, params = ctx.saved_tensors
+        meta, batch, head_dim = ctx.args
+        # [B, T, 3, H, d_h]: the shape of the buffer Inductor assembles from dq, dk, dv, so the op writes into
+        # that buffer (a [B * T, 3 H d_h] view of it would be lowered as a second buffer and copied back)
+        g = grad.contiguous().view(batch, feat.shape[1], 3, -1, head_dim)
+        d_params = goat_lanes_backward(g, feat, params, meta, batch, head_dim)
+        return g.view(grad.shape), None, d_params, None, None, None
 
 
 _PLAIN_META: dict[int, dict] = {}

@@ -9,22 +9,28 @@ in block ``a`` of ``d_a = d_h / A`` dims, the pair ``(x_i, x_{i + d_a/2})`` rota
   [B, H, T, d_h]`` are strided views of it: no new q/k tensors, nothing saved but the cos/sin table;
 * backward: ONE kernel builds ``d qkv`` as contiguous rows from ``dq, dk, dv`` (any strides, unit
   last stride), rotating ``dq``/``dk`` back by ``-theta``; it replaces the rotation's backward and the
-  copies autograd makes to undo ``view -> permute -> unbind``.
+  copies autograd makes to undo ``view -> permute -> unbind``;
+* under ``torch.compile`` (:class:`RopeQKVInto`): the forward kernel as the ``triton_op``
+  ``mixlab::rope_rotate``, in place forward, and in place on ``d qkv`` (by ``-theta``) backward.
 
 The plain path rotates q and k into new tensors (a compiled elementwise kernel each way per tensor)
 after :class:`~mixlab.ops.goat_triton.QKVSplit`; issue 17 measured that RoPE layer at 1.50x a plain
-layer. Selected by ``position_args: {rotary_impl: triton}`` (``auto``: CUDA, eager); tests run the
+layer. Selected by ``position_args: {rotary_impl: triton}`` (``auto``: on CUDA); tests run the
 kernels on CPU under ``TRITON_INTERPRET=1`` against the torch rotation.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["RopeQKV", "rope_qkv", "pack_rope"]
+from mixlab.ops.compile import kernel_op, traced_launch
+
+__all__ = ["RopeQKV", "RopeQKVInto", "rope_rotate", "pack_rope"]
 
 _BLOCK_T = 16
 
@@ -38,9 +44,9 @@ def _pairs(j, HALF: tl.constexpr):
 
 @triton.jit(do_not_specialize=["N", "T"])
 def _rope_fwd(qkv, cos, sin, N, T, H: tl.constexpr, HD: tl.constexpr, HALF: tl.constexpr, NJ: tl.constexpr,
-              JP: tl.constexpr, BATCHED: tl.constexpr, BLOCK_T: tl.constexpr):
+              JP: tl.constexpr, BATCHED: tl.constexpr, BLOCK_T: tl.constexpr, INVERSE: tl.constexpr):
     """Program (row block, head): rotate that head's q and k in rows ``r = b T + t`` of ``qkv [N, 3 H HD]``
-    in place by ``cos/sin [B|1, T, NJ]`` (NJ = HD / 2 pairs)."""
+    in place by ``cos/sin [B|1, T, NJ]`` (NJ = HD / 2 pairs); ``INVERSE``: by ``-theta`` (the backward)."""
     rb = tl.program_id(0)
     h = tl.program_id(1)
     r = (rb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -49,6 +55,8 @@ def _rope_fwd(qkv, cos, sin, N, T, H: tl.constexpr, HD: tl.constexpr, HALF: tl.c
     crow = r if BATCHED else r % T
     c = tl.load(cos + crow[:, None] * NJ + j[None, :], mask=m, other=1.0)
     s = tl.load(sin + crow[:, None] * NJ + j[None, :], mask=m, other=0.0)
+    if INVERSE:
+        s = -s
     p1, p2 = _pairs(j, HALF)
     for part in range(2):  # q, then k
         base = (qkv + r * (3 * H * HD) + part * H * HD + h * HD)[:, None]
@@ -136,11 +144,17 @@ def _meta(H: int, HD: int, axes: int, batched: bool) -> dict:
     return dict(H=H, HD=HD, HALF=HD // (2 * axes), NJ=HD // 2, JP=_pow2(HD // 2), BATCHED=batched, BLOCK_T=_BLOCK_T)
 
 
-def _rotate(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, HD: int, axes: int) -> None:
-    """Rotate the q and k heads of the contiguous ``qkv [B * T, 3 H HD]`` in place (one kernel); ``cos, sin``
-    float32 contiguous ``[B|1, T, HD / 2]``."""
-    N, T = qkv.shape[0], cos.shape[1]
-    _rope_fwd[(triton.cdiv(N, _BLOCK_T), H)](qkv, cos, sin, N, T, **_meta(H, HD, axes, cos.shape[0] > 1))
+def _rotate(qkv: Tensor, cos: Tensor, sin: Tensor, H: int, HD: int, axes: int, inverse: bool = False,
+            launch: Callable | None = None) -> None:
+    """Rotate the q and k heads of the contiguous ``qkv [B * T, 3 H HD]`` (or ``[B, T, 3, H, HD]``) in place by
+    ``theta`` (``inverse``: by ``-theta``), one kernel; ``cos, sin`` float32 contiguous ``[B|1, T, HD / 2]``.
+    ``launch``: None (a direct call) or :func:`mixlab.ops.compile.traced_launch` inside a traced op."""
+    N, T = qkv.numel() // (3 * H * HD), cos.shape[1]
+    grid, kw = (triton.cdiv(N, _BLOCK_T), H), dict(_meta(H, HD, axes, cos.shape[0] > 1), INVERSE=inverse)
+    if launch is None:
+        _rope_fwd[grid](qkv, cos, sin, N, T, **kw)
+    else:
+        launch(_rope_fwd, grid, (qkv, cos, sin, N, T), kw)
 
 
 def _rotate_back(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, batch: int, H: int, HD: int,
@@ -156,64 +170,58 @@ def _rotate_back(dq: Tensor, dk: Tensor, dv: Tensor, cos: Tensor, sin: Tensor, b
     return out
 
 
-@torch.library.custom_op("mixlab::rope_qkv", mutates_args=())
-def rope_qkv(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int, axes: int) -> Tensor:
-    """``qkv [B * T, 3 * H * d_h]`` -> a new tensor of the same shape and dtype: a copy with q and k rotated
-    (the functional twin of :class:`RopeQKV` for ``torch.compile``, as ``mixlab::goat_lanes`` is GOAT's:
-    Inductor sees an opaque op with a fake implementation and a registered backward,
-    :func:`rope_qkv_backward`, so a compiled model keeps the Triton kernels instead of compiling the
-    rotation from torch ops; one copy of ``qkv`` more than the eager path). ``cos, sin`` float32
-    contiguous ``[B|1, T, d_h / 2]``."""
-    out = qkv.contiguous().clone()
-    _rotate(out, cos, sin, n_heads, head_dim, axes)
-    return out
+def _rope_rotate_fake(qkv, cos, sin, n_heads, head_dim, axes, inverse):
+    return None
 
 
-@rope_qkv.register_fake
-def _rope_qkv_fake(qkv, cos, sin, batch, n_heads, head_dim, axes):
-    return torch.empty_like(qkv, memory_format=torch.contiguous_format)
+@kernel_op("mixlab::rope_rotate", _rope_rotate_fake, mutates=("qkv",))
+def rope_rotate(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, head_dim: int, axes: int, inverse: bool) -> None:
+    """Rotate q and k of the packed ``qkv [B * T, 3 * H * d_h]`` (or ``[B, T, 3, H, d_h]``, contiguous) in place by
+    ``theta`` (``inverse``: by ``-theta``, the rotation's backward): :func:`_rope_fwd` as a
+    ``torch.library.triton_op`` for ``torch.compile`` (Inductor launches it and writes into the buffer it is
+    given: no copy). ``cos, sin`` float32 contiguous ``[B|1, T, d_h / 2]``. Differentiable through
+    :class:`RopeQKVInto`."""
+    _rotate(qkv, cos, sin, n_heads, head_dim, axes, inverse, launch=traced_launch)
 
 
-@torch.library.custom_op("mixlab::rope_qkv_backward", mutates_args=())
-def rope_qkv_backward(grad: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int,
-                      axes: int) -> Tensor:
-    """``d qkv`` of :func:`rope_qkv` from the gradient of its output ``[B * T, 3 * H * d_h]`` (one kernel)."""
-    T = cos.shape[1]
-    dq, dk, dv = grad.contiguous().view(batch, T, 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    return _rotate_back(dq, dk, dv, cos, sin, batch, n_heads, head_dim, axes)
+class RopeQKVInto(torch.autograd.Function):
+    """:class:`RopeQKV` for ``torch.compile``: ``qkv [B * T, 3 * H * d_h]`` (the projection's own output) with q
+    and k rotated in place by the kernel op :func:`rope_rotate` (marked dirty, so autograd knows), returned for the
+    caller's ``view -> permute -> unbind``. Backward: the same op rotates the q and k entries of ``d qkv``
+    (assembled by Inductor from ``dq, dk, dv``) back by ``-theta`` in place. Arguments: ``qkv``, ``cos``, ``sin``
+    (float32 contiguous ``[B|1, T, d_h / 2]``), ``batch``, ``n_heads``, ``head_dim``, ``axes``."""
 
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, batch, n_heads, head_dim, axes):
+        rope_rotate(qkv, cos, sin, n_heads, head_dim, axes, False)
+        ctx.mark_dirty(qkv)
+        ctx.save_for_backward(cos, sin)
+        ctx.args = (batch, n_heads, head_dim, axes)
+        return qkv
 
-@rope_qkv_backward.register_fake
-def _rope_qkv_backward_fake(grad, cos, sin, batch, n_heads, head_dim, axes):
-    return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-
-
-def _rope_qkv_setup(ctx, inputs, output):
-    _, cos, sin, batch, n_heads, head_dim, axes = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.args = (batch, n_heads, head_dim, axes)
-
-
-def _rope_qkv_grad(ctx, grad):
-    cos, sin = ctx.saved_tensors
-    return rope_qkv_backward(grad, cos, sin, *ctx.args), None, None, None, None, None, None
-
-
-rope_qkv.register_autograd(_rope_qkv_grad, setup_context=_rope_qkv_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        batch, H, d_h, axes = ctx.args
+        # the [B, T, 3, H, d_h] buffer Inductor assembles from dq, dk, dv (see GoatLanesInto.backward)
+        g = grad.contiguous().view(batch, cos.shape[1], 3, H, d_h)
+        rope_rotate(g, cos, sin, H, d_h, axes, True)
+        return g.view(grad.shape), None, None, None, None, None, None
 
 
 def pack_rope(qkv: Tensor, cos: Tensor, sin: Tensor, batch: int, n_heads: int, head_dim: int,
               axes: int) -> tuple[Tensor, Tensor, Tensor]:
     """``q, k, v [B, H, T, d_h]`` of the packed projection ``qkv [B * T, 3 * H * d_h]`` with q and k rotated by
-    the Triton kernels: in place (:class:`RopeQKV`) eagerly; under ``torch.compile`` through the custom op
-    :func:`rope_qkv` (out of place) with q, k, v views of its output. ``cos, sin``: ``[B|1, T, d_h / 2]``
-    (the GPT-NeoX half rotation of RoPE, Su et al. 2021, per axis block; see the module docstring).
+    the Triton kernels, in place: :class:`RopeQKV` eagerly; under ``torch.compile``, :class:`RopeQKVInto` (the
+    kernel op :func:`rope_rotate`). ``cos, sin``: ``[B|1, T, d_h / 2]`` (the GPT-NeoX half rotation of RoPE,
+    Su et al. 2021, per axis block; see the module docstring).
 
     Raises:
         ValueError: ``qkv`` not ``[B*T, 3*H*d_h]`` (and, eagerly, the other checks of :class:`RopeQKV`)."""
     if torch.compiler.is_compiling():
         if qkv.dim() != 2 or qkv.shape[1] != 3 * n_heads * head_dim:
             raise ValueError(f"pack_rope: qkv must be [B*T, {3 * n_heads * head_dim}]; got {tuple(qkv.shape)}")
-        out = rope_qkv(qkv, cos.float().contiguous(), sin.float().contiguous(), batch, n_heads, head_dim, axes)
-        return out.view(batch, cos.shape[1], 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = RopeQKVInto.apply(qkv, cos.float().contiguous(), sin.float().contiguous(), batch, n_heads, head_dim,
+                                axes)
+        return qkv.view(batch, cos.shape[1], 3, n_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
     return RopeQKV.apply(qkv, cos, sin, batch, n_heads, head_dim, axes)
