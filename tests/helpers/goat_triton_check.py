@@ -231,6 +231,31 @@ def rope_case(B, T, H, d_h, axes, causal, per_sample, seed, bias=False, compiled
     return max(err, (turned - qkv).abs().max().item())
 
 
+def _watch_traced_launches():
+    """Count the kernel launches inside the traced ops (``mixlab.ops.compile.traced_launch``) that pass a tensor
+    the kernel writes as two arguments: ``torch.compile`` clones each written argument of a traced kernel on its
+    own, so such a launch loses the writes made through one of them (on the H200 the first in-place GOAT op did:
+    ``_lanes_fwd`` got ``qkv`` as ``qout`` and ``kout``)."""
+    from mixlab.ops import goat_triton, rope_triton
+
+    writes = {  # the arguments each kernel stores through, by its flags
+        "_lanes_fwd": lambda kw: ("qout",) if kw["ONE_OUT"] else ("qout", "kout"),
+        "_lanes_bwd_reduce": lambda kw: ("dq", "g") if kw["ZERO"] else ("g",),
+        "_lanes_bwd_params": lambda kw: ("part",), "_rope_fwd": lambda kw: ("qkv",)}
+    seen = {"launches": 0, "shared": 0}
+
+    def watch(fn, grid, args, kwargs, _orig=goat_triton.traced_launch):
+        named = dict(zip(fn.arg_names, args))
+        ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        seen["launches"] += 1
+        seen["shared"] += any(ptrs.count(named[n].data_ptr()) > 1 for n in writes[fn.__name__](kwargs))
+        return _orig(fn, grid, args, kwargs)
+
+    goat_triton.traced_launch = rope_triton.traced_launch = watch
+    return seen
+
+
+_LAUNCHES = _watch_traced_launches()
 res = {
     "rope_causal_T37": rope_case(3, 37, 2, 16, 1, True, False, 25),
     "rope_T1": rope_case(2, 1, 2, 8, 1, True, False, 26),
@@ -255,6 +280,10 @@ res = {
     "no_mlp_T1": case(1, 1, 1, 1, 1, 2, 3, 3, False, True, False, False, 2),
     "alibi_like_R0": case(1, 1, 65, 65, 0, 2, 3, 3, True, False, False, False, 3),
 }
+# every traced launch above got distinct tensors (value 0; and the compiled cases did launch through it)
+res["traced_launch_shared_args"] = float(_LAUNCHES["shared"] + (_LAUNCHES["launches"] == 0))
+
+
 def deterministic_case(B, T, H, n_modes, seed):
     """GoatQKV's backward twice on the same (dq, dk, dv): d qkv and the parameter gradient must be
     bitwise equal (the kernel's cross-program sums run in a fixed order). Returns the max diff."""
