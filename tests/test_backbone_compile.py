@@ -101,3 +101,44 @@ def test_lazily_compiled_helpers_are_traced_inline_inside_a_compiled_graph(monke
     block = torch.compile(lambda x: helper(x) + 1, fullgraph=True, backend="eager")
     x = torch.linspace(-3, 3, 7, dtype=torch.float64)
     assert torch.equal(block(x), torch.sin(x) * 2 + 1)
+
+
+def test_lm_compile_option_whole_model(monkeypatch, caplog):
+    """``CausalLM(compile=True)``: whole logits by default, refused with ``backbone.compile``, eager (and said
+    once) on CPU, and on CUDA the compiled training loss and evaluation scores equal the eager ones (checked
+    here through the aot_eager backend on CPU tensors), gradients included."""
+    import pytest
+
+    import mixlab.heads.lm as lm_mod
+    from mixlab.heads.lm import CausalLM
+
+    with pytest.raises(ValueError, match="set only one of them"):
+        CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2, compile=True),
+                 compile=True)
+    big = CausalLM(vocab_size=50304, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), compile=True)
+    assert big.loss_chunk_tokens == 0 and CausalLM(vocab_size=50304).loss_chunk_tokens > 0
+
+    torch.manual_seed(0)
+    lm = CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat"),
+                  compile=True).double()
+    batch = torch.randint(0, 300, (2, 22))
+    with caplog.at_level(logging.INFO, logger="mixlab.heads.lm"):
+        assert lm._step_fn("mean_loss", batch.device) == lm.mean_loss
+        lm._step_fn("scores", batch.device)
+    said = [r.getMessage() for r in caplog.records if "no effect" in r.getMessage()]
+    assert said == ["model.init_args.compile: true has no effect on cpu: the model runs eagerly (compiled on CUDA "
+                    "only)"]
+    orig = torch.compile
+    monkeypatch.setattr(lm_mod.torch, "compile", lambda f, **kw: orig(f, backend="aot_eager", **kw))
+    cuda = torch.device("cuda")
+    loss_fn, score_fn = lm._step_fn("mean_loss", cuda), lm._step_fn("scores", cuda)
+    assert lm._step_fn("mean_loss", cuda) is loss_fn and loss_fn != lm.mean_loss  # built once
+    inputs, targets = lm._split(batch)
+    ref = lm.mean_loss(inputs, targets)
+    (g_ref,) = torch.autograd.grad(ref[0], lm.embed.weight)
+    out = loss_fn(inputs, targets)
+    (g_out,) = torch.autograd.grad(out[0], lm.embed.weight)
+    torch.testing.assert_close(out[0], ref[0])
+    torch.testing.assert_close(g_out, g_ref)
+    for a, b in zip(score_fn(inputs, targets), lm.scores(inputs, targets)):
+        torch.testing.assert_close(a, b)

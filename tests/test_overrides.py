@@ -174,9 +174,9 @@ def test_runtime_options_given_for_a_checkpoint_are_kept(monkeypatch, tmp_path, 
     kept = [r.getMessage() for r in caplog.records if "runtime options kept" in r.getMessage()]
     assert len(kept) == 1 and "loss_chunk_tokens: 7" in kept[0] and "backbone.compile: False" in kept[0]
     assert [is_runtime_option(k) for k in ("a.impl", "b.rotary_impl", "loss_chunk_tokens", "x.backbone.compile",
-                                           "loss_kernel", "backbone.d_model",
+                                           "loss_kernel", "init_args.compile", "compile", "backbone.d_model",
                                            "mixer_args.goat.position_args.n_modes")] == \
-        [True, True, True, True, True, False, False]
+        [True, True, True, True, True, True, True, False, False]
 
 
 def test_a_mixer_runtime_option_reaches_a_checkpoint_trained_with_the_defaults(monkeypatch, tmp_path):

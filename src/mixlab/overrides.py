@@ -17,8 +17,8 @@ exceptions that :class:`mixlab.cli.MixlabCLI` corrects through :func:`install`:
   over the config for ``--ckpt_path FILE``, still replace (see :func:`replacing_dicts`).
 * **runtime options at evaluation.** ``validate``/``test``/``--ckpt_path`` build the model from the
   checkpoint's hyperparameters, but options that choose *how* the model computes, not *what*
-  (:func:`is_runtime_option`: the kernels, ``impl``/``*_impl``, ``loss_chunk_tokens``, ``loss_kernel``
-  and ``backbone.compile``), keep the config's and command line's values (:func:`keep_runtime_options`):
+  (:func:`is_runtime_option`: the kernels, ``impl``/``*_impl``, ``loss_chunk_tokens``, ``loss_kernel``,
+  ``compile`` and ``backbone.compile``), keep the config's and command line's values (:func:`keep_runtime_options`):
   a checkpoint trained with a GPU kernel evaluates on a CPU, a memory setting can change.
 * **trainer batch counts.** Lightning reads ``limit_val_batches=1`` as one batch and ``1.0`` as all
   of them, but its annotation ``Optional[Union[int, float]]`` reaches jsonargparse as
@@ -155,10 +155,11 @@ def changed_leaves(before: Any, after: Any) -> list[str]:
 def is_runtime_option(key: str) -> bool:
     """Whether the dotted model option ``key`` chooses how the model computes rather than what: a
     kernel or code path (a last part named ``impl`` or ending in ``_impl``), ``loss_chunk_tokens``,
-    ``loss_kernel`` or the backbone's ``compile``. Same values up to rounding whichever is set."""
+    ``loss_kernel``, ``compile`` (the LM's whole-model one) or the backbone's ``compile``. Same values up to
+    rounding whichever is set."""
     last = key.rsplit(".", 1)[-1]
     return (last == "impl" or last.endswith("_impl") or last in ("loss_chunk_tokens", "loss_kernel")
-            or key.endswith("backbone.compile"))
+            or key.endswith("backbone.compile") or key in ("compile", "init_args.compile"))
 
 
 def _set_leaf(value: Any, key: str, leaf: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -16,6 +17,8 @@ from mixlab.heads.loss import LOSS_KERNELS, fused_linear_cross_entropy, linear_c
 from mixlab.optim import OptimConfig
 
 __all__ = ["CausalLM", "token_nll", "pattern_name", "AUTO_CHUNK_TOKENS", "AUTO_CHUNK_MIN_VOCAB"]
+
+log = logging.getLogger(__name__)
 
 AUTO_CHUNK_TOKENS = 4096
 """Tokens per loss chunk when ``loss_chunk_tokens`` is left at None and the vocabulary is large."""
@@ -60,11 +63,20 @@ class CausalLM(Head):
             Same loss to float32 rounding. On one H200 (124M model, BENCHMARKS.md, ninth session) ``fla``
             trains 1.30x faster than ``torch`` at 0.85x its peak memory.
             :class:`~mixlab.heads.synthetic.SyntheticLM` trains through :meth:`scores` and has no such option.
+        compile: the whole model compiled: the training step's loss (:meth:`mean_loss`: embedding, backbone,
+            output layer, cross entropy) and the validation/test scores (:meth:`scores`) each run through
+            ``torch.compile`` (``dynamic=False``: a last partial batch compiles once more) on CUDA; CPU runs
+            stay eager (logged once). With it ``loss_chunk_tokens: null`` means whole logits (0): Inductor fuses
+            the whole-logits cross entropy, while the chunked fused loss breaks the graph. On one H200 the 124M
+            GOAT model trains at 455k tokens/s so, 0.97x a textbook GPT compiled whole, at its peak memory; with
+            ``backbone.compile: true`` (blocks compiled one by one) at 0.78-0.83x (BENCHMARKS.md, sixteenth and
+            seventeenth sessions). Excludes ``backbone.compile``. Same parameters and checkpoints.
 
     Raises:
         ValueError: vocab mismatch with the datamodule; a sequence longer than
             ``abs_pos_len``; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto, or ``fla``
-            without chunking; at fit start, ``fla`` off CUDA or under float16 precision.
+            without chunking; ``compile`` together with ``backbone.compile``; at fit start, ``fla`` off CUDA or
+            under float16 precision.
     """
 
     def __init__(
@@ -76,6 +88,7 @@ class CausalLM(Head):
         abs_pos_len: int = 0,
         loss_chunk_tokens: int | None = None,
         loss_kernel: str = "auto",
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
@@ -87,6 +100,10 @@ class CausalLM(Head):
         plain_hparams(self)
         backbone, optim = as_config(BackboneConfig, backbone), as_config(OptimConfig, optim)
         backbone.causal = True
+        if compile and backbone.compile:
+            raise ValueError("model.init_args.compile: true compiles the whole model, backbone.compile: true its "
+                             "blocks one by one; set only one of them")
+        self.compile_model = bool(compile)  # (``self.compile`` is nn.Module's method)
         self.vocab_size, self.optim_cfg = vocab_size, optim
         self.embed = nn.Embedding(vocab_size, backbone.d_model)
         self.abs_pos = nn.Embedding(abs_pos_len, backbone.d_model) if abs_pos_len > 0 else None
@@ -100,7 +117,7 @@ class CausalLM(Head):
         else:
             nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
         if loss_chunk_tokens is None:
-            loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
+            loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB and not compile else 0
         if loss_kernel == "fla" and not loss_chunk_tokens:
             raise ValueError(f"loss_kernel 'fla' runs inside the chunked training loss, but loss_chunk_tokens is 0 "
                              f"(automatic chunking starts at a vocabulary of {AUTO_CHUNK_MIN_VOCAB}; this one has "
@@ -153,6 +170,23 @@ class CausalLM(Head):
 
     def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return self.scores(*self._split(batch))
+
+    def _step_fn(self, name: str, device: torch.device):
+        """The method ``name`` (``"mean_loss"`` or ``"scores"``), through ``torch.compile`` when ``compile`` is set
+        and the model is on CUDA (built once per method, kept out of the module tree)."""
+        fn = getattr(self, name)
+        if not self.compile_model:
+            return fn
+        if device.type != "cuda":
+            if not self.__dict__.get("_said_eager"):
+                self.__dict__["_said_eager"] = True
+                log.info("model.init_args.compile: true has no effect on %s: the model runs eagerly (compiled on "
+                         "CUDA only)", device)
+            return fn
+        compiled = self.__dict__.setdefault("_compiled_fns", {})
+        if name not in compiled:
+            compiled[name] = torch.compile(fn, dynamic=False)
+        return compiled[name]
 
     def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token next-token scores of a batch, as training and evaluation use them.
@@ -220,13 +254,15 @@ class CausalLM(Head):
                              f"float16: use loss_kernel 'torch' or 'auto', or precision bf16-mixed")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        loss, _, valid, hits = self.mean_loss(*self._split(batch))
+        inputs, targets = self._split(batch)
+        loss, _, valid, hits = self._step_fn("mean_loss", inputs.device)(inputs, targets)
         self.log_train_loss(loss)
         self.log("train/acc", hits.sum() / valid.sum().clamp_min(1))
         return loss
 
     def _eval_step(self, batch: Tensor, stage: str) -> None:
-        self._update_sums(stage, *self._nll(batch))
+        inputs, targets = self._split(batch)
+        self._update_sums(stage, *self._step_fn("scores", inputs.device)(inputs, targets))
 
     def _eval_epoch_end(self, stage: str) -> None:
         sums = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "hits")}
