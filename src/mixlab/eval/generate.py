@@ -161,7 +161,7 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
         prompt: ``[B, P]`` int64 token ids, ``P >= 1``, on the model's device.
         max_new_tokens: tokens to generate (>= 0).
         temperature: 0 for greedy decoding (argmax), else the softmax temperature (> 0).
-        top_k: sample among the ``top_k`` most likely ids only (None: all).
+        top_k: sample among the ``top_k`` most likely ids only (None, or at least the vocabulary size: all).
         generator: random generator for sampling (on the model's device).
         vocab_limit: only ids below it are generated (the tokenizer's vocabulary; None: all).
         eos_id: stop once every sequence has produced this id (it is included in the output).
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> dict:
     src.add_argument("--fasta", help="genome runs: the prompt is the first record of this FASTA(.gz) file")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (argmax)")
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=None,
+                   help="sample among the K most likely ids (default, or K >= the vocabulary size: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-document token")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
