@@ -737,31 +737,31 @@ def _pil_affine(x: Tensor, m: Tensor, modes: tuple[int, ...], fill: Tensor, mode
 
 
 # ---------------------------------------------------------------------- RandAugment, batched per op family
-# Every op of a layer falls in one of three families, each applied ONCE per layer to the images that drew
+# Every op of a layer falls in one of four families, each applied ONCE per layer to the images that drew
 # one of its ops (``index_select`` -> batched op with per-image parameters -> ``index_copy_``):
-#   affine: Rotate, Shear*, Translate* -> one grid_sample with a per-image PIL affine matrix;
-#   blend:  Color*, Sharpness* (not point ops) -> blend with a per-image degenerate (grey or smoothed);
-#   lut:    every point op (AutoContrast, Equalize, Invert, Posterize*, Solarize*, SolarizeAdd, Brightness*,
-#           Contrast*) -> a per-image, per-channel 256-entry lookup table, then one ``take``.
+#   affine:   Rotate, Shear*, Translate* -> one grid_sample with a per-image PIL affine matrix;
+#   blend:    Color*, Sharpness* (not point ops) -> blend with a per-image degenerate (grey or smoothed);
+#   lut:      the other point ops (AutoContrast, Invert, Posterize*, Solarize*, SolarizeAdd, Brightness*,
+#             Contrast*) -> a per-image, per-channel 256-entry lookup table, then one ``take``;
+#   equalize: Equalize, a lookup table from each channel's histogram, on its own: the histogram (atomic adds
+#             over every pixel) runs on the ~1/15 of the images that drew it, not on every point-op image.
 # The host (NumPy, from the workers' draws) builds each family's image indices and parameters; they reach
 # the device in the stage's one upload. A layer's device ops are the same whatever the images drew (an
 # empty family runs on zero images), so the stage's launches do not depend on how many ops were drawn.
-_FAMILY = {name: ("affine" if name in _GEOMETRIC else "blend" if name.startswith(("Color", "Sharpness")) else "lut")
-           for name in RA_OPS}
-_FAMILIES = ("affine", "blend", "lut")
-# lut parameters per image: mask, threshold, factor, add, c0, c1, contrast?, autocontrast?, equalize?
-_LUT_IDENTITY = (255.0, 256.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0)
+_FAMILY = {name: ("affine" if name in _GEOMETRIC else "blend" if name.startswith(("Color", "Sharpness"))
+                  else "equalize" if name == "Equalize" else "lut") for name in RA_OPS}
+_FAMILIES = ("affine", "blend", "lut", "equalize")
+# lut parameters per image: mask, threshold, factor, add, c0, c1, contrast?, autocontrast?
+_LUT_IDENTITY = (255.0, 256.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0)
 
 
 def _lut_params(name: str, a: np.ndarray) -> np.ndarray:
-    """``[n, 9]`` float64 lut parameters of point op ``name`` with timm arguments ``a`` ``[n]`` (see
+    """``[n, 8]`` float64 lut parameters of point op ``name`` with timm arguments ``a`` ``[n]`` (see
     :func:`_lut_family`): ``where(v < threshold, min(floor(clamp(d + f (v_m - d))) + add, 255), c0 + c1 v_m)``
     with ``v_m = v & mask`` and ``d`` the rounded mean grey level for Contrast, else 0."""
     p = np.tile(np.asarray(_LUT_IDENTITY), (len(a), 1))
     if name == "AutoContrast":
         p[:, 7] = 1
-    elif name == "Equalize":
-        p[:, 8] = 1
     elif name == "Invert":
         p[:, [1, 4, 5]] = (0.0, 255.0, -1.0)
     elif name.startswith("Posterize"):  # keep the `bits` most significant bits
@@ -799,8 +799,8 @@ def _affine_params(name: str, a: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.stack([ca, sb, ca * -cx + sb * -cy + cx, sd, ce, sd * -cx + ce * -cy + cy], 1)
 
 
-_WIDTH = {"affine": 6, "blend": 2, "lut": len(_LUT_IDENTITY)}  # parameters per image
-_IDENTITY = {"affine": (1.0, 0.0, 0.0, 0.0, 1.0, 0.0), "blend": (0.0, 1.0), "lut": _LUT_IDENTITY}
+_WIDTH = {"affine": 6, "blend": 2, "lut": len(_LUT_IDENTITY), "equalize": 1}  # parameters per image
+_IDENTITY = {"affine": (1.0, 0.0, 0.0, 0.0, 1.0, 0.0), "blend": (0.0, 1.0), "lut": _LUT_IDENTITY, "equalize": (0.0,)}
 
 
 class _Layer:
@@ -842,6 +842,8 @@ class _Layer:
                     par[sel] = _affine_params(name, a, *hw)
                 elif f == "blend":
                     par[sel] = np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
+                elif f == "equalize":
+                    par[sel] = 1.0  # on (padding: 0, identity)
                 else:
                     par[sel] = _lut_params(name, a)
             codes = interp[idx]
@@ -872,6 +874,8 @@ class _Layer:
         elif f == "blend":
             sharp, factor = par.to(x.dtype).view(m, 2, 1, 1, 1).unbind(1)
             y = _blend(torch.where(sharp > 0, _smooth(sub), _gray(sub)), sub, factor)
+        elif f == "equalize":
+            y = _equalize(sub, par)
         else:
             y = _lut_family(sub, par)
         x.index_copy_(0, idx, y)
@@ -985,16 +989,13 @@ class _AugmentGraphs:
 
 def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     """Point ops as per-image, per-channel lookup tables: x float32 ``[n, 3, H, W]`` levels, par float64
-    ``[n, 9]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
-    each channel's min and max) and Equalize (torchvision's ``equalize``: PIL's LUT from each channel's
-    histogram; a channel with one level apart from its maximum is kept) read the image; the rest are fixed
-    LUTs, Contrast's around the rounded mean grey level (as ``ImageEnhance.Contrast``)."""
-    n, _, h, w = x.shape
+    ``[n, 8]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
+    each channel's min and max) reads the image; the rest are fixed LUTs, Contrast's around the rounded mean
+    grey level (as ``ImageEnhance.Contrast``). Equalize is :func:`_equalize`."""
+    n = x.shape[0]
     dev = x.device
-    xi = x.to(torch.int64)
-    flat_idx = xi + torch.arange(n * 3, device=dev).mul_(256).view(n, 3, 1, 1)  # into the [n * 3 * 256] tables
     pf = par.to(torch.float32)
-    mask, t, f, add, c0, c1, is_con, is_ac, is_eq = pf.view(n, 9, 1, 1).unbind(1)  # each [n, 1, 1]
+    mask, t, f, add, c0, c1, is_con, is_ac = pf.view(n, 8, 1, 1).unbind(1)  # each [n, 1, 1]
     vi = torch.arange(256, device=dev)
     v = vi.to(torch.float32)
     vm = (vi & mask.to(torch.int64)).to(torch.float32)  # [n, 1, 256]
@@ -1008,7 +1009,24 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     vd = vi.to(torch.float64)
     scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
     auto = torch.where(hi > lo, (vd * scale - lo * scale).floor().clamp(0, 255), vd).to(torch.float32)
-    # Equalize (torchvision.transforms.v2.functional.equalize, batched)
+    table = torch.where(is_ac > 0, auto, lut)  # [n, 3, 256]
+    return table.reshape(-1).take(_table_index(x))
+
+
+def _table_index(x: Tensor) -> Tensor:
+    """Each pixel's entry in ``n * 3`` stacked 256-entry tables: x float32 ``[n, 3, H, W]`` integer levels ->
+    int64 ``[n, 3, H, W]`` (``level + 256 * (3 * image + channel)``)."""
+    n = x.shape[0]
+    return x.to(torch.int64) + torch.arange(n * 3, device=x.device).mul_(256).view(n, 3, 1, 1)
+
+
+def _equalize(x: Tensor, par: Tensor) -> Tensor:
+    """Equalize (``torchvision.transforms.v2.functional.equalize``, batched: PIL's LUT from each channel's
+    histogram; a channel with one level apart from its maximum is kept): x float32 ``[n, 3, H, W]`` integer
+    levels, par float64 ``[n, 1]`` (1: equalize, 0: identity, the CUDA-graph padding) -> float32 ``[n, 3, H, W]``."""
+    n, _, h, w = x.shape
+    dev = x.device
+    flat_idx = _table_index(x)
     hist = torch.zeros(n * 3 * 256, dtype=torch.int32, device=dev)
     hist.scatter_add_(0, flat_idx.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(flat_idx.numel()))
     hist = hist.view(n, 3, 256)
@@ -1016,8 +1034,9 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     step = (h * w - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
     eq = (cum[..., :-1] + step // 2).div(step.clamp(min=1), rounding_mode="floor").clamp(0, 255)
     eq = torch.cat([torch.zeros_like(eq[..., :1]), eq], dim=-1).to(torch.float32)
-    eq = torch.where(step != 0, eq, v)
-    table = torch.where(is_ac > 0, auto, torch.where(is_eq > 0, eq, lut))  # [n, 3, 256]
+    v = torch.arange(256, device=dev, dtype=torch.float32)
+    on = par.to(torch.float32).view(n, 1, 1) > 0
+    table = torch.where((step != 0) & on, eq, v)  # [n, 3, 256]
     return table.reshape(-1).take(flat_idx)
 
 

@@ -677,7 +677,7 @@ class _EagerGraphs(_AugmentGraphs):
 def test_augment_graph_replays_equal_the_eager_stage(samples):
     """The graph path's Python side on the CPU (:class:`_EagerGraphs`): static image and plan buffers with a
     fixed layout, every (layer, family, padded count) captured at the first batch (24 images: quantum
-    ceil(24 / 16) = 2, so 12 counts x 3 families x 2 layers), replayed for later batches with other draws.
+    ceil(24 / 16) = 2, so 12 counts x 4 families x 2 layers), replayed for later batches with other draws.
     Every batch equals the eager stage's output exactly, and later batches capture nothing."""
     tf = train_transform(32)
     batch, names = _recipe_batch(samples, tf)
@@ -695,7 +695,7 @@ def test_augment_graph_replays_equal_the_eager_stage(samples):
         assert torch.equal(x, want) and torch.equal(y, y_want)
         assert x.data_ptr() != graphs.x.data_ptr()  # a new tensor: the next batch reuses the buffer
         captured.append(graphs.captures)
-    assert captured == [2 * 3 * 12] * len(draws), captured
+    assert captured == [2 * 4 * 12] * len(draws), captured
     assert len(graphs.graphs) == captured[-1]
     plan = graphs.plan
     pipe(_with_ops(batch, draws[1]))
