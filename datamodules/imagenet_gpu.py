@@ -415,6 +415,11 @@ def _window_taps(max_scale: float, n_max: int) -> int:
     return max(1, min(math.ceil(4 * max(float(max_scale), 1.0)) + 2, int(n_max)))
 
 
+def _round4(n: int) -> int:
+    """``n`` rounded up to a multiple of 4 (float32 rows of a multiple of 16 bytes)."""
+    return -(-n // 4) * 4
+
+
 def _normalise(w: Tensor) -> Tensor:
     """Rows of ``w`` divided by their sums (last dim); an all-zero row stays zero."""
     s = w.sum(-1, keepdim=True)
@@ -438,14 +443,14 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
     ``cubic((j - c + 1/2) / max(s, 1))`` normalised to sum 1 (a row with an empty window, which only a row past
     the resized input can have, is zero).
 
-    The weights are computed on each row's window only: float64 ``[n, out_size, taps]`` for input pixels
-    ``j = lo + k``, ``k < taps`` (zero where ``j >= hi``), normalised there, then scattered as float32 (one
-    ``scatter_``, each row's indices distinct) into a zero matrix ``[n, out_size, n_max + taps]`` whose first
-    ``n_max`` columns are returned (a view). ``taps`` must be at least the widest window: ``ceil(4 max(s, 1))
-    + 2`` over the rows is (:func:`_window_taps`, on the host from the sizes; no device value is read). When
-    None: derived from ``n_max / out_size`` if ``resized`` is None (``in_sizes <= n_max``), else the weights
-    are computed densely on ``[n, out_size, n_max]`` in float64 (the same values; the sums differ only in
-    summation order).
+    The weights are computed on each row's window only: float64 ``[n, out_size, taps]`` for input pixels ``j = lo + k``,
+    ``k < taps`` (zero where ``j >= hi``), normalised there, then scattered as float32 (one ``scatter_``, each row's
+    indices distinct) into a zero matrix ``[n, out_size, n_max + taps]`` (its width rounded up to a multiple of 4: rows
+    of a multiple of 16 bytes, so that cuBLAS takes its aligned TF32 kernels for a GEMM on the view) whose first
+    ``n_max`` columns are returned (a view). ``taps`` must be at least the widest window: ``ceil(4 max(s, 1)) + 2`` over
+    the rows is (:func:`_window_taps`, on the host from the sizes; no device value is read). When None: derived from
+    ``n_max / out_size`` if ``resized`` is None (``in_sizes <= n_max``), else the weights are computed densely on
+    ``[n, out_size, n_max]`` in float64 (the same values; the sums differ only in summation order).
     """
     dev = in_sizes.device
     size = in_sizes.to(torch.float64).view(-1, 1, 1)
@@ -467,7 +472,7 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
         return _normalise(w).to(torch.float32)
     j = torch.minimum(lo, size) + torch.arange(taps, device=dev, dtype=torch.float64)  # [n, out, taps]: < n_max + taps
     w = _normalise(_cubic_aa((j - centre + 0.5) / stretch) * (j < hi)).to(torch.float32)
-    dense = torch.zeros(in_sizes.shape[0], out_size, n_max + taps, device=dev, dtype=torch.float32)
+    dense = torch.zeros(in_sizes.shape[0], out_size, _round4(n_max + taps), device=dev, dtype=torch.float32)
     return dense.scatter_(2, j.to(torch.int64), w)[..., :n_max]
 
 
@@ -576,14 +581,15 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
     where ``flip[b]``, for a whole batch in a few batched matrix products instead of one resize per image.
 
-    Antialiased resampling is separable: ``out = Wy @ crop @ Wx^T`` with the :func:`aa_resample_weights`
-    matrices (float32; a flip reverses ``Wx``'s rows). The crops, sorted by area, are split into ``groups``
-    groups (fewer only for fewer images; more only where a group's padded float32 copy would exceed
-    ``max_bytes``) chosen to minimise the padded work (:func:`_split_groups`); each group is padded to its
-    largest crop height ``hm`` and width ``wm`` and runs two batched GEMMs in the cheaper order for those
-    sizes: rows first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns
-    first ``Wy (X Wx^T)`` (``hm ow (wm + oh)``). The three channels of a crop share its matrices: ``X`` is laid
-    out ``[hm, 3, wm]`` so that each GEMM is one ``bmm`` over the group without broadcast copies.
+    Antialiased resampling is separable: ``out = Wy @ crop @ Wx^T`` with the :func:`aa_resample_weights` matrices
+    (float32; a flip reverses ``Wx``'s rows). The crops, sorted by area, are split into ``groups`` groups (fewer only
+    for fewer images; more only where a group's padded float32 copy would exceed ``max_bytes``) chosen to minimise the
+    padded work (:func:`_split_groups`); each group is padded to its largest crop height ``hm`` and width ``wm``
+    (rounded up to a multiple of 4, as the weights' row length: the GEMMs' leading dimensions are 16-byte multiples,
+    which cuBLAS's aligned TF32 kernels need) and runs two batched GEMMs in the cheaper order for those sizes: rows
+    first ``(Wy X) Wx^T`` (``oh wm (hm + ow)`` multiply-adds per image and channel) or columns first ``Wy (X Wx^T)``
+    (``hm ow (wm + oh)``). The three channels of a crop share its matrices: ``X`` is laid out ``[hm, 3, wm]`` so that
+    each GEMM is one ``bmm`` over the group without broadcast copies.
 
     Equals ``torchvision.transforms.functional.resized_crop(img, *box, size, BICUBIC, antialias=True)`` on
     uint8 images (rounded and clamped to 0..255) up to float32 summation order, except for TF32 on CUDA:
@@ -649,7 +655,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     plan, axes = [], []
     for start, end in runs:
         s = slice(start, end)
-        hm, wm = int(h[s].max()), int(w[s].max())
+        hm, wm = int(h[s].max()), _round4(int(w[s].max()))  # wm: the GEMMs' leading dimension, 16-byte rows
         # flat offsets of each padded crop row (rows past the crop repeat its last row: zero weights) [g, hm, 1] and
         # of each channel [g, 1, 3]
         rows = (base[s] + t[s] * width[s] + le[s])[:, None] + np.minimum(np.arange(hm), h[s, None] - 1) * width[s, None]
@@ -671,7 +677,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
 
     flat = _flatten_dense_tensors(imgs + [torch.zeros(max(p[3] for p in plan), dtype=torch.uint8, device=dev)])
     size_, res, offs, flips = segs[s_axes].unbind(0)
-    wyx = aa_resample_weights(size_, mo, int(axes[0].max()), res, offs, taps, flips)  # [2 B, mo, n]
+    wyx = aa_resample_weights(size_, mo, _round4(int(axes[0].max())), res, offs, taps, flips)  # [2 B, mo, n]
     st = wyx.stride()
     y = torch.empty(n, oh, 3, ow, device=dev, dtype=torch.float32)  # images in sorted order
     for start, g, hm, wm, rows_first, s_rows, s_chans in plan:

@@ -378,6 +378,36 @@ def test_resized_crops_equal_torchvision_for_any_number_of_groups(groups, size):
     assert d.max() <= 1 and (d > 0).float().mean() < 1e-3
 
 
+def test_resized_crops_gemm_operands_are_16_byte_aligned(monkeypatch):
+    """Every operand of the crop/resize GEMMs has a leading dimension and a start of a multiple of 4 float32
+    values (16 bytes), whatever the crop sizes: cuBLAS then takes its aligned TF32 kernels (the H200 profile showed
+    ``align1`` kernels when the weights' rows were ``n_max + taps`` and the crops ``wm`` values long). The result
+    still equals torchvision's."""
+    seen = []
+    orig = torch.bmm
+
+    def bmm(a, b, out=None):
+        for t in (a, b) + (() if out is None else (out,)):
+            ld = t.stride(-2) if t.stride(-1) == 1 else t.stride(-1) if t.stride(-2) == 1 else None
+            seen.append((ld, t.storage_offset(), t.stride(0)))
+        return orig(a, b) if out is None else orig(a, b, out=out)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    for seed, shape in ((11, "tall"), (12, "wide"), (13, "any")):
+        imgs, boxes, flip = _random_crops(9, seed, shape=shape)
+        boxes[:, 2:] = boxes[:, 2:].clamp_min(2)  # odd and even widths, never a multiple of 4 by design
+        boxes[:, 2] = torch.minimum(boxes[:, 2], torch.tensor([im.shape[1] for im in imgs]))
+        boxes[:, 3] = torch.minimum(boxes[:, 3], torch.tensor([im.shape[2] for im in imgs]))
+        boxes[:, 0] = torch.minimum(boxes[:, 0], torch.tensor([im.shape[1] for im in imgs]) - boxes[:, 2])
+        boxes[:, 1] = torch.minimum(boxes[:, 1], torch.tensor([im.shape[2] for im in imgs]) - boxes[:, 3])
+        out = resized_crops(imgs, boxes, (40, 36), flip)
+        d = _diff_to_torchvision(out, imgs, boxes, flip, (40, 36))
+        assert d.max() <= 1 and (d > 0).float().mean() < 1e-3, shape
+    assert seen and all(ld is not None and ld % 4 == 0 and off % 4 == 0 and bs % 4 == 0 for ld, off, bs in seen), seen
+    w = aa_resample_weights(torch.tensor([13, 7]), 9, 13)
+    assert w.stride(1) % 4 == 0 and w.shape == (2, 9, 13)
+
+
 def test_resized_crops_op_count_does_not_depend_on_crop_sizes():
     """Tall crops (rows-first GEMMs) and wide crops (columns first), a batch whose largest crop is in the
     last group or not: the same torch ops (the per-group views are strided views, not size-dependent slices),
