@@ -116,7 +116,11 @@ def test_lm_compile_option_whole_model(monkeypatch, caplog):
         CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2, compile=True),
                  compile=True)
     big = CausalLM(vocab_size=50304, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), compile=True)
-    assert big.loss_chunk_tokens == 0 and CausalLM(vocab_size=50304).loss_chunk_tokens > 0
+    # whole logits only where compiled (CUDA): a CPU run keeps the automatic chunks (and its memory)
+    assert big.compiled_chunk_tokens == 0 and big.loss_chunk_tokens == CausalLM(vocab_size=50304).loss_chunk_tokens > 0
+    fla = CausalLM(vocab_size=50304, backbone=BackboneConfig(d_model=32, n_layers=1, n_heads=2), compile=True,
+                   loss_kernel="fla")
+    assert fla.compiled_chunk_tokens == fla.loss_chunk_tokens > 0  # fla's kernels run chunked, compiled or not
 
     torch.manual_seed(0)
     lm = CausalLM(vocab_size=300, backbone=BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -63,14 +64,14 @@ class CausalLM(Head):
             Same loss to float32 rounding. On one H200 (124M model, BENCHMARKS.md, ninth session) ``fla``
             trains 1.30x faster than ``torch`` at 0.85x its peak memory.
             :class:`~mixlab.heads.synthetic.SyntheticLM` trains through :meth:`scores` and has no such option.
-        compile: the whole model compiled: the training step's loss (:meth:`mean_loss`: embedding, backbone,
-            output layer, cross entropy) and the validation/test scores (:meth:`scores`) each run through
-            ``torch.compile`` (``dynamic=False``: a last partial batch compiles once more) on CUDA; CPU runs
-            stay eager (logged once). With it ``loss_chunk_tokens: null`` means whole logits (0): Inductor fuses
-            the whole-logits cross entropy, while the chunked fused loss breaks the graph. On one H200 the 124M
-            GOAT model trains at 455k tokens/s so, 0.97x a textbook GPT compiled whole, at its peak memory; with
-            ``backbone.compile: true`` (blocks compiled one by one) at 0.78-0.83x (BENCHMARKS.md, sixteenth and
-            seventeenth sessions). Excludes ``backbone.compile``. Same parameters and checkpoints.
+        compile: the whole model compiled: the training step's loss (:meth:`mean_loss`: embedding, backbone, output
+            layer, cross entropy) and the validation/test scores (:meth:`scores`) each run through ``torch.compile``
+            (``dynamic=False``: a last partial batch compiles once more) on CUDA; CPU runs stay eager (logged once) and
+            unchanged. Compiled, ``loss_chunk_tokens: null`` means whole logits (0): Inductor fuses the whole-logits
+            cross entropy, while the chunked fused loss breaks the graph. On one H200 the 124M GOAT model trains at 455k
+            tokens/s, 0.97x a textbook GPT compiled whole, at its peak memory; with ``backbone.compile: true``
+            (blocks compiled one by one) at 0.78-0.83x (BENCHMARKS.md, sixteenth and seventeenth sessions). Excludes
+            ``backbone.compile``. Same parameters and checkpoints.
 
     Raises:
         ValueError: vocab mismatch with the datamodule; a sequence longer than
@@ -116,13 +117,17 @@ class CausalLM(Head):
             self.lm_head.weight = self.embed.weight
         else:
             nn.init.normal_(self.lm_head.weight, 0.0, backbone.init_std)
-        if loss_chunk_tokens is None:
-            loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB and not compile else 0
+        automatic = loss_chunk_tokens is None
+        if automatic:
+            loss_chunk_tokens = AUTO_CHUNK_TOKENS if vocab_size >= AUTO_CHUNK_MIN_VOCAB else 0
         if loss_kernel == "fla" and not loss_chunk_tokens:
             raise ValueError(f"loss_kernel 'fla' runs inside the chunked training loss, but loss_chunk_tokens is 0 "
                              f"(automatic chunking starts at a vocabulary of {AUTO_CHUNK_MIN_VOCAB}; this one has "
                              f"{vocab_size}): set loss_chunk_tokens > 0, or loss_kernel 'torch' or 'auto'")
         self.loss_chunk_tokens, self.loss_kernel = loss_chunk_tokens, loss_kernel
+        # the compiled training loss (CUDA): whole logits when chunking is automatic (Inductor fuses the
+        # whole-logits cross entropy; the chunked fused loss breaks the graph), except for fla's chunked kernels
+        self.compiled_chunk_tokens = 0 if automatic and loss_kernel != "fla" else loss_chunk_tokens
         self.run_name = pattern_name(backbone.mixer) + ("-ape" if abs_pos_len > 0 else "")
         self.token_unit = "token"
         self.metric_sums = nn.ModuleDict(
@@ -185,6 +190,8 @@ class CausalLM(Head):
             return fn
         compiled = self.__dict__.setdefault("_compiled_fns", {})
         if name not in compiled:
+            if name == "mean_loss":
+                fn = functools.partial(fn, chunk_tokens=self.compiled_chunk_tokens)
             compiled[name] = torch.compile(fn, dynamic=False)
         return compiled[name]
 
@@ -205,7 +212,8 @@ class CausalLM(Head):
         h = self.hidden(inputs).flatten(0, 1)
         return linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens)
 
-    def mean_loss(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def mean_loss(self, inputs: Tensor, targets: Tensor, chunk_tokens: int | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The training loss: mean NLL over scored tokens, with the per-token scores.
 
         With ``loss_chunk_tokens`` set, the output layer and cross entropy run through
@@ -214,16 +222,18 @@ class CausalLM(Head):
 
         Args:
             inputs, targets: as :meth:`scores`.
+            chunk_tokens: tokens per loss chunk, 0 for whole logits (default: ``loss_chunk_tokens``).
 
         Returns:
             ``(loss [] float32, nll [B*T], valid [B*T] bool, hits [B*T] bool)``; ``loss`` is
             ``nll.sum() / max(valid.sum(), 1)`` and carries the gradient.
         """
-        if not self.loss_chunk_tokens:
+        chunk = self.loss_chunk_tokens if chunk_tokens is None else chunk_tokens
+        if not chunk:
             nll, valid, hits = self.scores(inputs, targets)
             return nll.sum() / valid.sum().clamp_min(1), nll, valid, hits
         h = self.hidden(inputs).flatten(0, 1)
-        return fused_linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk_tokens,
+        return fused_linear_cross_entropy(h, self.lm_head.weight, targets.flatten(), chunk=chunk,
                                           kernel=self.loss_kernel)
 
     def _update_sums(self, stage: str, nll: Tensor, valid: Tensor, hits: Tensor) -> None:
