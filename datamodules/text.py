@@ -365,7 +365,9 @@ class TextDataModule(ResumableDataModule):
     checkpoints, so a run resumed mid-epoch continues with the next unseen batch.
 
     Raises:
-        ValueError: bad tokenizer name or encoding; at ``setup``: a file that is not
+        ValueError: bad tokenizer name or encoding; a size below its range (``context_length``, ``batch_size``,
+            ``train_stride``, ``max_val_windows`` >= 1, ``num_workers`` >= 0); ``tokenizer_file`` with the byte
+            tokenizer; at ``setup``: a file that is not
             ``encoding`` text (names the file, the byte offset and ``data.init_args.encoding``),
             data holding no text (``"<file>: file is empty"``), a split too short for one window
             (names the split, its token count and the window length).
@@ -393,6 +395,15 @@ class TextDataModule(ResumableDataModule):
         self.save_hyperparameters()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+        for name, value, least in (("context_length", context_length, 1), ("batch_size", batch_size, 1),
+                                   ("train_stride", train_stride, 1), ("max_val_windows", max_val_windows, 1),
+                                   ("num_workers", num_workers, 0)):
+            if value is not None and value < least:
+                raise ValueError(f"data.init_args.{name} must be >= {least}"
+                                 f"{' (or null)' if name in ('train_stride', 'max_val_windows') else ''}; got {value}")
+        if tokenizer_file is not None and tokenizer != "gpt2":
+            raise ValueError(f"data.init_args.tokenizer_file ({tokenizer_file}) is a BPE ranks file for tokenizer "
+                             f"'gpt2'; tokenizer {tokenizer!r} does not read one: drop tokenizer_file")
         try:
             codecs.lookup(encoding)
         except LookupError:

@@ -93,6 +93,23 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
                    f"column 1)"]
     err = _main(capsys, monkeypatch, "fit", "--config", str(tmp_path / "missing.yaml"))
     assert err == [f"error: --config: File does not exist: '{tmp_path / 'missing.yaml'}'"]
+    empty, listed = tmp_path / "empty.yaml", tmp_path / "listed.yaml"
+    empty.write_text("")
+    listed.write_text("- 1\n- 2\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(empty))
+    assert err == [f"error: {empty}: the config file is empty, not a mapping of options (e.g. trainer: "
+                   f"{{max_steps: 100}})"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(listed))
+    assert err[0].startswith(f"error: {listed}: the config file holds a list, not a mapping")
+    # a bad value in a second file is refused as jsonargparse reads that file, even when the command line sets
+    # the key again: the error names the file that holds the value (it named the command-line option)
+    second = tmp_path / "second.yaml"
+    second.write_text("trainer:\n  max_steps: abc\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(second),
+                "--trainer.max_steps", "2")
+    assert err == [f"error: {second}: trainer.max_steps: Expected a <class 'int'>. Got value: abc"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.max_steps", "abc")
+    assert err == ["error: --trainer.max_steps: Expected a <class 'int'>. Got value: abc"]
     from mixlab.cli import COMMANDS
 
     every = ", ".join(["fit", "validate", "test", "predict", *sorted(COMMANDS)])
@@ -183,6 +200,28 @@ def test_failed_resume_leaves_no_version_folder(capsys, monkeypatch, tmp_path, t
                 "--trainer.max_steps=3", "--run_root", str(runs), "--ckpt_path", str(trained["text"]))
     assert err[-2].startswith("error: data: ") and "data settings changed since the checkpoint" in err[-2]
     assert sorted(p.name for p in runs.rglob("*")) == []
+
+
+def test_failed_commands_leave_an_existing_run_as_it_was(capsys, monkeypatch, tmp_path, trained):
+    """In a run folder that exists, a failed resume leaves no ``config_resume_<k>.yaml`` or event file, and a
+    failed ``test`` puts back the ``config_test.yaml`` of the last good test (user test: six failed commands
+    left six stray files, and a failed test overwrote the good test's config)."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    shutil.copytree(trained["text"].parents[1], runs / "text" / "goat" / "version_0")
+    run = runs / "text" / "goat" / "version_0"
+    argv = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs)]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["test", *argv, "--ckpt_path", "last"])
+    listing = lambda: sorted((str(p.relative_to(run)), p.stat().st_size) for p in run.rglob("*"))  # noqa: E731
+    before, good = listing(), (run / "config_test.yaml").read_text()
+    err = _main(capsys, monkeypatch, "fit", *argv[:-3], "--data.init_args.context_length=32", "--trainer.max_steps=3",
+                "--run_root", str(runs), "--ckpt_path", "last")
+    assert "data settings changed since the checkpoint" in err[-2]
+    err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "last", "--data.init_args.batch_size=0")
+    assert err[-2].startswith("error: data: ")
+    assert listing() == before and (run / "config_test.yaml").read_text() == good
 
 
 def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkeypatch, tmp_path):

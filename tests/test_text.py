@@ -251,3 +251,23 @@ def test_token_dtype_is_the_smallest_that_holds_the_vocabulary_and_refuses_the_r
                                          r"store them as uint32$"):
         pack_documents([[1, 70000]], eos_id=2, dtype=np.uint16)
     assert pack_documents([[1, 70000]], eos_id=2).dtype == np.uint32
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("context_length", -1, "data.init_args.context_length must be >= 1; got -1"),
+    ("batch_size", 0, "data.init_args.batch_size must be >= 1; got 0"),
+    ("max_val_windows", -1, "data.init_args.max_val_windows must be >= 1 (or null); got -1"),
+    ("train_stride", 0, "data.init_args.train_stride must be >= 1 (or null); got 0"),
+    ("num_workers", -2, "data.init_args.num_workers must be >= 0; got -2"),
+])
+def test_sizes_out_of_range_name_the_option(option, value, says):
+    """A size out of range is refused when the datamodule is built, naming the option (a user test got
+    ``__len__() should return >= 0`` for ``max_val_windows: -1`` and a torch traceback for ``batch_size: 0``)."""
+    with pytest.raises(ValueError) as info:
+        TextDataModule(**{option: value})
+    assert str(info.value) == says
+
+
+def test_tokenizer_file_with_the_byte_tokenizer_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="tokenizer 'byte' does not read one: drop tokenizer_file"):
+        TextDataModule(tokenizer="byte", tokenizer_file=str(tmp_path / "ranks.tiktoken"))

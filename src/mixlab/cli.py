@@ -277,12 +277,19 @@ class MixlabCLI(LightningCLI):
 
     # ------------------------------------------------------------------ the run folder
     _fresh_run_dir: Path | None = None
+    _run_dir_before: tuple[Path, dict[Path, bytes | None]] | None = None
 
     def _note_run_dir(self, run_dir: Path) -> None:
         """Remember a run folder this command creates (removed again if the command fails before
-        writing a checkpoint, :meth:`_run_subcommand`); a resumed ``fit`` keeps the run's
-        ``config.yaml`` and writes its own config as ``config_resume_<k>.yaml``."""
+        writing a checkpoint, :meth:`_run_subcommand`), or, for an existing one (a resume, an evaluation),
+        which files it holds and its config files' contents (put back the same way); a resumed ``fit``
+        keeps the run's ``config.yaml`` and writes its own config as ``config_resume_<k>.yaml``."""
         self._fresh_run_dir = None if run_dir.exists() else run_dir
+        self._run_dir_before = None
+        if run_dir.is_dir():
+            self._run_dir_before = (run_dir, {
+                f: f.read_bytes() if f.suffix == ".yaml" and f.parent == run_dir else None
+                for f in run_dir.rglob("*") if f.is_file()})
         if self.subcommand == "fit" and (run_dir / "config.yaml").exists():
             k = 1
             while (run_dir / f"config_resume_{k}.yaml").exists():
@@ -293,7 +300,9 @@ class MixlabCLI(LightningCLI):
         """Run ``subcommand``; if it fails (an error, Ctrl-C) in a run folder it created before
         anything is kept there (no checkpoint; for ``fit``, no training step done), remove that
         folder and the parents it leaves empty, so failed attempts leave no empty ``version_N``
-        behind and the next run takes its number."""
+        behind and the next run takes its number. In a run folder that existed (a resume, an evaluation),
+        the same failure removes the files the command added (``config_resume_<k>.yaml``, event files) and
+        puts back the config files it rewrote (``config_test.yaml`` of the last good test)."""
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -303,6 +312,9 @@ class MixlabCLI(LightningCLI):
             last = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, LastCheckpoint)), None)
             start = last.start_step if last is not None else 0
             trained = subcommand == "fit" and trainer is not None and start is not None and trainer.global_step > start
+            before = self._run_dir_before
+            if before is not None and not trained and (trainer is None or trainer.is_global_zero):
+                _restore_run_dir(*before)
             if (run_dir is not None and run_dir.is_dir() and not trained and not any(run_dir.rglob("*.ckpt"))
                     and (trainer is None or trainer.is_global_zero)):
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -312,6 +324,22 @@ class MixlabCLI(LightningCLI):
                         break
                     parent.rmdir()
             raise
+
+
+def _restore_run_dir(run_dir: Path, before: dict[Path, bytes | None]) -> None:
+    """Put an existing run folder back as ``before`` recorded it (file -> its bytes for the config files,
+    else None): files added since are removed (checkpoints excepted), folders they leave empty as well, and
+    config files that were rewritten get their old contents back."""
+    if not run_dir.is_dir():
+        return
+    for f in sorted(run_dir.rglob("*"), reverse=True):  # files before their folders
+        if f.is_file() and f not in before and f.suffix != ".ckpt":
+            f.unlink(missing_ok=True)
+        elif f.is_dir() and not any(f.iterdir()) and not any(p.is_relative_to(f) for p in before):
+            f.rmdir()
+    for f, data in before.items():
+        if data is not None and (not f.exists() or f.read_bytes() != data):
+            f.write_bytes(data)
 
 
 def _latest_checkpoint(run_dir: Path, which: str = "last") -> str:
@@ -611,18 +639,23 @@ def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _where(key: str, words: list[str]) -> tuple[str | None, str]:
+def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | None, str]:
     """``(config file or None, key as the user wrote it)`` for the dotted ``key`` of a parse error.
 
     The command line wins over the files (it is read last); among the files the last one
-    holding the key wins, as jsonargparse merges them. None: not found (shown as ``--key``).
+    holding the key wins, as jsonargparse merges them. With ``value`` (the error's ``Got value: ...``),
+    the source that gives the key that value comes first: jsonargparse checks each ``--config`` file as
+    it reads it, so a bad value in a file is refused even when the command line sets the key again.
+    None: not found (shown as ``--key``).
     """
     import yaml
 
     plain = _plain(key)
-    for word in words:
-        if word.startswith("--") and _plain(word[2:].split("=", 1)[0]) == plain:
-            return None, word[2:].split("=", 1)[0]
+    found: list[tuple[str | None, str, Any]] = []  # (file or None, key as written, its value), first wins
+    for i, word in enumerate(words):
+        name, eq, given = word[2:].partition("=")
+        if word.startswith("--") and _plain(name) == plain:
+            found.append((None, name, given if eq else (words[i + 1] if i + 1 < len(words) else None)))
     for path in reversed(config_files(words)):
         try:
             tree = yaml.safe_load(Path(path).read_text())
@@ -630,8 +663,13 @@ def _where(key: str, words: list[str]) -> tuple[str | None, str]:
             continue
         hit = next((k for k in _flat_keys(tree) if _plain(k) == plain), None)
         if hit is not None:
-            return path, hit
-    return None, key
+            leaf = tree
+            for part in hit.split("."):
+                leaf = leaf[part]
+            found.append((path, hit, leaf))
+    if value is not None:
+        found.sort(key=lambda f: str(f[2]) != value)  # stable: the usual order among equals
+    return (found[0][0], found[0][1]) if found else (None, key)
 
 
 def _accepted(class_path: str) -> list[str]:
@@ -711,6 +749,22 @@ def _yaml_error(words: list[str]) -> str | None:
     return None
 
 
+def _not_a_mapping(words: list[str]) -> str | None:
+    """``<file>: empty ...`` / ``<file>: holds a <type>, not ...`` for the first ``--config`` file that does
+    not hold a mapping of options, else None."""
+    import yaml
+
+    for path in config_files(words):
+        try:
+            tree = yaml.safe_load(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if not isinstance(tree, dict):
+            what = "is empty" if tree is None else f"holds a {type(tree).__name__}"
+            return f"{path}: the config file {what}, not a mapping of options (e.g. trainer: {{max_steps: 100}})"
+    return None
+
+
 def _closest(word: str, candidates: list[str]) -> str | None:
     hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     return hits[0] if hits else None
@@ -727,6 +781,8 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
     hint = f"python -m mixlab {command} --help lists the options"
     if message.startswith("Problems parsing config"):
         return _yaml_error(words) or " ".join(line.strip() for line in message.splitlines())
+    if message.startswith("Unexpected config"):  # a file that is empty or holds no mapping of options
+        return _not_a_mapping(words) or message.strip()
     choice = re.fullmatch(r"argument subcommand: invalid choice: '(.+)' \(choose from (.+)\)", message.strip())
     if choice:
         near = _closest(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)))
@@ -745,7 +801,8 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
         unknown = re.fullmatch(r"Option '(.+)' is not accepted", leaf)
         if unknown is None:
             key = ".".join(path)
-            where, shown = _where(key, words) if key else (None, "")
+            got = re.search(r"Got value: (.+)$", leaf)
+            where, shown = _where(key, words, got and got.group(1).strip()) if key else (None, "")
             missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
             if missing:  # a class_path typo
                 try:

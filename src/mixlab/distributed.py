@@ -373,7 +373,14 @@ class ResumableDataModule(pl.LightningDataModule):
             num_workers: DataLoader workers (``persistent_workers`` defaults to ``> 0``).
             drop_last: the DataLoader's (default ``train``: full batches only).
             loader_kwargs: other DataLoader arguments (``collate_fn``, ``pin_memory``...).
+
+        Raises:
+            ValueError: ``batch_size`` below 1 or ``num_workers`` below 0 (named as the datamodule's options).
         """
+        for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
+            if value < least:
+                raise ValueError(f"{type(self).__name__}: {name} must be >= {least} (data.init_args.{name}); "
+                                 f"got {value}")
         sampler = ResumableSampler(dataset, shuffle=train, seed=self.order_seed(seed),
                                    drop_last=train, pad=not train and self._collective_forward())
         if train:
