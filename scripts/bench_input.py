@@ -410,7 +410,15 @@ def main(argv: list[str] | None = None) -> str:
         a.batch_size, a.image_size, a.warmup, a.batches, a.model = 8, 32, 1, 3, "tiny"
         a.device = a.device or "cpu"
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from mixlab.datamodules.files import expand_pattern
     from mixlab.datamodules.imagenet import ImageNetDataModule, write_synthetic_shards
+
+    for option, pattern in (("--shards", a.shards), ("--val-shards", a.val_shards)):
+        if pattern is not None:
+            try:
+                expand_pattern(pattern, option, kind="shards")
+            except (FileNotFoundError, ValueError) as err:
+                p.error(str(err))
 
     tmp = None
     train_pattern, what = a.shards, "real shards"

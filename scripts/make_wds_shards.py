@@ -29,6 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--classes-from", default=None,
                    help="ImageFolder root (or classes.txt) defining the class -> label mapping (default: root)")
     a = p.parse_args(argv)
+    if not Path(a.root).is_dir():
+        p.error(f"root {a.root!r} is not a directory (an ImageFolder root: <root>/<class>/<image>)")
+    if a.classes_from and not Path(a.classes_from).exists():
+        p.error(f"--classes-from {a.classes_from!r} does not exist")
+    if a.maxcount < 1:
+        p.error(f"--maxcount must be >= 1 samples per shard; got {a.maxcount}")
     mapping = None
     if a.classes_from:
         src = Path(a.classes_from)

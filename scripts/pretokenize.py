@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
             if args.max_docs and n_docs >= args.max_docs:
                 break
     except (OSError, ValueError) as err:  # a missing input, a record without the text field: named by the reader
-        fail(str(err))
+        bar.close()
+        fail(str(err).replace("data.init_args.path", "--input", 1))  # the reader names the datamodule's option
     if batch:
         flush_batch(batch, last=True)
     bar.close()

@@ -95,7 +95,9 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
              ("--prefetch", "-2"): "--prefetch must be >= 0; got -2",
              ("--image-wh", "10"): "--image-wh must be WIDTHxHEIGHT in pixels, e.g. 500x375; got '10'",
              ("--model", "nosuchmodel"): "--model 'nosuchmodel' is not a timm model name",
-             ("--quick", "--batch-size", "4", "--model=tiny"): "--quick sets --batch-size, --model itself; drop them"}
+             ("--quick", "--batch-size", "4", "--model=tiny"): "--quick sets --batch-size, --model itself; drop them",
+             ("--quick", "--shards", "/nonexist/x-{0000..0003}.tar"):  # a traceback before (user test)
+             "--shards: 4 of 4 shards from pattern '/nonexist/x-{0000..0003}.tar' do not exist"}
     if not torch.cuda.is_available():
         cases[("--device", "cuda")] = "--device cuda: no CUDA device is available here"
     for argv, message in cases.items():
@@ -103,3 +105,17 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
             bench_input.main(list(argv))
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, argv
+
+
+def test_make_wds_shards_refuses_a_missing_root_in_one_line(capsys, tmp_path):
+    """``scripts/make_wds_shards.py`` with a root that is not a folder, or a shard size below 1: one argparse line,
+    exit 2, nothing written (a traceback before: user test)."""
+    import subprocess
+    import sys
+
+    for argv, says in (([str(tmp_path / "nope"), str(tmp_path / "out-%04d.tar")], "is not a directory"),
+                       ([str(tmp_path), str(tmp_path / "out-%04d.tar"), "--maxcount", "0"], "--maxcount must be >= 1")):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wds_shards.py"), *argv], capture_output=True,
+                           text=True)
+        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+    assert not list(tmp_path.glob("out-*"))

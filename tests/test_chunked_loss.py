@@ -192,6 +192,8 @@ def test_loss_chunk_tokens_defaults_on_for_large_vocabularies_only():
     assert CausalLM(vocab_size=50304, backbone=cfg, loss_chunk_tokens=0).loss_chunk_tokens == 0
     with pytest.raises(ValueError, match="loss_chunk_tokens must be >= 0"):
         CausalLM(vocab_size=5, backbone=cfg, loss_chunk_tokens=-1)
+    with pytest.raises(ValueError, match=r"abs_pos_len must be >= 0 \(0: no learned absolute positions\); got -5"):
+        CausalLM(vocab_size=5, backbone=cfg, abs_pos_len=-5)  # accepted silently before (user test)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

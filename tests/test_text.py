@@ -200,6 +200,10 @@ def test_pretokenize_never_reports_success_with_an_empty_split(tmp_path, capsys)
                              "--val-fraction", "0"])
     assert capsys.readouterr().err.strip().startswith("pretokenize.py: error: --val-fraction must be in (0, 1), "
                                                       "got 0.0")
+    with pytest.raises(SystemExit):  # the reader's message names the script's option, not the datamodule's
+        _pretokenize().main(["--input", str(tmp_path / "none*.txt"), "--out", str(tmp_path / "tok")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("pretokenize.py: error: --input: ") and "matches no file" in err[-1]
 
 
 @pytest.fixture(scope="module")

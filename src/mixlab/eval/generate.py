@@ -343,9 +343,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not ids:
         raise ValueError("--prompt: the prompt is empty (no token to start from); give at least one character")
     abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
-    if abs_len is not None and len(ids) + args.max_new_tokens > abs_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} exceeds the model's "
-                         f"learned absolute positions (abs_pos_len={abs_len})")
+    if abs_len is not None and len(ids) + args.max_new_tokens - 1 > abs_len:  # the last new token is never fed back
+        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} - 1 exceeds the "
+                         f"model's learned absolute positions (abs_pos_len={abs_len})")
     _log(f"{args.ckpt}: {type(model).__name__} {model.run_name}, step {run.step}, {args.dtype} on {args.device}; "
          f"{codec.name} prompt of {len(ids)} token{'' if len(ids) == 1 else 's'} "
          f"(loaded in {time.perf_counter() - t0:.1f}s)")

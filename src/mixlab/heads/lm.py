@@ -74,8 +74,8 @@ class CausalLM(Head):
             ``backbone.compile``. Same parameters and checkpoints.
 
     Raises:
-        ValueError: vocab mismatch with the datamodule; a sequence longer than
-            ``abs_pos_len``; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto, or ``fla``
+        ValueError: vocab mismatch with the datamodule; a negative ``abs_pos_len`` or a sequence longer than
+            it; a negative ``loss_chunk_tokens``; ``loss_kernel`` not torch, fla or auto, or ``fla``
             without chunking; ``compile`` together with ``backbone.compile``; at fit start, ``fla`` off CUDA or
             under float16 precision.
     """
@@ -92,6 +92,8 @@ class CausalLM(Head):
         compile: bool = False,
     ) -> None:
         super().__init__()
+        if abs_pos_len < 0:
+            raise ValueError(f"abs_pos_len must be >= 0 (0: no learned absolute positions); got {abs_pos_len}")
         if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens must be >= 0 (0: no chunking) or null (automatic); "
                              f"got {loss_chunk_tokens}")
