@@ -33,9 +33,10 @@ Static steps: attention ``goat``/``rope``/``alibi``/``nope`` (``impl="sdpa"``), 
 (``static_cache`` returns None: the reference attention impl, ``swa``, ``mla``) or a head other than
 :class:`~mixlab.heads.CausalLM`'s embedding + backbone decodes with the dict-cache loop.
 
-Mesa's solve inside the step has no host-visible data-dependent control flow: on CUDA (float32) one
-Triton kernel runs CG with per-system stopping on the device; elsewhere the torch CG runs its full
-iteration cap with converged systems masked (same output as the early-stopping CG).
+Mesa's solve inside the step has no host-visible data-dependent control flow on CUDA: there (float32) one
+Triton kernel runs CG with per-system stopping on the device, or the torch CG runs its full iteration cap
+with converged systems masked (same output as the early-stopping CG), as it does under ``torch.compile``;
+eagerly on a CPU, where nothing is captured, the torch CG ends once every system has converged.
 
 If graph capture raises, a one-line note goes to stderr and decoding continues with eager steps. Each
 :func:`~mixlab.eval.generate.generate` call captures its own graph (prompt and capacity fixed per call),

@@ -239,8 +239,9 @@ class Mesa(Mixer):
         """One token (see :meth:`Mixer.static_step`; ``pos`` unused) by
         :func:`~mixlab.ops.mesa.mesa_step_inplace`: the state updated in place, then the solve without a
         host sync, so the step is graph-capturable. On CPU (and float64, or ``head_dim > 128``) the torch
-        CG runs all ``cg_iters`` iterations with the adaptive tolerance applied by masks (a converged
-        system stops changing: the output equals the early-stopping solve of the dict-cache path); on CUDA
+        CG applies the adaptive tolerance by masks (a converged system stops changing: the output equals the
+        early-stopping solve of the dict-cache path) and runs all ``cg_iters`` iterations on CUDA or compiled,
+        but ends when every system has converged when run eagerly on a CPU; on CUDA
         in float32 one Triton kernel (:func:`~mixlab.ops.mesa_triton.mesa_cg_triton`) runs the loop and
         the per-system stopping on the device (float32-accurate, not bitwise the torch CG), unless it does
         not fit the GPU (:meth:`_pick_decode_cg`, decided when the static cache is built). Does not update

@@ -266,8 +266,10 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
     float64, the compute dtype) is updated in place, and the solve has no host sync, so the step can be
     captured in a CUDA graph.
 
-    ``cg_impl="torch"``: CG always runs ``cg_iters`` iterations (with ``cg_eps`` the tolerance masks
-    converged systems instead of ending the loop; same output as :func:`mesa_step`). ``"triton"``: one
+    ``cg_impl="torch"``: on CUDA or under ``torch.compile`` CG always runs ``cg_iters`` iterations (with
+    ``cg_eps`` the tolerance masks converged systems instead of ending the loop; same output as
+    :func:`mesa_step`); eagerly on a CPU it ends once every system has converged (one host check per
+    iteration; the same output). ``"triton"``: one
     launch of :func:`mixlab.ops.mesa_triton.solve_dense_triton` for all ``B * H`` systems (the loop and the
     per-system stopping run on the device; float32 only, ``K <= 128``; float32-accurate products, not
     bitwise the torch CG).
@@ -289,8 +291,12 @@ def mesa_step_inplace(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
         x = solve_dense_triton(h_kk.reshape(b * h, dk, dk), lamb.expand(b, h, dk).reshape(b * h, dk),
                                q.reshape(b * h, dk), cg_iters, cg_eps).view(b, h, dk)
     else:
+        # no host sync where a CUDA graph may capture the step or Dynamo traces it; on a CPU, eagerly, the loop
+        # ends once every system has converged (the same output; the full cap made Mesa's static decoding
+        # 0.3-0.4x the dict loop there: bench_decode.py --quick)
+        stop = q.device.type == "cpu" and not torch.compiler.is_compiling()
         x, _ = conjugate_gradient(lambda p: (p.unsqueeze(-2) @ h_kk).squeeze(-2) + lamb * p, q, cg_iters, cg_eps,
-                                  early_stop=False)
+                                  early_stop=stop)
     return (x.unsqueeze(-2) @ h_kv).squeeze(-2)
 
 
