@@ -167,7 +167,7 @@ def test_image_size_not_divisible_by_patch_is_one_line_before_training(capsys, t
                   "--data.init_args.image_size=26"])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2] == ("error: model: data.init_args.image_size=26: image size 26x26 is not divisible by patch_size=4; "
+    assert err[-2] == ("error: data.init_args.image_size=26: image size 26x26 is not divisible by patch_size=4; "
                        "resize/crop to multiples of 4 (e.g. 24x24)")
 
 

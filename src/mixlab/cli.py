@@ -928,6 +928,8 @@ def main(argv: list[str] | None = None) -> None:
         if found is None:
             raise
         field, cause = found
+        if re.match(r"(trainer|model|data|checkpoint)\.", str(cause)):  # the message names its option itself
+            field = None
         print(f"error: {field + ': ' if field else ''}{cause}\n(MIXLAB_TRACEBACK=1 shows the full traceback)",
               file=sys.stderr)
         raise SystemExit(2) from None
