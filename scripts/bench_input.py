@@ -506,8 +506,9 @@ def main(argv: list[str] | None = None) -> str:
     lines = [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
              f"- device: {device_name(device)}; torch {torch.__version__}",
              f"- data: {what if a.shards is None else train_pattern}",
-             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed; training "
-             f"augmentation (decode gpu) {graphs_mode}",
+             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"
+             + (f"; training augmentation (decode gpu) {graphs_mode}" if "gpu" in a.decode else
+                "; training augmentation by timm's transforms in the loader workers (decode cpu)"),
              f"- command: `{cmd}`", "",
              "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
              "|---|---|---|---|---:|---:|---|"]

@@ -299,6 +299,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.device.startswith("cuda") and "compile-cudagraphs" in args.modes:
         p.error(f"--modes compile-cudagraphs needs CUDA: there are no CUDA graphs on {args.device} "
                 "(use --modes compile)")
+    if not args.device.startswith("cuda"):  # say what a CPU run costs before it starts (user test: silent minutes)
+        if "compile" in args.modes:
+            print("bench_lm: --modes compile on the CPU: Inductor compiles each model for the CPU first (minutes on a "
+                  "few cores, more for the recurrent mixers); --modes eager measures the script's path quickly",
+                  file=sys.stderr)
+        if not args.quick and args.d_model * args.n_layers >= 4096:
+            print(f"bench_lm: a {args.n_layers} x {args.d_model} model on the CPU (the GPU shape): expect minutes per "
+                  f"step; --quick runs a tiny model", file=sys.stderr)
     chunked = args.loss_chunk_tokens if args.loss_chunk_tokens is not None else args.vocab >= AUTO_CHUNK_MIN_VOCAB
     fla = [m for m in args.models if m in FLA_LOSS]
     if not chunked and fla:  # fla's kernels run inside the chunked loss only
