@@ -192,6 +192,21 @@ def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
     assert sorted(p.name for p in runs.rglob("*")) == []
 
 
+def test_val_check_interval_zero_and_an_escaping_run_name_are_refused(capsys, monkeypatch, tmp_path):
+    """``val_check_interval: 0`` was Lightning's ``ZeroDivisionError`` traceback after a step, and ``--run_name
+    ../../x`` wrote outside ``--run_root`` (second user test): both one line, nothing written."""
+    runs = tmp_path / "runs"
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.val_check_interval=0",
+                "--run_root", str(runs))
+    assert err[-2] == ("error: trainer.val_check_interval=0: give training batches >= 1 (an int) or a fraction of an "
+                       "epoch in (0, 1] (a float)")
+    for name in ("../../escaped", str(tmp_path / "abs"), " "):
+        err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--run_name", name, "--run_root", str(runs))
+        assert err[-2] == f"error: --run_name {name!r}: a name inside --run_root/<task> (no absolute path, no '..', " \
+                          f"not empty)"
+    assert not runs.exists() and not (tmp_path / "abs").exists() and not (tmp_path.parent / "escaped").exists()
+
+
 def test_failed_resume_leaves_no_version_folder(capsys, monkeypatch, tmp_path, trained):
     """A resume that fails while restoring (other data settings: the sampler's state does not fit)
     restores global_step > 0 first; it trained nothing in this process, so its new folder goes."""

@@ -238,6 +238,15 @@ class MixlabCLI(LightningCLI):
         if self.subcommand and self.subcommand != "fit":  # keep the training run's config.yaml
             self.save_config_kwargs["config_filename"] = f"config_{self.subcommand}.yaml"
         logger = cfg["trainer"].get("logger")
+        interval = cfg["trainer"].get("val_check_interval")
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # Lightning: a modulo by 0
+            raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
+                             f"fraction of an epoch in (0, 1] (a float)")
+        name_given = cfg.get("run_name")
+        if name_given is not None and (not name_given.strip() or Path(name_given).is_absolute()
+                                       or ".." in Path(name_given).parts):
+            raise ValueError(f"--run_name {name_given!r}: a name inside --run_root/<task> (no absolute path, no "
+                             f"'..', not empty)")
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
