@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mixlab.datamodules.files import expand_pattern
-from mixlab.distributed import ResumableDataModule
+from mixlab.distributed import ResumableDataModule, check_at_least
 
 __all__ = [
     "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
@@ -139,15 +139,17 @@ _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _ALL_SUFFIXES = _TEXT_SUFFIXES + _JSONL_SUFFIXES + _TAR_SUFFIXES + (".parquet",)
 
 
-def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike], what: str = "data.init_args.path"
+                 ) -> list[Path]:
     """Files named by ``path``: files, directories (read recursively), globs, brace patterns
     (``text-{000..002}.tar``), several joined by ``::`` or in a list; each entry's files sorted
-    (:func:`mixlab.datamodules.files.expand_pattern`, the rule of every mixlab input).
+    (:func:`mixlab.datamodules.files.expand_pattern`, the rule of every mixlab input). ``what``: the option
+    ``path`` came from, named in errors.
 
     Raises:
-        FileNotFoundError: an entry matches no file (names ``data.init_args.path`` and the entry).
+        FileNotFoundError: an entry matches no file (names ``what`` and the entry).
     """
-    return [Path(f) for f in expand_pattern(path, "data.init_args.path", suffixes=_ALL_SUFFIXES)]
+    return [Path(f) for f in expand_pattern(path, what, suffixes=_ALL_SUFFIXES)]
 
 
 def decode_text(raw: bytes, encoding: str, where: str) -> str:
@@ -195,9 +197,10 @@ def _json(text: str | bytes, where: str) -> dict:
         raise ValueError(f"{where}: not a JSON record ({err})") from None
 
 
-def iter_documents(path, text_field: str = "text", encoding: str = "utf-8") -> Iterator[str]:
-    """Yield documents (``str``) from every file of ``path`` (see the module docstring), text
-    files decoded with ``encoding``.
+def iter_documents(path, text_field: str = "text", encoding: str = "utf-8", what: str = "data.init_args.path"
+                   ) -> Iterator[str]:
+    """Yield documents (``str``) from every file of ``path`` (see the module docstring; ``what``: the option it
+    came from, as :func:`expand_paths`), text files decoded with ``encoding``.
 
     Raises:
         ValueError: unsupported file type; bytes that are not ``encoding`` text (names the file,
@@ -205,7 +208,7 @@ def iter_documents(path, text_field: str = "text", encoding: str = "utf-8") -> I
             record without ``text_field``; a WebDataset sample with no text member.
         ImportError: a ``.parquet`` file without ``pyarrow`` installed.
     """
-    for f in expand_paths(path):
+    for f in expand_paths(path, what):
         name = f.name.lower()
         if name.endswith(_TEXT_SUFFIXES):
             yield _read_text(f, encoding)
@@ -395,12 +398,9 @@ class TextDataModule(ResumableDataModule):
         self.save_hyperparameters()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
-        for name, value, least in (("context_length", context_length, 1), ("batch_size", batch_size, 1),
-                                   ("train_stride", train_stride, 1), ("max_val_windows", max_val_windows, 1),
-                                   ("num_workers", num_workers, 0)):
-            if value is not None and value < least:
-                raise ValueError(f"data.init_args.{name} must be >= {least}"
-                                 f"{' (or null)' if name in ('train_stride', 'max_val_windows') else ''}; got {value}")
+        check_at_least(("train_stride", "max_val_windows"), context_length=(context_length, 1),
+                       batch_size=(batch_size, 1), train_stride=(train_stride, 1),
+                       max_val_windows=(max_val_windows, 1), num_workers=(num_workers, 0))
         if tokenizer_file is not None and tokenizer != "gpt2":
             raise ValueError(f"data.init_args.tokenizer_file ({tokenizer_file}) is a BPE ranks file for tokenizer "
                              f"'gpt2'; tokenizer {tokenizer!r} does not read one: drop tokenizer_file")

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     batch: list[str] = []
     try:
-        for doc in iter_documents(args.input, args.text_field):
+        for doc in iter_documents(args.input, args.text_field, what="--input"):
             batch.append(doc)
             n_docs += 1
             if len(batch) == args.batch_docs:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                 break
     except (OSError, ValueError) as err:  # a missing input, a record without the text field: named by the reader
         bar.close()
-        fail(str(err).replace("data.init_args.path", "--input", 1))  # the reader names the datamodule's option
+        fail(str(err))
     if batch:
         flush_batch(batch, last=True)
     bar.close()

@@ -58,7 +58,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -321,11 +321,10 @@ class MixlabCLI(LightningCLI):
             last = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, LastCheckpoint)), None)
             start = last.start_step if last is not None else 0
             trained = subcommand == "fit" and trainer is not None and start is not None and trainer.global_step > start
-            before = self._run_dir_before
-            if before is not None and not trained and (trainer is None or trainer.is_global_zero):
-                _restore_run_dir(*before)
-            if (run_dir is not None and run_dir.is_dir() and not trained and not any(run_dir.rglob("*.ckpt"))
-                    and (trainer is None or trainer.is_global_zero)):
+            undo = not trained and (trainer is None or trainer.is_global_zero)
+            if undo and self._run_dir_before is not None:
+                _restore_run_dir(*self._run_dir_before)
+            if undo and run_dir is not None and run_dir.is_dir() and not any(run_dir.rglob("*.ckpt")):
                 shutil.rmtree(run_dir, ignore_errors=True)
                 root = Path(self.config_init[subcommand].get("run_root", "runs")).resolve()
                 for parent in run_dir.resolve().parents:
@@ -648,6 +647,22 @@ def _flat_keys(tree: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+def _config_trees(words: list[str]) -> Iterator[tuple[str, Any, Exception | None]]:
+    """``(path, parsed YAML or None, YAML error or None)`` for each ``--config`` file of ``words`` in order;
+    files that cannot be read are left out (their error is the parser's own)."""
+    import yaml
+
+    for path in config_files(words):
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        try:
+            yield path, yaml.safe_load(text), None
+        except yaml.YAMLError as err:
+            yield path, None, err
+
+
 def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | None, str]:
     """``(config file or None, key as the user wrote it)`` for the dotted ``key`` of a parse error.
 
@@ -657,19 +672,13 @@ def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | 
     it reads it, so a bad value in a file is refused even when the command line sets the key again.
     None: not found (shown as ``--key``).
     """
-    import yaml
-
     plain = _plain(key)
     found: list[tuple[str | None, str, Any]] = []  # (file or None, key as written, its value), first wins
     for i, word in enumerate(words):
         name, eq, given = word[2:].partition("=")
         if word.startswith("--") and _plain(name) == plain:
             found.append((None, name, given if eq else (words[i + 1] if i + 1 < len(words) else None)))
-    for path in reversed(config_files(words)):
-        try:
-            tree = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            continue
+    for path, tree, _ in reversed(list(_config_trees(words))):
         hit = next((k for k in _flat_keys(tree) if _plain(k) == plain), None)
         if hit is not None:
             leaf = tree
@@ -744,31 +753,19 @@ def _parse_leaf(message: str) -> tuple[list[str], str, str | None]:
 def _yaml_error(words: list[str]) -> str | None:
     """``<file>: not valid YAML (<problem> at line L, column C)`` for the first ``--config`` file
     that does not parse, else None."""
-    import yaml
-
-    for path in config_files(words):
-        try:
-            yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as err:
+    for path, _, err in _config_trees(words):
+        if err is not None:
             mark = getattr(err, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             return f"{path}: not valid YAML ({getattr(err, 'problem', None) or err}{at})"
-        except (OSError, UnicodeDecodeError):
-            continue
     return None
 
 
 def _not_a_mapping(words: list[str]) -> str | None:
     """``<file>: empty ...`` / ``<file>: holds a <type>, not ...`` for the first ``--config`` file that does
     not hold a mapping of options, else None."""
-    import yaml
-
-    for path in config_files(words):
-        try:
-            tree = yaml.safe_load(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            continue
-        if not isinstance(tree, dict):
+    for path, tree, err in _config_trees(words):
+        if err is None and not isinstance(tree, dict):
             what = "is empty" if tree is None else f"holds a {type(tree).__name__}"
             return f"{path}: the config file {what}, not a mapping of options (e.g. trainer: {{max_steps: 100}})"
     return None

@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, ge
 __all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
-           "check_validation_on_optimizer_steps"]
+           "check_validation_on_optimizer_steps", "check_at_least"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -377,10 +377,7 @@ class ResumableDataModule(pl.LightningDataModule):
         Raises:
             ValueError: ``batch_size`` below 1 or ``num_workers`` below 0 (named as the datamodule's options).
         """
-        for name, value, least in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0)):
-            if value < least:
-                raise ValueError(f"{type(self).__name__}: {name} must be >= {least} (data.init_args.{name}); "
-                                 f"got {value}")
+        check_at_least(batch_size=(batch_size, 1), num_workers=(num_workers, 0))
         sampler = ResumableSampler(dataset, shuffle=train, seed=self.order_seed(seed),
                                    drop_last=train, pad=not train and self._collective_forward())
         if train:
@@ -414,6 +411,20 @@ class ResumableDataModule(pl.LightningDataModule):
 
 
 # --------------------------------------------------------------------------- iterable data
+def check_at_least(nullable: tuple[str, ...] = (), **limits: tuple[int | None, int]) -> None:
+    """Refuse datamodule options below their least value: ``limits`` maps each option to ``(value, least)``;
+    ``None`` is "not set" (the options in ``nullable`` say so in the message).
+
+    Raises:
+        ValueError: ``data.init_args.<name> must be >= <least>[ (or null)]; got <value>``, the first option out
+            of range.
+    """
+    for name, (value, least) in limits.items():
+        if value is not None and value < least:
+            raise ValueError(f"data.init_args.{name} must be >= {least}{' (or null)' if name in nullable else ''}; "
+                             f"got {value}")
+
+
 def _consumer(rank: int | None, world: int | None, worker: int | None,
               num_workers: int | None) -> tuple[int, int]:
     """(global consumer id, number of consumers) for this rank and DataLoader worker."""

@@ -145,6 +145,20 @@ def _next_token(logits: Tensor, temperature: float, top_k: int | None, generator
 
 
 @torch.no_grad()
+def _check_positions(model, prompt_len: int, max_new_tokens: int, option: str = "max_new_tokens",
+                     prefix: str = "generate: ") -> None:
+    """Refuse a prompt + ``max_new_tokens`` that needs more learned absolute positions than the model has (the
+    last new token is never fed back: ``prompt_len + max_new_tokens - 1`` positions).
+
+    Raises:
+        ValueError: naming ``option`` and the model's ``abs_pos_len``.
+    """
+    abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
+    if abs_len is not None and prompt_len + max_new_tokens - 1 > abs_len:
+        raise ValueError(f"{prefix}prompt ({prompt_len} tokens) + {option} {max_new_tokens} - 1 exceeds the model's "
+                         f"learned absolute positions (abs_pos_len={abs_len})")
+
+
 def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              generator: torch.Generator | None = None, vocab_limit: int | None = None,
              eos_id: int | None = None, cuda_graph: bool | None = None, static: bool | None = None,
@@ -195,10 +209,7 @@ def generate(model, prompt: Tensor, max_new_tokens: int, temperature: float = 1.
                          "(a layer without one, or a head other than CausalLM's); use static=None")
     b, p = prompt.shape
     capacity = p + max_new_tokens
-    abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
-    if abs_len is not None and capacity - 1 > abs_len:  # the last new token is never fed back
-        raise ValueError(f"generate: prompt ({p} tokens) + max_new_tokens {max_new_tokens} - 1 exceeds the model's "
-                         f"learned absolute positions (abs_pos_len={abs_len})")
+    _check_positions(model, p, max_new_tokens)
     decode.check_memory(model, b, capacity, prompt.device, static=use_static)
     caches: list[dict] = [{} for _ in model.backbone.blocks]
     out = prompt.new_zeros(b, max_new_tokens)
@@ -342,10 +353,7 @@ def main(argv: list[str] | None = None) -> dict:
         ids = codec.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt: the prompt is empty (no token to start from); give at least one character")
-    abs_len = model.abs_pos.num_embeddings if getattr(model, "abs_pos", None) is not None else None
-    if abs_len is not None and len(ids) + args.max_new_tokens - 1 > abs_len:  # the last new token is never fed back
-        raise ValueError(f"prompt ({len(ids)} tokens) + --max-new-tokens {args.max_new_tokens} - 1 exceeds the "
-                         f"model's learned absolute positions (abs_pos_len={abs_len})")
+    _check_positions(model, len(ids), args.max_new_tokens, option="--max-new-tokens", prefix="")
     _log(f"{args.ckpt}: {type(model).__name__} {model.run_name}, step {run.step}, {args.dtype} on {args.device}; "
          f"{codec.name} prompt of {len(ids)} token{'' if len(ids) == 1 else 's'} "
          f"(loaded in {time.perf_counter() - t0:.1f}s)")

@@ -176,7 +176,9 @@ class CausalLM(Head):
         return batch[:, :-1], batch[:, 1:]
 
     def _nll(self, batch: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        return self.scores(*self._split(batch))
+        """The evaluation scores of a batch (:meth:`scores`, compiled where ``compile`` says)."""
+        inputs, targets = self._split(batch)
+        return self._step_fn("scores", inputs.device)(inputs, targets)
 
     def _step_fn(self, name: str, device: torch.device):
         """The method ``name`` (``"mean_loss"`` or ``"scores"``), through ``torch.compile`` when ``compile`` is set
@@ -273,8 +275,7 @@ class CausalLM(Head):
         return loss
 
     def _eval_step(self, batch: Tensor, stage: str) -> None:
-        inputs, targets = self._split(batch)
-        self._update_sums(stage, *self._step_fn("scores", inputs.device)(inputs, targets))
+        self._update_sums(stage, *self._nll(batch))
 
     def _eval_epoch_end(self, stage: str) -> None:
         sums = {k: self.metric_sums[f"{stage}_{k}"] for k in ("nll", "count", "hits")}
