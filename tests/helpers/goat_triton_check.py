@@ -246,10 +246,18 @@ def _watch_traced_launches():
 
     def watch(fn, grid, args, kwargs, _orig=goat_triton.traced_launch):
         named = dict(zip(fn.arg_names, args))
-        ptrs = [a.data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         seen["launches"] += 1
-        seen["shared"] += any(ptrs.count(named[n].data_ptr()) > 1 for n in writes[fn.__name__](kwargs))
+        seen["shared"] += any(sum(_same(named[n], a) for a in tensors) > 1 for n in writes[fn.__name__](kwargs))
         return _orig(fn, grid, args, kwargs)
+
+    def _same(a, b):
+        # the same tensor object, or (real tensors) the same address; under torch.compile's tracing the
+        # arguments are fake tensors, which have no address
+        if a is b:
+            return True
+        fake = torch._subclasses.fake_tensor.is_fake
+        return not (fake(a) or fake(b)) and a.data_ptr() == b.data_ptr()
 
     goat_triton.traced_launch = rope_triton.traced_launch = watch
     return seen
