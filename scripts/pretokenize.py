@@ -15,20 +15,28 @@ the first one always), so splits share no document; a corpus of ONE document (ti
 is split like the in-memory loader: the last ``val_fraction`` of its token stream is val. A split
 left empty is an error (exit status 2, no ``meta.json``), never a success. A tqdm bar counts
 documents and tokens.
+
+A run that fails (bad input, an unreadable document, an empty split, Ctrl-C) leaves ``--out`` as it
+was: the shards are written into a temporary folder inside it and moved in only once all are written,
+so an existing folder keeps its earlier files untouched, and an ``--out`` folder the run created is
+removed again (with the parent folders it created).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from mixlab.datamodules.text import get_tokenizer, iter_documents, split_stream, token_dtype
+from mixlab.datamodules.text import expand_paths, get_tokenizer, iter_documents, split_stream, token_dtype
 
 
 class ShardWriter:
@@ -66,6 +74,15 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Tokenise ``--input`` into shards and ``meta.json`` in ``--out`` (see the module docstring); returns
+    the ``meta.json`` contents.
+
+    Errors end the run with one line ``pretokenize.py: error: <message>`` naming the option or file and
+    exit status 2 (``SystemExit(2)``): a ``--val-fraction`` outside (0, 1), a ``--shard-tokens`` below 1,
+    an unreadable ``--tokenizer-file``, an ``--input`` entry that matches no file (these before anything
+    is written), a document that cannot be read, a split left empty. On any failure ``--out`` is left as
+    it was (a folder the run created is removed; an existing one keeps exactly its earlier files).
+    """
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="files, directories, globs or brace patterns")
     p.add_argument("--out", required=True, help="output folder (created)")
@@ -82,13 +99,47 @@ def main(argv: list[str] | None = None) -> dict:
     if not 0 < args.val_fraction < 1:
         fail(f"--val-fraction must be in (0, 1), got {args.val_fraction}: the text datamodule reads a train "
              f"and a val split")
+    if args.shard_tokens < 1:
+        fail(f"--shard-tokens must be >= 1, got {args.shard_tokens}")
     try:
         tok = get_tokenizer(args.tokenizer, args.tokenizer_file)
         dtype = token_dtype(tok.vocab_size)
     except (OSError, ValueError) as err:
         fail(f"--tokenizer-file {args.tokenizer_file}: {err}")
+    try:
+        expand_paths(args.input, "--input")  # an entry matching no file: before anything is written
+    except (OSError, ValueError) as err:
+        fail(str(err))
     out = Path(args.out)
+    created = [d for d in (out, *out.parents) if not d.exists()]  # the folders mkdir makes, deepest first
     out.mkdir(parents=True, exist_ok=True)
+    stage: Path | None = None  # the shards' temporary folder, inside --out (same file system)
+    try:
+        stage = Path(tempfile.mkdtemp(prefix=".pretokenize-", dir=out))
+        meta = _tokenize(args, tok, dtype, stage)
+        for f in sorted(stage.iterdir()):  # all shards written: move them in, meta.json last
+            if f.name != "meta.json":
+                os.replace(f, out / f.name)
+        os.replace(stage / "meta.json", out / "meta.json")
+    except BaseException:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for d in created:
+            try:
+                d.rmdir()  # only while empty: a folder someone else wrote into meanwhile stays
+            except OSError:
+                break
+        raise
+    stage.rmdir()
+    print(f"wrote {meta['documents']:,} documents, {meta['tokens']:,} tokens to {out} (train "
+          f"{sum(s['tokens'] for s in meta['shards']['train']):,}, val "
+          f"{sum(s['tokens'] for s in meta['shards']['val']):,} tokens, {dtype.name})")
+    return meta
+
+
+def _tokenize(args: argparse.Namespace, tok, dtype: np.dtype, out: Path) -> dict:
+    """Write the shards and ``meta.json`` of ``args.input`` into ``out``; returns the meta dict (:func:`fail`
+    on an unreadable document or an empty split)."""
     writers = {s: ShardWriter(out, s, args.shard_tokens, dtype) for s in ("train", "val")}
     rng = random.Random(args.seed)
     n_docs, n_tok, first = 0, 0, True
@@ -132,18 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
         w.flush()
     empty = [s for s, w in writers.items() if not w.shards]
     if empty:
-        for w in writers.values():
-            for shard in w.shards:
-                (out / shard["file"]).unlink()
         fail(f"--input {' '.join(args.input)}: {n_docs:,} document(s), {n_tok:,} tokens leave the "
              f"{' and '.join(empty)} split empty at --val-fraction {args.val_fraction}; add documents or "
              f"change --val-fraction (nothing written)")
     meta = {"tokenizer": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "dtype": dtype.name,
             "documents": n_docs, "tokens": n_tok, "shards": {s: w.shards for s, w in writers.items()}}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"wrote {n_docs:,} documents, {n_tok:,} tokens to {out} (train "
-          f"{sum(s['tokens'] for s in meta['shards']['train']):,}, val "
-          f"{sum(s['tokens'] for s in meta['shards']['val']):,} tokens, {dtype.name})")
     return meta
 
 

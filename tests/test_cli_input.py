@@ -209,11 +209,18 @@ def test_val_check_interval_zero_and_an_escaping_run_name_are_refused(capsys, mo
 
 def test_failed_resume_leaves_no_version_folder(capsys, monkeypatch, tmp_path, trained):
     """A resume that fails while restoring (other data settings: the sampler's state does not fit)
-    restores global_step > 0 first; it trained nothing in this process, so its new folder goes."""
+    restores global_step > 0 first; it trained nothing in this process, so its new folder goes. The error
+    names the option that changed, with both values (the checkpoint's run record), and the item counts."""
+    import re
+
     runs = tmp_path / "runs"
     err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=32",
-                "--trainer.max_steps=3", "--run_root", str(runs), "--ckpt_path", str(trained["text"]))
-    assert err[-2].startswith("error: data: ") and "data settings changed since the checkpoint" in err[-2]
+                "--data.init_args.batch_size=8", "--trainer.max_steps=3", "--run_root", str(runs),
+                "--ckpt_path", str(trained["text"]))
+    line = re.fullmatch(r"error: data\.init_args\.context_length: 16 in the checkpoint, 32 now; the checkpoint's "
+                        r"dataset has (\d+) items, this one (\d+): the data settings changed since the checkpoint",
+                        err[-2])
+    assert line and int(line.group(1)) > int(line.group(2)) > 0, err[-2]  # batch_size (a loader option) not named
     assert sorted(p.name for p in runs.rglob("*")) == []
 
 

@@ -88,3 +88,76 @@ def test_bad_arguments_and_non_text_runs_are_one_line_errors(tmp_path, capsys):
             L.main(["--ckpt", str(fixtures / "genome_fg2gdn_goat.ckpt"), "--out", str(tmp_path / "y"), *extra])
     with pytest.raises(ValueError, match="chunk must be >= 0 tokens"):
         next(chunked_logits(tiny_lm("rope"), torch.zeros(1, 4).long(), -1))
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_a_failed_length_extrapolation_leaves_the_run_folder_as_it_was(tmp_path, capsys, monkeypatch):
+    """A user test: a failed command (a length the data is too short for, an error during the evaluation, a
+    second checkpoint that is no text LM) left a new event file in the run's length_extrapolation/tb. Now a
+    too short split is found before the writer exists, and a later error removes what the command wrote (an
+    overwritten table comes back) and the folders it made."""
+    import shutil
+    import sys
+
+    from mixlab import cli
+
+    model = tiny_lm("goat").train()
+    dm = TextDataModule(tokenizer="byte", context_length=16, batch_size=4, max_val_windows=2)
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu")
+    trainer.fit(model, datamodule=dm)
+    ckpt = tmp_path / "v0" / "checkpoints" / "tiny.ckpt"
+    trainer.save_checkpoint(ckpt)
+    le = tmp_path / "v0" / "length_extrapolation"  # an earlier evaluation: table, event file, an empty folder
+    (le / "tb").mkdir(parents=True)
+    (le / "keep").mkdir()
+    (le / "tb" / "events.out.tfevents.1.host.1.0").write_bytes(b"earlier events")
+    (le / "length_extrapolation.md").write_text("earlier table")
+    before = _tree(tmp_path)
+    args = ["--max-windows", "1", "--device", "cpu", "--ckpt", str(ckpt)]
+    # a multiple the val split is too short for: one line naming --lengths, before any writer
+    n_val = sum(len(a) for a in dm.token_splits()["val"])
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["length-extrapolation", *args, "--lengths", "1", "100000"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[0] == (
+        f"error: --lengths 100000 (1600000 tokens): text val split has {n_val} tokens; too short for one window "
+        f"of 1600001 tokens (lower data.init_args.context_length or add data)")
+    assert _tree(tmp_path) == before
+    # an error during the evaluation of the second length: the first one's scalars were written by then
+    real, calls = L.position_nll, []
+
+    def fail_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("evaluation failed")
+        return real(*a, **k)
+
+    monkeypatch.setattr(L, "position_nll", fail_second)
+    with pytest.raises(RuntimeError, match="^evaluation failed$"):
+        L.main([*args, "--lengths", "1", "2"])
+    assert len(calls) == 2 and _tree(tmp_path) == before
+    monkeypatch.setattr(L, "position_nll", real)
+    # a second checkpoint that is no text LM: the first one's evaluation was written by then
+    genome = Path(__file__).parent / "fixtures" / "genome_fg2gdn_goat.ckpt"
+    with pytest.raises(ValueError, match="a GenomeDataModule run; length extrapolation evaluates decoder LMs"):
+        L.main([*args, str(genome), "--lengths", "1"])
+    assert _tree(tmp_path) == before
+    # in a run without length_extrapolation/ and with a new --out: both folders go again
+    shutil.rmtree(le)
+    before = _tree(tmp_path)
+    for extra in ([], ["--out", str(tmp_path / "new" / "le")]):
+        with pytest.raises(ValueError, match="a GenomeDataModule run"):
+            L.main([*args, str(genome), "--lengths", "1", *extra])
+        assert _tree(tmp_path) == before, extra
+    res = L.main([*args, "--lengths", "1", "--labels", "tiny"])  # the same command without the error writes
+    assert sorted(res["tiny"]) == [16]
+    assert sorted(p.name for p in le.iterdir()) == ["length_extrapolation.csv", "length_extrapolation.md",
+                                                    "position_nll.csv", "position_nll.png", "tb"]
+    assert len(list((le / "tb").glob("events.out.tfevents.*"))) == 2  # the scalars and the figure

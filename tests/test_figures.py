@@ -146,3 +146,88 @@ def test_mesa_solver(tmp_path: Path) -> None:
     assert 1 <= min(iters) and max(iters) <= 6
     np.testing.assert_allclose(stats[0]["cond_median"], np.median(cond.numpy(), axis=0), rtol=1e-8)
     np.testing.assert_allclose(stats[0]["lamb"], lamb.numpy())
+
+
+# ---------------------------------------------------------------------------- a failed command
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def _cli(capsys, monkeypatch, *argv: str) -> str:
+    """``python -m mixlab *argv`` in-process, expected to fail with status 2; its one stderr line with
+    ``error:`` (after argparse's usage, before the MIXLAB_TRACEBACK hint)."""
+    import sys
+
+    from mixlab import cli
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(list(argv))
+    assert info.value.code == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    return line
+
+
+def test_a_failed_figure_command_leaves_the_run_folder_as_it_was(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A user test: a bad --head (found after the TensorBoard writer was made) or an error while drawing left a
+    new event file in the run's figures/ folder. Now bad arguments are found before anything is written, and
+    a later error removes what the command wrote (also an overwritten PNG comes back) and the folders it made."""
+    import shutil
+
+    from mixlab.eval import figures
+
+    monkeypatch.chdir(tmp_path)  # a checkpoint outside a run would write runs/figures/ here
+    (tmp_path / "v0" / "checkpoints").mkdir(parents=True)
+    ckpt = tmp_path / "v0" / "checkpoints" / "goat.ckpt"
+    shutil.copy(FIXTURES / "copy_mixture_goat.ckpt", ckpt)  # SyntheticLM, one GOAT layer (0) of 2 heads
+    fig = tmp_path / "v0" / "figures"  # an earlier figure run: event file, PNG, an empty folder
+    (fig / "keep").mkdir(parents=True)
+    (fig / "events.out.tfevents.1.host.1.0").write_bytes(b"earlier events")
+    (fig / "goat_prior_l0_h0.png").write_bytes(b"earlier png")
+    before = _tree(tmp_path)
+    # bad arguments: one line, nothing written
+    for argv, says in ((["--head", "9"], "error: --head 9: the GOAT layer has 2 heads"),
+                       (["--layer", "3"], "error: --layer 3: GOAT layers of this model are [0]"),
+                       (["--length", "0"], "python -m mixlab figure: error: --length must be >= 1; got 0"),
+                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0")):
+        assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), *argv) == says, argv
+        assert _tree(tmp_path) == before, argv
+    for name, says in (("write-rates", "error: SyntheticLM has no delta-rule layer (deltanet, gdn, kda, fg2gdn, ...)"),
+                       ("mesa-solver", "error: SyntheticLM has no Mesa layer (mixer 'mesa')")):
+        assert _cli(capsys, monkeypatch, "figure", name, "--ckpt", str(ckpt)) == says
+        assert _tree(tmp_path) == before, name
+    # an error while drawing the second head: head 0's PNG and the event file were written by then (and
+    # another process wrote a file into a subfolder meanwhile: not the command's, so it stays)
+    real, failing = figures.goat_prior_panels, {1}
+
+    def fail_on_head(prior, head, *args):
+        if head in failing:
+            if (fig / "keep").is_dir():
+                (fig / "keep" / "other.txt").write_text("not ours")
+            raise RuntimeError("drawing failed")
+        return real(prior, head, *args)
+
+    monkeypatch.setattr(figures, "goat_prior_panels", fail_on_head)
+    with pytest.raises(RuntimeError, match="^drawing failed$"):
+        figures.main(["goat-prior", "--ckpt", str(ckpt), "--all-heads"])
+    assert _tree(tmp_path) == {**before, "v0/figures/keep/other.txt": b"not ours"}
+    (fig / "keep" / "other.txt").unlink()
+    # folders the command created (--out, --tb, runs/figures/<name> for a checkpoint outside a run) go again
+    failing.add(0)  # fails on the first head, after the writer made its event file
+    shutil.rmtree(fig)
+    shutil.copy(ckpt, tmp_path / "loose.ckpt")
+    before = _tree(tmp_path)
+    for argv in (["--ckpt", str(ckpt)], ["--ckpt", str(ckpt), "--out", "new/png", "--tb", "new/tb"],
+                 ["--ckpt", str(tmp_path / "loose.ckpt")]):
+        with pytest.raises(RuntimeError, match="^drawing failed$"):
+            figures.main(["goat-prior", *argv])
+        assert _tree(tmp_path) == before, argv
+    failing.clear()  # and without the error, the same command writes
+    figures.main(["goat-prior", "--head", "1", "--ckpt", str(ckpt)])
+    assert sorted(p.name for p in fig.iterdir() if not p.name.startswith("events.")) == ["goat_prior_l0_h1.png"]
+    assert len(list(fig.glob("events.out.tfevents.*"))) == 1

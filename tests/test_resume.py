@@ -5,7 +5,9 @@
   uninterrupted run's remaining batches, in the same epochs, with the same losses;
 * with gradient accumulation, validations (where checkpoints are written) fall on optimizer steps
   or the run is refused in one line;
-* ``validate`` / ``test`` from a checkpoint log at the checkpoint's training step, not at step 0.
+* ``validate`` / ``test`` from a checkpoint log at the checkpoint's training step, not at step 0;
+* a ``fit --ckpt_path`` with nothing left to train (``max_steps`` / ``max_epochs`` reached) prints one line and
+  leaves the run folder as it was; one whose data settings changed names the options that differ.
 """
 
 from __future__ import annotations
@@ -217,3 +219,146 @@ def test_a_resumed_run_logs_at_the_steps_of_the_uninterrupted_run(tmp_path, val_
     scalars = load_scalars(next(tmp_path.glob("*/*/version_0")))
     assert [s for _, s, _ in scalars["train/loss"]] == list(range(20))
     assert [s for _, s, _ in scalars["val/loss"]] == list(range(val_every - 1, 20, val_every))
+
+
+# ---------------------------------------------------------------------- resumes that cannot train on
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("limit,first,more", [
+    ("max_steps", ["--trainer.max_steps", "4"], ["--trainer.max_steps", "6"]),
+    ("max_epochs", ["--trainer.max_steps", "-1", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3"],
+     ["--trainer.max_steps", "-1", "--trainer.max_epochs", "2", "--trainer.limit_train_batches", "3"]),
+])
+def test_a_resume_with_nothing_left_to_train_says_so_and_writes_nothing(tmp_path, capsys, monkeypatch, limit, first,
+                                                                        more):
+    """``fit --ckpt_path last`` after the run reached ``trainer.max_steps`` (or ``max_epochs``): one line naming the
+    limit and the checkpoint's step, exit status 0 (``main`` returns), the run folder byte for byte as it was (a
+    user test found a ``config_resume_1.yaml`` there). A larger limit still resumes and trains."""
+    import sys
+
+    from mixlab import cli
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["fit", "--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
+            "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "1",
+            "--trainer.num_sanity_val_steps", "0", "--model.init_args.backbone.d_model", "32",
+            "--model.init_args.backbone.n_layers", "1", "--data.init_args.num_workers", "0",
+            "--data.init_args.n_train", "256", "--data.init_args.batch_size", "8"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main([*argv, *first])
+    run = next(tmp_path.glob("parity/*/version_0"))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    before = _files(tmp_path)
+    capsys.readouterr()
+    cli.main([*argv, *first, "--ckpt_path", "last"])  # returns: exit status 0
+    out = capsys.readouterr().out.strip().splitlines()
+    if limit == "max_steps":
+        line = (f"fit: nothing to train: the checkpoint {ckpt} is at step 4 and trainer.max_steps is 4; raise "
+                f"trainer.max_steps to train on (nothing written)")
+    else:
+        line = (f"fit: nothing to train: the checkpoint {ckpt} (step 3) has finished 1 epoch(s) and "
+                f"trainer.max_epochs is 1; raise trainer.max_epochs to train on (nothing written)")
+    assert out == [line]
+    assert _files(tmp_path) == before
+    cli.main([*argv, *more, "--ckpt_path", "last"])
+    assert (run / "config_resume_1.yaml").is_file()
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 6
+
+
+def test_nothing_to_train_counts_finished_epochs(tmp_path):
+    """Stopped inside the second 5-batch epoch (step 7) the run has one finished epoch, at step 10 two (the
+    checkpoint written at the end of the last batch, :func:`mixlab.distributed.as_batch_end_checkpoint`);
+    ``max_steps`` is compared with the checkpoint's ``global_step``; -1 means no limit."""
+    from types import SimpleNamespace
+
+    from mixlab.cli import nothing_to_train
+
+    _lm_fit(tmp_path, tmp_path / "mid", 7)
+    _lm_fit(tmp_path, tmp_path / "end", 10)
+    mid, end = (torch.load(tmp_path / d / "last.ckpt", weights_only=False) for d in ("mid", "end"))
+    limits = lambda steps, epochs: SimpleNamespace(max_steps=steps, max_epochs=epochs)  # noqa: E731
+    assert nothing_to_train("m.ckpt", mid, limits(-1, 2)) is None
+    assert nothing_to_train("m.ckpt", mid, limits(-1, 1)).startswith(
+        "fit: nothing to train: the checkpoint m.ckpt (step 7) has finished 1 epoch(s) and trainer.max_epochs is 1")
+    assert nothing_to_train("e.ckpt", end, limits(-1, 2)).startswith(
+        "fit: nothing to train: the checkpoint e.ckpt (step 10) has finished 2 epoch(s) and trainer.max_epochs is 2")
+    assert nothing_to_train("e.ckpt", end, limits(-1, 3)) is None
+    assert nothing_to_train("e.ckpt", end, limits(-1, -1)) is None
+    assert nothing_to_train("m.ckpt", mid, limits(7, -1)) == (
+        "fit: nothing to train: the checkpoint m.ckpt is at step 7 and trainer.max_steps is 7; raise "
+        "trainer.max_steps to train on (nothing written)")
+    assert nothing_to_train("m.ckpt", mid, limits(8, -1)) is None
+
+
+# ---------------------------------------------------------------------- resumes whose data settings changed
+class _Sized(ResumableDataModule):
+    """``n`` training samples (their index), batches of 2; records its arguments as every mixlab datamodule."""
+
+    def __init__(self, n: int = 12, seed: int = 1, num_workers: int = 0, extra: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+
+    def train_dataloader(self):
+        return self.resumable_loader(torch.arange(self.hparams.n), 2, train=True, seed=self.hparams.seed,
+                                     num_workers=self.hparams.num_workers)
+
+
+class _Unrecorded(_Index):
+    """:class:`_Index` with ``n`` samples and no recorded arguments (no ``save_hyperparameters``)."""
+
+    def __init__(self, n: int = 12):
+        super().__init__()
+        self.n = n
+
+    def train_dataloader(self):
+        return self.resumable_loader(torch.arange(self.n), 2, train=True, seed=1)
+
+
+def _fit_data(ckdir: Path, data: pl.LightningDataModule, max_steps: int, ckpt: str | None = None) -> None:
+    pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=[LastCheckpoint(dirpath=ckdir)],
+               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+               max_epochs=-1).fit(_Rec(), data, ckpt_path=ckpt)
+
+
+@pytest.mark.parametrize("now,line", [
+    (dict(n=10), "data.init_args.n: 12 in the checkpoint, 10 now; the checkpoint's dataset has 12 items, this one 10"),
+    # a loader option that changed too is not named: it does not change the dataset
+    (dict(n=10, num_workers=1, extra={"a": 1, "b": "x"}),
+     "data.init_args.n: 12 in the checkpoint, 10 now; data.init_args.extra.b: 'y' in the checkpoint, 'x' now; "
+     "the checkpoint's dataset has 12 items, this one 10"),
+    (dict(seed=2), f"data.init_args.seed: 1 in the checkpoint, 2 now; the checkpoint's sample-order seed is "
+                   f"{ResumableDataModule.order_seed(1)}, this one {ResumableDataModule.order_seed(2)}"),
+])
+def test_a_resume_with_other_data_settings_names_the_options(tmp_path, now, line):
+    """The checkpoint records the datamodule's arguments (``checkpoint["mixlab"]["data_args"]``); a resume whose
+    training set (or sample order) no longer fits the checkpoint's names each option that differs, both values,
+    and the item counts (or seeds), in one line (a user test got only the counts)."""
+    _fit_data(tmp_path, _Sized(extra={"a": 1, "b": "y"}), 3)
+    with pytest.raises(ValueError) as info:
+        _fit_data(tmp_path, _Sized(**{"extra": {"a": 1, "b": "y"}, **now}), 6, ckpt=str(tmp_path / "last.ckpt"))
+    assert str(info.value) == f"{line}: the data settings changed since the checkpoint"
+
+
+def test_a_resume_with_other_data_settings_and_nothing_recorded_keeps_the_sampler_message(tmp_path):
+    """Without recorded datamodule arguments nothing can be named: the sampler's own message, as before."""
+    _fit_data(tmp_path, _Unrecorded(12), 3)
+    with pytest.raises(ValueError) as info:
+        _fit_data(tmp_path, _Unrecorded(10), 6, ckpt=str(tmp_path / "last.ckpt"))
+    assert str(info.value) == ("ResumableSampler.load_state_dict: the checkpoint's dataset has 12 items, this one 10; "
+                               "the data settings changed since the checkpoint")
+
+
+def test_changed_data_options():
+    from mixlab.distributed import changed_data_options
+
+    assert changed_data_options(None, {"n": 1}) == [] and changed_data_options({"n": 1}, {"n": 1}) == []
+    assert changed_data_options({"n": 1, "_class_path": "a", "old": 3}, {"n": 2, "_class_path": "b", "new": 4}) == [
+        "data.init_args.n: 1 in the checkpoint, 2 now"]  # only options both sides set
+    assert changed_data_options({"sizes": (1, 2), "batch_size": 4}, {"sizes": [1, 2], "batch_size": 8}) == [
+        "data.init_args.batch_size: 4 in the checkpoint, 8 now"]  # a loader option when nothing else differs
+    assert changed_data_options({"fasta": "a.fa", "k": {"x": None}}, {"fasta": "b.fa", "k": {"x": 1}}) == [
+        "data.init_args.fasta: 'a.fa' in the checkpoint, 'b.fa' now",
+        "data.init_args.k.x: None in the checkpoint, 1 now"]

@@ -194,7 +194,7 @@ def test_pretokenize_never_reports_success_with_an_empty_split(tmp_path, capsys)
     assert err[-1] == (f"pretokenize.py: error: --input {tmp_path / 'd*.txt'}: 2 document(s), 22 tokens leave the "
                        f"train split empty at --val-fraction 0.99; add documents or change --val-fraction "
                        f"(nothing written)")
-    assert not list((tmp_path / "tok").iterdir())
+    assert not (tmp_path / "tok").exists()  # the folder the failed run created is gone
     with pytest.raises(SystemExit):
         _pretokenize().main(["--input", str(tmp_path / "d0.txt"), "--out", str(tmp_path / "tok"),
                              "--val-fraction", "0"])
@@ -204,6 +204,62 @@ def test_pretokenize_never_reports_success_with_an_empty_split(tmp_path, capsys)
         _pretokenize().main(["--input", str(tmp_path / "none*.txt"), "--out", str(tmp_path / "tok")])
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("pretokenize.py: error: --input: ") and "matches no file" in err[-1]
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
+
+
+def test_a_failed_pretokenize_leaves_the_out_folder_as_it_was(tmp_path, capsys):
+    """A user test: a failed run left an empty (or partial) --out folder behind. Now it removes a folder it
+    created (and the parents it made for it), and an existing folder keeps exactly its earlier files, also
+    one the run would have overwritten."""
+    (tmp_path / "in").mkdir()
+    with open(tmp_path / "in" / "corpus.jsonl", "w") as fh:  # record 30 has no text field
+        for i in range(40):
+            fh.write(json.dumps({"text": f"document {i} " * 3} if i != 29 else {"body": "x"}) + "\n")
+    bad = ["--input", str(tmp_path / "in" / "corpus.jsonl"), "--tokenizer", "byte", "--shard-tokens", "16",
+           "--batch-docs", "4", "--val-fraction", "0.2"]  # shards written before record 30 is read
+    want = f"pretokenize.py: error: {tmp_path / 'in' / 'corpus.jsonl'}:30: no text field 'text' " \
+           f"(data.init_args.text_field); found ['body']"
+    none = f"pretokenize.py: error: --input: '{tmp_path / 'none*.txt'}' matches no file"
+    before = _tree(tmp_path)
+    # a new folder: the input matches no file (checked before anything is made), a record cannot be read
+    for argv, says in ((["--input", str(tmp_path / "none*.txt")], none), (bad, want)):
+        with pytest.raises(SystemExit) as info:
+            _pretokenize().main([*argv, "--out", str(tmp_path / "new" / "deep" / "tok")])
+        assert info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == says
+        assert _tree(tmp_path) == before
+    # an existing folder: its files stay as they were (a shard name the run writes included), nothing is added
+    old = tmp_path / "old"
+    (old / "sub").mkdir(parents=True)
+    (old / "train_00000.bin").write_bytes(b"earlier shard")
+    (old / "notes.txt").write_text("keep me")
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        _pretokenize().main([*bad, "--out", str(old)])
+    assert info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == want
+    assert _tree(tmp_path) == before
+    assert sorted(_tree(old)) == ["notes.txt", "sub", "train_00000.bin"]
+    # the readable part of the input: the run succeeds into the existing folder, whose other files stay
+    meta = _pretokenize().main([*bad, "--max-docs", "29", "--out", str(old)])  # stops before record 30
+    assert meta["documents"] == 29
+    files = sorted(_tree(old))
+    assert [f for f in files if not f.endswith(".bin")] == ["meta.json", "notes.txt", "sub"]
+    assert sorted(f for f in files if f.endswith(".bin")) == sorted(
+        s["file"] for split in ("train", "val") for s in meta["shards"][split])
+
+
+def test_pretokenize_refuses_shard_tokens_below_one(tmp_path, capsys):
+    """``--shard-tokens 0`` looped forever in ShardWriter.add; now one line before anything is written."""
+    (tmp_path / "d.txt").write_text("a document")
+    with pytest.raises(SystemExit) as info:
+        _pretokenize().main(["--input", str(tmp_path / "d.txt"), "--out", str(tmp_path / "tok"), "--tokenizer",
+                             "byte", "--shard-tokens", "0"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == "pretokenize.py: error: --shard-tokens must be >= 1, got 0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.txt"]
 
 
 @pytest.fixture(scope="module")

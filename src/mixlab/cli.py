@@ -25,7 +25,12 @@ Defaults added to every run:
   ``overrides.keep_runtime_options``).
 * a resumed ``fit`` keeps the run's ``config.yaml`` and writes ``config_resume_<k>.yaml``; a
   command that fails before its new run folder holds anything (no checkpoint, no training step)
-  removes that folder again.
+  removes that folder again. A ``fit --ckpt_path`` with nothing left to train (the checkpoint's
+  step already reaches ``trainer.max_steps``, or its finished epochs ``trainer.max_epochs``:
+  :func:`nothing_to_train`) writes nothing (no ``config_resume_<k>.yaml``, no event file, no
+  checkpoint): it prints one line naming the limit and the checkpoint's step, e.g. ``fit: nothing
+  to train: the checkpoint runs/.../last.ckpt is at step 400 and trainer.max_steps is 400; raise
+  trainer.max_steps to train on (nothing written)``, and ends with exit status 0.
 
 Bad input ends the run with one line on stderr and exit status 2 instead of a usage dump or
 a traceback:
@@ -252,6 +257,7 @@ class MixlabCLI(LightningCLI):
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
         if cfg.get("ckpt_path") in ("last", "best"):
             cfg["ckpt_path"] = _latest_checkpoint(root / name, cfg["ckpt_path"])
+        checkpoint = None
         if _own_checkpoint_file(cfg.get("ckpt_path")):
             checkpoint = read_checkpoint(cfg["ckpt_path"])
             check_state_dict(cfg["ckpt_path"], checkpoint, self.model)
@@ -282,9 +288,12 @@ class MixlabCLI(LightningCLI):
         if isinstance(trainer.strategy, FSDPStrategy) and trainer.accelerator.__class__.__name__ == "CPUAccelerator":
             raise ValueError("trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
                              "configs/trainer/ddp.yaml (gloo)")
+        if self.subcommand == "fit" and checkpoint is not None:
+            self._nothing_to_train = nothing_to_train(cfg["ckpt_path"], checkpoint, trainer)
         return trainer
 
     # ------------------------------------------------------------------ the run folder
+    _nothing_to_train: str | None = None
     _fresh_run_dir: Path | None = None
     _run_dir_before: tuple[Path, dict[Path, bytes | None]] | None = None
 
@@ -311,7 +320,14 @@ class MixlabCLI(LightningCLI):
         folder and the parents it leaves empty, so failed attempts leave no empty ``version_N``
         behind and the next run takes its number. In a run folder that existed (a resume, an evaluation),
         the same failure removes the files the command added (``config_resume_<k>.yaml``, event files) and
-        puts back the config files it rewrote (``config_test.yaml`` of the last good test)."""
+        puts back the config files it rewrote (``config_test.yaml`` of the last good test).
+
+        A ``fit`` whose checkpoint has nothing left to train (:func:`nothing_to_train`) does not run: it
+        prints that line (rank 0) and returns, the run folder untouched."""
+        if subcommand == "fit" and self._nothing_to_train:
+            if self.trainer.is_global_zero:
+                print(self._nothing_to_train, flush=True)
+            return
         try:
             super()._run_subcommand(subcommand)
         except BaseException:
@@ -423,6 +439,34 @@ def _check_resumable(path: str, checkpoint: dict, group: Any) -> None:
                              f"{was.get('monitor')} ({was.get('mode')}); this command says {now['monitor']} "
                              f"({now['mode']}): resume with --checkpoint.monitor {was.get('monitor')} "
                              f"--checkpoint.mode {was.get('mode')}")
+
+
+def nothing_to_train(path: str, checkpoint: dict, trainer: pl.Trainer) -> str | None:
+    """The line ``fit --ckpt_path path`` prints instead of running when ``checkpoint`` has nothing left to
+    train under ``trainer``'s limits (as Lightning's fit loop stops: ``max_steps`` not -1 and the checkpoint's
+    ``global_step`` at or past it, or ``max_epochs`` not -1 and the checkpoint's finished epochs at or past
+    it), else None. Finished epochs: the fit loop's ``epoch_progress.current.processed``, plus the epoch
+    in progress when its last batch is done (a checkpoint written at the end of an epoch's last batch,
+    :func:`mixlab.distributed.as_batch_end_checkpoint`). E.g. ``fit: nothing to train: the checkpoint
+    x.ckpt is at step 400 and trainer.max_steps is 400; raise trainer.max_steps to train on (nothing
+    written)``."""
+    step = int(checkpoint.get("global_step") or 0)
+    max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    if max_steps is not None and max_steps != -1 and step >= max_steps:
+        return (f"fit: nothing to train: the checkpoint {path} is at step {step} and trainer.max_steps is "
+                f"{max_steps}; raise trainer.max_steps to train on (nothing written)")
+    loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+    epochs = (loops.get("epoch_progress") or {}).get("current")
+    if max_epochs is None or max_epochs == -1 or not isinstance(epochs, dict):
+        return None
+    batches = loops.get("epoch_loop.batch_progress") or {}
+    done = int(epochs.get("processed", 0))
+    if batches.get("is_last_batch") and done < int(epochs.get("started", 0)):
+        done += 1  # the epoch in progress has had its last batch
+    if done >= max_epochs:
+        return (f"fit: nothing to train: the checkpoint {path} (step {step}) has finished {done} epoch(s) and "
+                f"trainer.max_epochs is {max_epochs}; raise trainer.max_epochs to train on (nothing written)")
+    return None
 
 
 def _checkpoint_run(ckpt_path: str, task: str) -> tuple[Path, str] | None:

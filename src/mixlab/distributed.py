@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, ge
 __all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
-           "check_validation_on_optimizer_steps", "check_at_least"]
+           "check_validation_on_optimizer_steps", "check_at_least", "changed_data_options", "LOADER_OPTIONS"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -335,11 +335,22 @@ class ResumableDataModule(pl.LightningDataModule):
     and :meth:`load_state_dict` makes the next train loader start at the first unseen
     sample. Subclasses call ``super().__init__()`` and do not override the two methods
     (extend them with ``super()`` if they need more state).
+
+    A checkpoint whose training set or sample-order seed differs from this datamodule's (its
+    data settings changed since) cannot continue its data order: the train loader raises a
+    ``ValueError`` naming the options that differ between :attr:`checkpoint_hparams` and
+    ``hparams`` (:func:`changed_data_options`), e.g. ``data.init_args.context_length: 256 in
+    the checkpoint, 128 now; the checkpoint's dataset has 1000 items, this one 2000: the data
+    settings changed since the checkpoint``; where none can be named (no record in the
+    checkpoint, equal options), :class:`ResumableSampler`'s own message.
     """
 
     _train_sampler: ResumableSampler | None = None
     _train_batch_size: int = 1
     _pending_sampler_state: dict[str, Any] | None = None
+    checkpoint_hparams: dict[str, Any] | None = None
+    """The datamodule arguments recorded in the checkpoint being resumed (set by
+    :meth:`mixlab.heads.common.Head.on_load_checkpoint`; None: not resuming, or not recorded)."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the attached trainer (its model and optimizer need not pickle).
@@ -375,19 +386,42 @@ class ResumableDataModule(pl.LightningDataModule):
             loader_kwargs: other DataLoader arguments (``collate_fn``, ``pin_memory``...).
 
         Raises:
-            ValueError: ``batch_size`` below 1 or ``num_workers`` below 0 (named as the datamodule's options).
+            ValueError: ``batch_size`` below 1 or ``num_workers`` below 0 (named as the datamodule's options);
+                a checkpoint state (``train``) whose dataset length or seed differs from this one, naming
+                the options that differ from the checkpoint's (see the class doc).
         """
         check_at_least(batch_size=(batch_size, 1), num_workers=(num_workers, 0))
         sampler = ResumableSampler(dataset, shuffle=train, seed=self.order_seed(seed),
                                    drop_last=train, pad=not train and self._collective_forward())
         if train:
             self._train_sampler, self._train_batch_size = sampler, batch_size
-            restore_sampler(sampler, self._pending_sampler_state)
-            self._pending_sampler_state = None
+            state, self._pending_sampler_state = self._pending_sampler_state, None
+            self._restore_train_sampler(sampler, state)
         loader_kwargs.setdefault("persistent_workers", num_workers > 0)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                           drop_last=train if drop_last is None else drop_last,
                           num_workers=num_workers, **loader_kwargs)
+
+    def _restore_train_sampler(self, sampler: ResumableSampler, state: dict[str, Any] | None) -> None:
+        """:func:`restore_sampler`; a state of another dataset length or seed is refused naming the datamodule
+        options that differ from the checkpoint's (:func:`changed_data_options`), else as the sampler says."""
+        try:
+            restore_sampler(sampler, state)
+        except ValueError:
+            if state is None:
+                raise
+            changed = changed_data_options(self.checkpoint_hparams, self.hparams)
+            if state["length"] != len(sampler.dataset):
+                why = f"the checkpoint's dataset has {state['length']} items, this one {len(sampler.dataset)}"
+            elif state["seed"] != sampler.seed:  # the data seed, or seed_everything (not a data option)
+                why = f"the checkpoint's sample-order seed is {state['seed']}, this one {sampler.seed}"
+                changed = [c for c in changed if c.startswith("data.init_args.seed:")]
+            else:  # e.g. a world size the position does not split over: not the data options
+                raise
+            if not changed:
+                raise
+            raise ValueError(f"{'; '.join(changed)}; {why}: the data settings changed since the checkpoint") \
+                from None
 
     def _collective_forward(self) -> bool:
         """Whether the trainer's strategy may run a collective in every forward (then
@@ -408,6 +442,45 @@ class ResumableDataModule(pl.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore the train sampler position saved by :meth:`state_dict` (next train loader)."""
         self._pending_sampler_state = state_dict.get("train_sampler")
+
+
+LOADER_OPTIONS = frozenset({"batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"})
+"""Datamodule options that shape the loaders, not the dataset (:func:`changed_data_options` names them only
+when no other option differs)."""
+
+
+def changed_data_options(before: dict[str, Any] | None, now: dict[str, Any] | None,
+                         prefix: str = "data.init_args.") -> list[str]:
+    """``["<prefix><option>: <value before> in the checkpoint, <value now> now", ...]`` for the datamodule
+    options set on both sides with different values (nested dicts compared key by key, ``a.b``; lists and
+    tuples alike; keys starting with ``_`` left out), in ``now``'s order. Options in
+    :data:`LOADER_OPTIONS` only when nothing else differs. ``[]`` when either side is missing or nothing
+    differs."""
+    if not before or not now:
+        return []
+
+    def leaves(tree: Any, key: str = "") -> dict[str, Any]:
+        if isinstance(tree, dict) and (tree or not key):
+            out: dict[str, Any] = {}
+            for k, v in tree.items():
+                if not str(k).startswith("_"):
+                    out.update(leaves(v, f"{key}.{k}" if key else str(k)))
+            return out
+        return {key: list(tree) if isinstance(tree, tuple) else tree}
+
+    def show(value: Any) -> str:
+        return repr(value) if isinstance(value, str) else str(value)
+
+    def same(a: Any, b: Any) -> bool:
+        try:
+            return bool(a == b)
+        except (TypeError, ValueError, RuntimeError):  # e.g. arrays: no single truth value
+            return a is b
+
+    was, is_ = leaves(dict(before)), leaves(dict(now))
+    differ = [k for k in is_ if k in was and not same(was[k], is_[k])]
+    differ = [k for k in differ if k.split(".")[0] not in LOADER_OPTIONS] or differ
+    return [f"{prefix}{k}: {show(was[k])} in the checkpoint, {show(is_[k])} now" for k in differ]
 
 
 # --------------------------------------------------------------------------- iterable data

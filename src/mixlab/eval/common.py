@@ -1,20 +1,22 @@
 """What every evaluation command shares: reading a run from its checkpoint, the plotting set-up,
-the GOAT layers of a model, and the chunked forward."""
+the GOAT layers of a model, the chunked forward, and undoing a failed command's writes."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import shutil
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits"]
+           "chunked_logits", "undo_on_failure"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -185,3 +187,48 @@ def chunked_logits(model, tokens: Tensor, chunk: int | None = None):
     caches = [{} for _ in model.backbone.blocks]
     for s in range(0, t, chunk):
         yield s, model(tokens[:, s:s + chunk], None, caches)
+
+
+@contextlib.contextmanager
+def undo_on_failure(keep: tuple[str, ...] = (".png", ".csv", ".md")) -> Iterator[Callable[[str | Path], Path]]:
+    """``with undo_on_failure() as note:`` a command's writes; ``note(folder)`` (returns it) is called before
+    the body first writes into ``folder``. If the body raises (any exception, Ctrl-C), every noted folder is
+    put back as it was when noted, then the same exception propagates.
+
+    A folder that existed loses the files the body added directly in it (event files, PNGs, tables) and gets
+    back the earlier contents of its files with a suffix in ``keep`` (outputs the body may overwrite); all
+    else in it stays (subfolders are their own ``note``). A folder that did not exist is removed with
+    everything in it, and so are the parents created for it. Errors while cleaning up are ignored: the
+    body's error is the one raised.
+    """
+    noted: list[tuple[Path, set[str] | None, dict[Path, bytes]]] = []
+
+    def note(folder: str | Path) -> Path:
+        folder = Path(folder).absolute()
+        if folder.is_dir():
+            files = list(folder.iterdir())
+            noted.append((folder, {f.name for f in files},
+                          {f: f.read_bytes() for f in files if f.suffix in keep and f.is_file()}))
+        elif not folder.exists():
+            top = folder
+            while not top.parent.exists():  # the highest folder the body creates for it
+                top = top.parent
+            noted.append((top, None, {}))
+        return folder
+
+    try:
+        yield note
+    except BaseException:
+        for folder, names, saved in reversed(noted):
+            with contextlib.suppress(OSError):
+                if names is None:
+                    if folder.is_dir():
+                        shutil.rmtree(folder)
+                    continue
+                for f in folder.iterdir():
+                    if f.name not in names and f.is_file():
+                        f.unlink()
+                for f, data in saved.items():
+                    if not f.is_file() or f.read_bytes() != data:
+                        f.write_bytes(data)
+        raise

@@ -36,7 +36,9 @@ Hooks read from the mixers (looked up with ``getattr``, so mixers can override t
 
 The command writes the PNGs and the TensorBoard images into the checkpoint's run folder
 (``version_N/figures``; ``runs/figures/<checkpoint name>`` for a checkpoint outside one) unless
-``--out`` / ``--tb`` say otherwise.
+``--out`` / ``--tb`` say otherwise. A command that fails leaves those folders as they were
+(:func:`undo_on_failure`): its arguments are checked against the model before anything is written,
+and a later error removes the event files and PNGs it wrote and the folders it created.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.eval.common import goat_layers, load_run, pyplot
+from mixlab.eval.common import goat_layers, load_run, pyplot, undo_on_failure
 
 __all__ = [
     "goat_layers", "goat_prior_panels", "goat_prior_figure", "goat_spectrum", "goat_spectrum_figure", "write_rates",
@@ -95,6 +97,11 @@ def _goat(model: nn.Module, layer: int | None):
     if layer not in layers:
         raise ValueError(f"--layer {layer}: GOAT layers of this model are {sorted(layers)}")
     return layer, layers[layer]
+
+
+def _check_head(prior: nn.Module, head: int) -> None:
+    if not 0 <= head < prior.n_heads:
+        raise ValueError(f"--head {head}: the GOAT layer has {prior.n_heads} heads")
 
 
 @torch.no_grad()
@@ -142,8 +149,7 @@ def goat_prior_figure(model: nn.Module, layer: int | None = None, head: int = 0,
         ValueError: no GOAT layer, bad ``layer``/``head``.
     """
     layer, pos = _goat(model, layer)
-    if not 0 <= head < pos.n_heads:
-        raise ValueError(f"--head {head}: the GOAT layer has {pos.n_heads} heads")
+    _check_head(pos, head)
     res = goat_prior_panels(pos, head, length, grid)
     plt = pyplot()
     names = {"key_only": "key-only u(j)", "relative": "relative K_rel(i, j)", "total": "total log-prior"}
@@ -295,10 +301,10 @@ def write_rates(model: nn.Module, inputs: Any) -> dict[int, dict[str, np.ndarray
     from mixlab.mixers.delta import GatedDeltaMixer
 
     model.eval()
+    mods = _delta_layers(model)
     caught = _capture_inputs(model, (GatedDeltaMixer,), _runner(model, inputs))
     if not caught:
         raise ValueError(f"{type(model).__name__} has no delta-rule layer (deltanet, gdn, kda, fg2gdn, ...)")
-    mods = {_layer_of(m, i): m for i, m in enumerate(m for m in model.modules() if isinstance(m, GatedDeltaMixer))}
     out = {}
     for li, xs in sorted(caught.items()):
         mix = mods[li]
@@ -331,6 +337,16 @@ def write_rates(model: nn.Module, inputs: Any) -> dict[int, dict[str, np.ndarray
         stats["vector"] = np.array(getattr(mix, "write", "vector") == "vector")
         out[li] = stats
     return out
+
+
+def _delta_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{layer: GatedDeltaMixer}`` of ``model``; ValueError when it has none."""
+    from mixlab.mixers.delta import GatedDeltaMixer
+
+    mods = {_layer_of(m, i): m for i, m in enumerate(m for m in model.modules() if isinstance(m, GatedDeltaMixer))}
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no delta-rule layer (deltanet, gdn, kda, fg2gdn, ...)")
+    return mods
 
 
 def write_rate_figure(model: nn.Module, inputs: Any, out: str | Path = "figures", writer: Any = None,
@@ -395,9 +411,7 @@ def mesa_solver_stats(model: nn.Module, inputs: Any) -> dict[int, dict[str, np.n
     from mixlab.mixers.mesa import Mesa
 
     model.eval()
-    mods = {_layer_of(m, i): m for i, m in enumerate(m for m in model.modules() if isinstance(m, Mesa))}
-    if not mods:
-        raise ValueError(f"{type(model).__name__} has no Mesa layer (mixer 'mesa')")
+    mods = _mesa_layers(model)
     iters: dict[int, list[Tensor]] = {}
     handles = [m.register_forward_hook(
         lambda mod, args, output, li=li: iters.setdefault(li, []).append(_iters_of(mod))) for li, m in mods.items()]
@@ -422,6 +436,16 @@ def mesa_solver_stats(model: nn.Module, inputs: Any) -> dict[int, dict[str, np.n
                    "cond_median": np.median(cond.numpy(), axis=0), "cond_max": cond.max(0).values.numpy(),
                    "lamb": mix.lamb().detach().double().cpu().numpy()}
     return out
+
+
+def _mesa_layers(model: nn.Module) -> dict[int, nn.Module]:
+    """``{layer: Mesa}`` of ``model``; ValueError when it has none."""
+    from mixlab.mixers.mesa import Mesa
+
+    mods = {_layer_of(m, i): m for i, m in enumerate(m for m in model.modules() if isinstance(m, Mesa))}
+    if not mods:
+        raise ValueError(f"{type(model).__name__} has no Mesa layer (mixer 'mesa')")
+    return mods
 
 
 def _iters_of(mix: nn.Module) -> Tensor:
@@ -486,8 +510,30 @@ def _default_tb(ckpt: Path) -> Path | None:
     return p.parent.parent / "figures" if p.parent.name == "checkpoints" else None
 
 
+def _check_model(a: argparse.Namespace, model: nn.Module) -> None:
+    """Raise the ValueError figure ``a.name`` would raise for ``model`` (no layer of the kind it reads,
+    a ``--layer`` / ``--head`` it does not have) before anything is written."""
+    if a.name == "goat-prior":
+        _, pos = _goat(model, a.layer)
+        if not a.all_heads:
+            _check_head(pos, a.head)
+    elif a.name == "goat-spectrum":
+        _goat(model, None)
+    elif a.name == "write-rates":
+        _delta_layers(model)
+    else:
+        _mesa_layers(model)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """CLI entry (``python -m mixlab figure <name> --ckpt ...``)."""
+    """CLI entry (``python -m mixlab figure <name> --ckpt ...``); returns the figure's numbers.
+
+    Arguments are checked before anything is written: a size below 1 (``--length``, ``--grid``,
+    ``--batches``) is an argparse error (exit status 2); a checkpoint that cannot be read, a model without
+    the layers the figure reads, a ``--layer`` / ``--head`` it does not have, held-out batches that cannot
+    be loaded raise ValueError / OSError before any folder or event file is created. An error while drawing
+    leaves ``--out`` and ``--tb`` as they were (:func:`undo_on_failure`).
+    """
     p = argparse.ArgumentParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
     p.add_argument("name", choices=sorted(FIGURES))
     p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a mixlab run")
@@ -503,32 +549,39 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batches", type=int, default=1, help="write-rates/mesa-solver: held-out validation batches")
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
+    for name, value in (("--length", [a.length]), ("--grid", a.grid or [1]), ("--batches", [a.batches])):
+        if min(value) < 1:
+            p.error(f"{name} must be >= 1; got {' '.join(map(str, value))}")
     from torch.utils.tensorboard import SummaryWriter
 
     ckpt = Path(a.ckpt)
     run = load_run(ckpt, a.device)
     model, step = run.model, run.step
+    _check_model(a, model)
+    batches: list[Any] = []
+    if a.name in ("write-rates", "mesa-solver"):
+        dev = torch.device(a.device)
+        batches = [b.to(dev) if torch.is_tensor(b) else
+                   type(b)(x.to(dev) if torch.is_tensor(x) else x for x in b) if isinstance(b, (tuple, list)) else b
+                   for b in heldout_batches(ckpt, a.batches)]
     run_tb = _default_tb(ckpt)
     a.out = a.out or str(run_tb or Path("runs") / "figures" / ckpt.stem)
     tb = Path(a.tb) if a.tb else (run_tb or Path(a.out) / "tb")
-    writer = SummaryWriter(str(tb))
-    try:
-        if a.name == "goat-prior":
-            grid = tuple(a.grid) if a.grid else None
-            heads = range(_goat(model, a.layer)[1].n_heads) if a.all_heads else [a.head]
-            res = {h: goat_prior_figure(model, a.layer, h, a.length, grid, a.out, writer, step) for h in heads}
-            res = res if a.all_heads else res[a.head]
-        elif a.name == "goat-spectrum":
-            res = goat_spectrum_figure(model, a.out, writer, step)
-        else:
-            batches = heldout_batches(ckpt, a.batches)
-            dev = torch.device(a.device)
-            batches = [b.to(dev) if torch.is_tensor(b) else
-                       type(b)(x.to(dev) if torch.is_tensor(x) else x for x in b) if isinstance(b, (tuple, list)) else b
-                       for b in batches]
-            res = FIGURES[a.name](model, batches, a.out, writer, step)
-    finally:
-        writer.close()
+    with undo_on_failure() as note:
+        note(a.out)
+        writer = SummaryWriter(str(note(tb)))
+        try:
+            if a.name == "goat-prior":
+                grid = tuple(a.grid) if a.grid else None
+                heads = range(_goat(model, a.layer)[1].n_heads) if a.all_heads else [a.head]
+                res = {h: goat_prior_figure(model, a.layer, h, a.length, grid, a.out, writer, step) for h in heads}
+                res = res if a.all_heads else res[a.head]
+            elif a.name == "goat-spectrum":
+                res = goat_spectrum_figure(model, a.out, writer, step)
+            else:
+                res = FIGURES[a.name](model, batches, a.out, writer, step)
+        finally:
+            writer.close()
     print(f"wrote {a.out}/ ({a.name}) and TensorBoard images under {tb}")
     return res
 

@@ -17,6 +17,11 @@ stays bounded at long lengths. Outputs in ``--out``:
   ``position_nll/len_<L>`` (step = position) in the checkpoint's run folder
   (``version_N/length_extrapolation/tb``, where ``mixlab compare`` finds them; ``tb/<label>``
   under ``--out`` for checkpoints outside a run folder), and the figure in ``tb/``.
+
+A command that fails leaves these folders as they were: arguments are checked before anything is
+written, and an error later (a checkpoint that is not a text LM, a length its data is too short for,
+an error during the evaluation) removes the event files and outputs it wrote and the folders it
+created (:func:`mixlab.eval.common.undo_on_failure`).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.eval.common import Run, chunked_logits, import_class, load_run, pyplot
+from mixlab.eval.common import Run, chunked_logits, import_class, load_run, pyplot, undo_on_failure
 
 __all__ = ["position_nll", "length_table", "plot_position_nll", "main"]
 
@@ -113,8 +118,24 @@ def _datamodule(run: Run, args):
         int(run.data_args.get("context_length", 0))
 
 
+def _windows(dm, args, m: float, length: int) -> Dataset:
+    """The ``--max-windows`` windows of ``length + 1`` tokens for multiple ``m``; ValueError naming
+    ``--lengths`` when the split is too short for one."""
+    try:
+        return dm.windows(args.split, length + 1, max_windows=args.max_windows)
+    except ValueError as err:
+        raise ValueError(f"--lengths {m:g} ({length} tokens): {err}") from None
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """CLI entry (``python -m mixlab length-extrapolation``); returns ``{label: {length: ppl}}``."""
+    """CLI entry (``python -m mixlab length-extrapolation``); returns ``{label: {length: ppl}}``.
+
+    Bad option values are argparse errors (exit status 2) before anything is read or written. Raises
+    ValueError / OSError for a checkpoint that cannot be read or is not a decoder LM on text, a missing
+    training length, or a ``--lengths`` multiple whose windows the split is too short for (each checked
+    before that checkpoint's TensorBoard writer is created); any error leaves ``--out`` and the runs'
+    ``length_extrapolation`` folders as they were (:func:`~mixlab.eval.common.undo_on_failure`).
+    """
     p = argparse.ArgumentParser(prog="python -m mixlab length-extrapolation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint(s) to compare")
@@ -143,7 +164,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.labels and len(args.labels) != len(args.ckpt):
         p.error(f"--labels has {len(args.labels)} entries for {len(args.ckpt)} --ckpt")
     out = Path(args.out) if args.out else Path(args.ckpt[0]).resolve().parent.parent / "length_extrapolation"
-    out.mkdir(parents=True, exist_ok=True)
+    with undo_on_failure() as note:
+        results, md = _evaluate(args, out, note)
+    print(md)
+    print(f"wrote {out}/length_extrapolation.md, .csv, position_nll.png, tb/")
+    return results
+
+
+def _evaluate(args, out: Path, note) -> tuple[dict[str, dict[int, float]], str]:
+    """:func:`main`'s evaluation and outputs: ``(results, markdown table)``; ``note(folder)`` is called before
+    each folder is first written into (:func:`~mixlab.eval.common.undo_on_failure`)."""
     from torch.utils.tensorboard import SummaryWriter
 
     results: dict[str, dict[int, float]] = {}
@@ -156,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         l_train = args.train_length or l_train
         if l_train <= 0:
             raise ValueError(f"{ckpt}: no context_length in the checkpoint's datamodule; pass --train-length")
+        lengths = [(m, int(round(m * l_train))) for m in args.lengths]
+        windows = [_windows(dm, args, m, length) for m, length in lengths]  # a too short split: before the writer
         label = args.labels[i] if args.labels else getattr(model, "run_name", Path(ckpt).stem)
         if label in results:
             label = f"{label}-{i}"
@@ -164,22 +196,24 @@ def main(argv: list[str] | None = None) -> dict:
         # scalars go into the checkpoint's own run folder (where `mixlab compare` looks), whatever --out is
         in_run = ck.parent.name == "checkpoints"
         tb_dir = ck.parent.parent / "length_extrapolation" / "tb" if in_run else out / "tb" / label
-        writer = SummaryWriter(str(tb_dir))
-        for m in args.lengths:
-            length = int(round(m * l_train))
-            ds = dm.windows(args.split, length + 1, max_windows=args.max_windows)
-            chunk = l_train if args.chunk is None else args.chunk
-            nll, n = position_nll(model, ds, args.batch_size, chunk, args.device)
-            loss = float(nll.sum() / (n * length))
-            results[label][length] = math.exp(min(loss, 80.0))
-            curves[label] = nll / n
-            writer.add_scalar("length/ppl", results[label][length], length)
-            writer.add_scalar("length/loss", loss, length)
-            for t in range(length):
-                writer.add_scalar(f"position_nll/len_{length}", float(nll[t] / n), t + 1)
-            print(f"{label}: length {length} ({m:g}x, {n} windows): loss {loss:.4f} ppl {results[label][length]:.3f}")
-        writer.close()
+        writer = SummaryWriter(str(note(tb_dir)))
+        try:
+            for (m, length), ds in zip(lengths, windows):
+                chunk = l_train if args.chunk is None else args.chunk
+                nll, n = position_nll(model, ds, args.batch_size, chunk, args.device)
+                loss = float(nll.sum() / (n * length))
+                results[label][length] = math.exp(min(loss, 80.0))
+                curves[label] = nll / n
+                writer.add_scalar("length/ppl", results[label][length], length)
+                writer.add_scalar("length/loss", loss, length)
+                for t in range(length):
+                    writer.add_scalar(f"position_nll/len_{length}", float(nll[t] / n), t + 1)
+                print(f"{label}: length {length} ({m:g}x, {n} windows): loss {loss:.4f} "
+                      f"ppl {results[label][length]:.3f}")
+        finally:
+            writer.close()
     md, rows = length_table(results, train_len)
+    note(out).mkdir(parents=True, exist_ok=True)
     (out / "length_extrapolation.md").write_text(md)
     with open(out / "length_extrapolation.csv", "w", newline="") as fh:
         csv.writer(fh).writerows(rows)
@@ -189,9 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
         for label, c in curves.items():
             w.writerows([label, t + 1, f"{v:.6f}"] for t, v in enumerate(c))
     fig = plot_position_nll(curves, train_len, out / "position_nll.png", args.smooth)
-    writer = SummaryWriter(str(out / "tb"))
-    writer.add_figure("position_nll", fig)
-    writer.close()
-    print(md)
-    print(f"wrote {out}/length_extrapolation.md, .csv, position_nll.png, tb/")
-    return results
+    writer = SummaryWriter(str(note(out / "tb")))
+    try:
+        writer.add_figure("position_nll", fig)
+    finally:
+        writer.close()
+    return results, md

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 
-from mixlab.distributed import as_batch_end_checkpoint, check_validation_on_optimizer_steps
+from mixlab.distributed import ResumableDataModule, as_batch_end_checkpoint, check_validation_on_optimizer_steps
 from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
@@ -164,10 +164,20 @@ class Head(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """``validate``/``test`` from a checkpoint log at the checkpoint's ``global_step``: Lightning logs
         epoch-level metrics at the fit loop's ``_batches_that_stepped``, which only ``fit`` restores, so
-        they landed at step 0 of the training run's TensorBoard curve (the final value drawn first)."""
+        they landed at step 0 of the training run's TensorBoard curve (the final value drawn first).
+        A :class:`~mixlab.distributed.ResumableDataModule` gets the datamodule arguments the checkpoint
+        records (``checkpoint["mixlab"]["data_args"]``, else Lightning's ``datamodule_hyper_parameters``;
+        none for a checkpoint of another datamodule class) as ``checkpoint_hparams``, so a resume whose
+        data settings changed names the options (:meth:`~mixlab.distributed.ResumableDataModule.resumable_loader`)."""
         trainer = self._trainer
         if trainer is not None and trainer.state.fn in ("validate", "test"):
             trainer.fit_loop.epoch_loop._batches_that_stepped = int(checkpoint.get("global_step", 0))
+        data = self.data
+        if isinstance(data, ResumableDataModule):
+            record = checkpoint.get(CHECKPOINT_KEY) or {}
+            args = record.get("data_args") if "data_args" in record else checkpoint.get("datamodule_hyper_parameters")
+            same = record.get("data") in (None, qualname(data))
+            data.checkpoint_hparams = dict(args) if same and isinstance(args, dict) else None
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``; the
