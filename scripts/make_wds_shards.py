@@ -14,6 +14,7 @@ validation (``--classes-from``) so both splits share one label mapping.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"root {a.root!r} is not a directory (an ImageFolder root: <root>/<class>/<image>)")
     if a.classes_from and not Path(a.classes_from).exists():
         p.error(f"--classes-from {a.classes_from!r} does not exist")
+    if not re.search(r"%0?\d*d", a.pattern):
+        p.error(f"pattern {a.pattern!r} needs a printf field for the shard number, e.g. out/train-%04d.tar")
     if a.maxcount < 1:
         p.error(f"--maxcount must be >= 1 samples per shard; got {a.maxcount}")
     mapping = None

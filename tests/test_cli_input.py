@@ -200,9 +200,9 @@ def test_val_check_interval_zero_and_an_escaping_run_name_are_refused(capsys, mo
                 "--run_root", str(runs))
     assert err[-2] == ("error: trainer.val_check_interval=0: give training batches >= 1 (an int) or a fraction of an "
                        "epoch in (0, 1] (a float)")
-    for name in ("../../escaped", str(tmp_path / "abs"), " "):
+    for name in ("../../escaped", str(tmp_path / "abs"), " ", "a/b", ".."):  # a/b: `compare` found no run
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--run_name", name, "--run_root", str(runs))
-        assert err[-2] == f"error: --run_name {name!r}: a name inside --run_root/<task> (no absolute path, no '..', " \
+        assert err[-2] == f"error: --run_name {name!r}: one folder name inside --run_root/<task> (no '/', not '..', " \
                           f"not empty)"
     assert not runs.exists() and not (tmp_path / "abs").exists() and not (tmp_path.parent / "escaped").exists()
 

@@ -194,7 +194,9 @@ def test_a_failed_figure_command_leaves_the_run_folder_as_it_was(tmp_path: Path,
     for argv, says in ((["--head", "9"], "error: --head 9: the GOAT layer has 2 heads"),
                        (["--layer", "3"], "error: --layer 3: GOAT layers of this model are [0]"),
                        (["--length", "0"], "python -m mixlab figure: error: --length must be >= 1; got 0"),
-                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0")):
+                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0"),
+                       (["--grid", "4", "4"], "error: --grid 4 4: this model's GOAT prior has 1 axis (sequences); "
+                                              "draw it with --length")):
         assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), *argv) == says, argv
         assert _tree(tmp_path) == before, argv
     for name, says in (("write-rates", "error: SyntheticLM has no delta-rule layer (deltanet, gdn, kda, fg2gdn, ...)"),

@@ -234,6 +234,46 @@ def test_bad_digits_file_is_named(tmp_path):
         load_uci_digits(tmp_path / "missing.csv")
 
 
+def test_a_failed_resolution_command_leaves_every_folder_as_it_was(tmp_path, monkeypatch):
+    """A user test: ``--resolutions 10`` with patch size 4 was refused without naming the option, after an
+    event file had been written into ``--out`` and into the run's ``resolution`` folder. Now the sizes are
+    checked before anything is written, and a later failure removes what the command wrote."""
+    import lightning.pytorch as pl
+
+    from mixlab.eval import resolution
+
+    torch.manual_seed(0)
+    model = ImageClassifier(10, 16, 4, position="ape", backbone=vit_backbone("ape", d_model=32, n_layers=1,
+                                                                             n_heads=2, drop_path=0.0))
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+                         default_root_dir=tmp_path)
+    trainer.fit(model, DigitsDataModule(image_size=16, batch_size=32))
+    ckpt = tmp_path / "runs" / "digits" / "ape" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    trainer.save_checkpoint(ckpt)
+    out = tmp_path / "res"
+
+    def files():
+        return sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+
+    before = files()
+    with pytest.raises(ValueError) as err:
+        resolution.main(["--ckpt", str(ckpt), "--resolutions", "16", "10", "--out", str(out), "--accelerator", "cpu"])
+    assert str(err.value) == (f"--resolutions 10 for {ckpt}: image size 10x10 is not divisible by patch_size=4; "
+                              f"resize/crop to multiples of 4 (e.g. 8x8)")
+    assert files() == before
+
+    def broken(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(resolution, "_write_tables", broken)  # after the evaluation wrote its scalars
+    with pytest.raises(RuntimeError, match="disk full"):
+        resolution.main(["--ckpt", str(ckpt), "--resolutions", "16", "--out", str(out), "--limit-batches", "1",
+                         "--accelerator", "cpu"])
+    assert files() == before
+
+
 def test_resolution_command_writes_table_plot_and_prior(tmp_path):
     import lightning.pytorch as pl
 

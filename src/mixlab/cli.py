@@ -248,9 +248,10 @@ class MixlabCLI(LightningCLI):
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
         name_given = cfg.get("run_name")
-        if name_given is not None and (not name_given.strip() or Path(name_given).is_absolute()
-                                       or ".." in Path(name_given).parts):
-            raise ValueError(f"--run_name {name_given!r}: a name inside --run_root/<task> (no absolute path, no "
+        if name_given is not None and (not name_given.strip() or name_given.strip() in (".", "..")
+                                       or any(c in name_given for c in "/\\")):
+            # one folder: `compare` and `--ckpt_path last` find runs at <run_root>/<task>/<run_name>/version_N
+            raise ValueError(f"--run_name {name_given!r}: one folder name inside --run_root/<task> (no '/', not "
                              f"'..', not empty)")
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())

@@ -517,6 +517,10 @@ def _check_model(a: argparse.Namespace, model: nn.Module) -> None:
         _, pos = _goat(model, a.layer)
         if not a.all_heads:
             _check_head(pos, a.head)
+        axes = getattr(pos, "axes", None)
+        if a.grid and axes == 1:
+            raise ValueError(f"--grid {a.grid[0]} {a.grid[1]}: this model's GOAT prior has 1 axis (sequences); "
+                             f"draw it with --length")
     elif a.name == "goat-spectrum":
         _goat(model, None)
     elif a.name == "write-rates":
@@ -530,9 +534,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     Arguments are checked before anything is written: a size below 1 (``--length``, ``--grid``,
     ``--batches``) is an argparse error (exit status 2); a checkpoint that cannot be read, a model without
-    the layers the figure reads, a ``--layer`` / ``--head`` it does not have, held-out batches that cannot
-    be loaded raise ValueError / OSError before any folder or event file is created. An error while drawing
-    leaves ``--out`` and ``--tb`` as they were (:func:`undo_on_failure`).
+    the layers the figure reads, a ``--layer`` / ``--head`` it does not have, ``--grid`` for a 1-D prior,
+    held-out batches that cannot be loaded raise ValueError / OSError before any folder or event file is
+    created. An error while drawing leaves ``--out`` and ``--tb`` as they were (:func:`undo_on_failure`).
     """
     p = argparse.ArgumentParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
     p.add_argument("name", choices=sorted(FIGURES))

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mixlab.eval.common import load_run, pyplot
+from mixlab.eval.common import load_run, pyplot, undo_on_failure
 
 __all__ = ["parse_resolution", "evaluate_resolutions", "render_log_prior", "main"]
 
@@ -130,10 +130,13 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
 
     Returns:
         the CSV rows (dicts).
-    """
-    import lightning.pytorch as pl
-    from torch.utils.tensorboard import SummaryWriter
 
+    Raises:
+        ValueError: a checkpoint that is not an ImageClassifier run, a resolution that is not a multiple of
+            a checkpoint's patch size (``--resolutions HxW for <ckpt>: ...``), a bad ``split`` or
+            ``patch_coords``; all checked before anything is written. A later failure leaves ``out`` and the
+            runs' ``resolution`` folders as they were (:func:`mixlab.eval.common.undo_on_failure`).
+    """
     from mixlab.heads.vit import ImageClassifier, check_patch_coords
 
     if split not in ("val", "test"):
@@ -141,21 +144,43 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
     for pc in patch_coords or []:
         check_patch_coords(pc)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     if precision is None:
         precision = "bf16-mixed" if torch.cuda.is_available() and accelerator != "cpu" else "32-true"
+    # every checkpoint loaded and every resolution checked before anything is written
+    runs = []
+    for path in ckpts:
+        run = load_run(path, "cpu", head=ImageClassifier,
+                       hint="the resolution evaluation needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
+        for hw in resolutions:
+            try:
+                run.model.model.grid(*hw)
+            except ValueError as err:
+                raise ValueError(f"--resolutions {_res_label(hw)} for {path}: {err}") from None
+        runs.append((path, run))
+    with undo_on_failure() as note:
+        note(out)
+        out.mkdir(parents=True, exist_ok=True)
+        return _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_layer, data_args,
+                         accelerator, precision, patch_coords, note)
+
+
+def _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_layer, data_args, accelerator,
+              precision, patch_coords, note) -> list[dict]:
+    """The body of :func:`evaluate_resolutions` on loaded, checked runs; ``note``: its undo callback."""
+    import lightning.pytorch as pl
+    from torch.utils.tensorboard import SummaryWriter
+
     rows: list[dict] = []
-    writer = SummaryWriter(str(out / "tensorboard"))
+    writer = SummaryWriter(str(note(out / "tensorboard")))
     # one Trainer per (run, resolution): Lightning's "GPU available" / tip lines once, not every time
     lightning_info = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     info_level = lightning_info.level
     names_seen: dict[str, int] = {}
-    for path in ckpts:
-        run = load_run(path, "cpu", head=ImageClassifier,
-                       hint="the resolution evaluation needs an ImageClassifier run (e.g. configs/vit/*.yaml)")
+    for path, run in runs:
         ck = Path(path).resolve()
         # the run's own folder too (where `mixlab compare` looks), whatever --out is
-        run_writer = SummaryWriter(str(ck.parent.parent / "resolution")) if ck.parent.name == "checkpoints" else None
+        run_writer = (SummaryWriter(str(note(ck.parent.parent / "resolution")))
+                      if ck.parent.name == "checkpoints" else None)
         model = run.model
         base = model.run_name
         names_seen[base] = names_seen.get(base, 0) + 1
