@@ -644,6 +644,31 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             return train_transform(self.image_size, **self.tf_args)
         return eval_transform(self.eval_size, self.crop_pct, self.interpolation)
 
+    def _shards(self, split: str, workers: int) -> tuple[list[str], int, int]:
+        """``(shard urls, world size, readers = world x workers)`` of ``split``'s pattern; raises as
+        :meth:`wds_dataset` documents."""
+        import webdataset as wds
+
+        pattern = self._path(split)
+        urls = expand_shards(pattern, f"{split}_path")
+        _, world, _, _ = wds.utils.pytorch_worker_info()  # the ranks split_by_node will use
+        consumers = world * max(1, workers)
+        if len(urls) < consumers:
+            raise ValueError(f"{split}_path {pattern!r}: {len(urls)} shards but world_size x num_workers = {world} x "
+                             f"{max(1, workers)} = {consumers} readers, and every rank/worker needs at least one shard "
+                             f"(webdataset would hang or stop a rank early); write at least {consumers} shards "
+                             f"or lower data.init_args.num_workers")
+        return urls, world, consumers
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check the shard patterns a ``fit`` reads (``train_path``, and ``val_path`` when set) before the
+        trainer's sanity validation, so a missing shard or too few shards for the workers is one error before
+        any step (raises as :meth:`wds_dataset`)."""
+        super().setup(stage)
+        if self.format == "wds" and stage == "fit":
+            for split in ("train", "val") if self.paths.get("val") else ("train",):
+                self._shards(split, self.num_workers)
+
     def wds_dataset(self, split: str, num_workers: int | None = None):
         """The WebDataset pipeline of ``split`` (yields ``(image tensor, label)``): a :class:`ShardStream`
         for ``train``, shards split by rank then worker and read in order for evaluation.
@@ -654,15 +679,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         import webdataset as wds
 
         workers = self.num_workers if num_workers is None else num_workers
-        pattern = self._path(split)
-        urls = expand_shards(pattern, f"{split}_path")
-        _, world, _, _ = wds.utils.pytorch_worker_info()  # the ranks split_by_node will use
-        consumers = world * max(1, workers)
-        if len(urls) < consumers:
-            raise ValueError(f"{split}_path {pattern!r}: {len(urls)} shards but world_size x num_workers = {world} x "
-                             f"{max(1, workers)} = {consumers} readers, and every rank/worker needs at least one shard "
-                             f"(webdataset would hang or stop a rank early); write at least {consumers} shards "
-                             f"or lower data.init_args.num_workers")
+        urls, world, consumers = self._shards(split, workers)
         if self.decode_mode() == "gpu":  # bytes + sampled parameters; decoded by on_after_batch_transfer
             from mixlab.datamodules.imagenet_gpu import TrainParams, encode_sample
 

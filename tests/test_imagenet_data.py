@@ -135,6 +135,17 @@ def test_missing_shards_and_too_few_shards_are_clear_errors(shards, tmp_path):
         dm.val_dataloader()
     with pytest.raises(FileNotFoundError, match="ImageFolder root"):
         ImageNetDataModule(format="folder", val_path=str(tmp_path / "nope")).val_dataloader()
+    # a fit checks its shards in setup, before Lightning's sanity validation (a user test: the error came
+    # after it); a validate/test reads them at its own loader
+    fit = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0005}.tar"),
+                             val_path=str(out / "train-{0000..0001}.tar"), num_classes=N_CLASSES, num_workers=1)
+    with pytest.raises(FileNotFoundError, match=r"train_path: 2 of 6 shards"):
+        fit.setup("fit")
+    fit = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0001}.tar"),
+                             val_path=str(out / "train-{0000..0001}.tar"), num_classes=N_CLASSES, num_workers=4)
+    with pytest.raises(ValueError, match=r"^train_path .*2 shards but world_size x num_workers = 1 x 4"):
+        fit.setup("fit")
+    fit.setup("validate")  # nothing read yet
 
 
 def test_shards_split_by_rank_and_worker_exactly_once_and_too_few_is_a_clear_error(shards, monkeypatch):
