@@ -37,6 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mixlab.datamodules.text import expand_paths, get_tokenizer, iter_documents, split_stream, token_dtype
+from mixlab.eval.common import undo_on_failure
 
 
 class ShardWriter:
@@ -111,26 +112,17 @@ def main(argv: list[str] | None = None) -> dict:
     except (OSError, ValueError) as err:
         fail(str(err))
     out = Path(args.out)
-    created = [d for d in (out, *out.parents) if not d.exists()]  # the folders mkdir makes, deepest first
-    out.mkdir(parents=True, exist_ok=True)
-    stage: Path | None = None  # the shards' temporary folder, inside --out (same file system)
-    try:
-        stage = Path(tempfile.mkdtemp(prefix=".pretokenize-", dir=out))
-        meta = _tokenize(args, tok, dtype, stage)
-        for f in sorted(stage.iterdir()):  # all shards written: move them in, meta.json last
-            if f.name != "meta.json":
-                os.replace(f, out / f.name)
-        os.replace(stage / "meta.json", out / "meta.json")
-    except BaseException:
-        if stage is not None:
+    with undo_on_failure() as note:  # a failure removes an --out it created (and its new parents)
+        note(out).mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=".pretokenize-", dir=out))  # inside --out: same file system
+        try:
+            meta = _tokenize(args, tok, dtype, stage)
+            for f in sorted(stage.iterdir()):  # all shards written: move them in, meta.json last
+                if f.name != "meta.json":
+                    os.replace(f, out / f.name)
+            os.replace(stage / "meta.json", out / "meta.json")
+        finally:
             shutil.rmtree(stage, ignore_errors=True)
-        for d in created:
-            try:
-                d.rmdir()  # only while empty: a folder someone else wrote into meanwhile stays
-            except OSError:
-                break
-        raise
-    stage.rmdir()
     print(f"wrote {meta['documents']:,} documents, {meta['tokens']:,} tokens to {out} (train "
           f"{sum(s['tokens'] for s in meta['shards']['train']):,}, val "
           f"{sum(s['tokens'] for s in meta['shards']['val']):,} tokens, {dtype.name})")

@@ -193,7 +193,6 @@ def _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_la
         for pc, hw in ((pc, hw) for pc in conventions for hw in resolutions):
             model.model.patch_coords = pc
             name = f"{base}-{pc}" if len(conventions) > 1 else base
-            model.model.grid(*hw)  # clear error before building data
             over = {"eval_size": list(hw), **(data_args or {})}
             if batch_size:
                 over["batch_size"] = batch_size
