@@ -38,6 +38,11 @@ rounds), the ratio to the plain anchor's tokens/s (median and [min, max] over th
 score FLOPs are not counted, as in the 6N rule) and the peak memory (GiB; "-" on CPU). The table
 goes to stdout and, with ``--out``, to a Markdown file rewritten after every round (a run cut short
 keeps the rounds it finished). Progress lines go to stderr.
+
+``--host-time`` (CUDA) adds a second table: each (model, mode)'s host milliseconds per step (the wall time to
+enqueue one step while ``torch.cuda._sleep`` holds the GPU) next to its device milliseconds (CUDA events around
+that step, which then runs without waiting for the host), unprofiled. A model whose host time reaches its device
+time is host-bound (fewer launches or CUDA graphs help); below it, only device time moves tokens/s.
 """
 
 from __future__ import annotations
@@ -246,6 +251,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tiny shape on CPU (2 x 64, vocab 512, T 64, batch 2, 2 warm-up steps, 2 rounds of 2), "
                         "eager, float32; replaces the shape, rounds, steps and warm-up options")
     p.add_argument("--out", type=Path, default=None, help="Markdown file for the table")
+    p.add_argument("--host-time", action="store_true",
+                   help="after the rounds, measure each (model, mode)'s host time per step (the time to enqueue one "
+                        "step while the GPU is held busy) and device time per step (CUDA events around that step), "
+                        "unprofiled: a step whose host time exceeds its device time is host-bound (CUDA)")
     p.add_argument("--profile", type=int, default=0, metavar="K",
                    help="after the rounds, profile 2 steps of each (model, mode) and print its K most expensive "
                         "device kernels (torch.profiler; with --out, also to <out>.profile.txt)")
@@ -283,6 +292,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--d-model ({args.d_model}) must be divisible by --n-heads ({args.n_heads})")
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.modes = args.modes or ["eager", "compile"]
+    if args.host_time and not args.device.startswith("cuda"):
+        p.error(f"--host-time needs CUDA (it holds the GPU busy while the host enqueues a step); device {args.device}")
     from mixlab.heads.lm import AUTO_CHUNK_MIN_VOCAB
 
     cuda_only = {"rope_triton", *FLA_LOSS}  # the in-place Triton rotation and fla's loss kernels need CUDA
@@ -361,6 +372,10 @@ def main(argv: list[str] | None = None) -> str:
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(md)
+    if args.host_time and dev.type == "cuda":
+        md += "\n" + host_device_table(cases)
+        if args.out is not None:
+            args.out.write_text(md)
     print(md, flush=True)
     if args.profile:
         prof = "\n".join(profile(c, args.profile) for c in cases)
@@ -368,6 +383,41 @@ def main(argv: list[str] | None = None) -> str:
         if args.out is not None:
             args.out.with_suffix(".profile.txt").write_text(prof)
     return md
+
+
+def host_device_table(cases: list[Case], repeats: int = 5) -> str:
+    """Host and device milliseconds per training step of each case, without a profiler (CUDA only).
+
+    The GPU is first held by ``torch.cuda._sleep`` for longer than a step takes to enqueue; the host time is the
+    wall time of enqueuing one step behind it, and the device time the CUDA-event time of that step, which then
+    runs with all its work queued (never waiting for the host). Medians over ``repeats``. A step that syncs with
+    the device shows a host time of at least the hold (marked)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 10**8
+    sync(cases[0].dev)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    sync(cases[0].dev)
+    per_ms = cycles / start.elapsed_time(end)
+    lines = ["| model | mode | host ms / step | device ms / step | host / device |", "|---|---|---:|---:|---:|"]
+    for case in cases:
+        host, device = [], []
+        for _ in range(repeats):
+            sync(case.dev)
+            torch.cuda._sleep(int(per_ms * 400))  # hold the GPU for 400 ms
+            start.record()
+            t0 = time.perf_counter()
+            case.step()
+            host.append(1e3 * (time.perf_counter() - t0))
+            end.record()
+            sync(case.dev)
+            device.append(start.elapsed_time(end))
+        h, d = statistics.median(host), statistics.median(device)
+        mark = " (host waited for the device: a sync in the step)" if h >= 400 else ""
+        lines.append(f"| {case.name} | {case.mode} | {h:.1f}{mark} | {d:.1f} | {h / d:.2f} |")
+    log("host and device time per step measured")
+    return "\n".join(lines) + "\n"
 
 
 def profile(case: Case, top: int) -> str:

@@ -83,6 +83,7 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
         cases[("--models", "goat_fla_loss", "--loss-chunk-tokens", "0")] = "goat_fla_loss needs CUDA"
         cases[("--quick", "--modes", "eager", "compile-blocks")] = "--modes compile-blocks needs CUDA"
         cases[("--quick", "--modes", "compile-cudagraphs")] = "--modes compile-cudagraphs needs CUDA: there are no CUDA"
+    cases[("--quick", "--host-time")] = "--host-time needs CUDA (it holds the GPU busy while the host enqueues a step)"
     for argv, message in cases.items():
         with pytest.raises(SystemExit) as exit_info:
             bench.parse(list(argv))
