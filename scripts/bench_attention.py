@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixlab.eval.common import OneLineParser
+
 
 class PlainAttention(nn.Module):
     """Anchor: fused qkv Linear -> causal SDPA (flash) -> out Linear."""
@@ -278,7 +280,7 @@ def profile_goat() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--skip-lm", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")

@@ -39,6 +39,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from mixlab.eval.common import OneLineParser
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,7 +121,7 @@ def tokens_per_s(res: dict, warmup: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="configs/genome/goat.yaml", help="experiment config (relative to the repo)")
     p.add_argument("--batch", type=int, default=16, help="per-GPU batch B of the 2-GPU runs (anchor: 2B)")
     p.add_argument("--steps", type=int, default=300)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from mixlab.backbone import BackboneConfig
+from mixlab.eval.common import OneLineParser
 from mixlab.eval.generate import generate
 from mixlab.heads.lm import CausalLM
 
@@ -90,7 +91,7 @@ def _fmt(x: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="tiny model on CPU (checks the script, < 30 s on idle cores); replaces the shape, --prompt, "
                         "--new, --repeats and --device")

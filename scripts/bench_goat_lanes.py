@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mixlab.eval.common import OneLineParser
+
 SHAPES = {
     "lm B8 T2048 H12 R4": dict(B=8, T=2048, H=12, causal=True, axes=1,
                                position_args=dict(n_modes=4)),
@@ -84,7 +86,7 @@ def time_us(fn, reps: int = 50, repeats: int = 5) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--block-t", type=int, nargs="*", default=[32, 64])

@@ -34,7 +34,6 @@ and reports each CUDA stream's busy time and how much of the stage's work ran co
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import io
 import math
@@ -50,6 +49,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from mixlab.eval.common import OneLineParser
 
 
 def sync(device: torch.device) -> None:
@@ -345,7 +346,7 @@ def device_name(device: torch.device) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", default=None, help="training shard pattern (default: write synthetic shards)")
     p.add_argument("--val-shards", default=None, help="evaluation shard pattern (default: --shards)")
     p.add_argument("--workdir", default=None, help="where synthetic shards go (default: a temporary folder)")

@@ -59,6 +59,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixlab.eval.common import OneLineParser
+
 MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_triton"]
 #: also measurable (not by default): ``<mixer>_fla_loss``, the model with ``loss_kernel="fla"`` (fla's Triton
 #: cross-entropy kernels inside the chunked training loss; CUDA), and ``<mixer>_full_loss``, the model with
@@ -227,7 +229,7 @@ def _need(names: list[str]) -> str:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS + TORCH_LOSS,
                    help="mixlab models besides the plain anchor (always measured)")
     p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from mixlab.backbone import Backbone, BackboneConfig
+from mixlab.eval.common import OneLineParser
 from mixlab.ops.mesa import mesa_exact, mesa_net
 from mixlab.registry import list_mixers
 
@@ -351,7 +352,7 @@ def bench_decode(dev, lengths: list[int], batch: int, d_model: int, n_layers: in
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="out/bench_mesa")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")

@@ -28,7 +28,6 @@ per section on an H200); ``--skip compile`` drops the torch.compile row.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -39,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mixlab.eval.common import OneLineParser
 from mixlab.ops.delta_rule import delta_rule
 from mixlab.ops.fg2_gate import fg2_gate_prep, fg2_gate_prep_torch
 from mixlab.registry import build_mixer
@@ -322,7 +322,7 @@ def section_prefill(dev, smoke, report, out):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out/recurrent", help="output directory (tables, JSON, PNG)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (checks the script; runs on CPU)")

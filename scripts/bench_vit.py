@@ -19,7 +19,6 @@ Goal (issue 5): GOAT-2D training images/s >= 0.97x timm. Prints Markdown tables 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from mixlab.eval.common import OneLineParser
 
 
 def build(name: str):
@@ -106,7 +107,7 @@ def flash_only_ok() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="out", help="directory for bench_vit.md")
     p.add_argument("--batch", type=int, default=256, help="training batch at 224")
     p.add_argument("--eval-batch", type=int, default=64, help="eval batch at --eval-res")

@@ -26,7 +26,6 @@ state dim (``chunk_simple_gla``'s backward fails on Hopper + Triton 3.6, fla #64
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from mixlab.eval.common import OneLineParser
 from mixlab.registry import build_mixer, list_mixers
 
 # name -> (fast impl, reference impl); lane_impl for GOAT is set alongside (triton / torch)
@@ -103,7 +103,7 @@ def check(name: str, dev: torch.device, dtype: torch.dtype, B: int, T: int, D: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out/gpu_paths")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the script)")

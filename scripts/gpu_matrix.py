@@ -33,7 +33,6 @@ tuned-kernel speeds; ``scripts/bench_*.py`` measure speed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -43,6 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from mixlab.eval.common import OneLineParser
 from mixlab.eval.compare import load_scalars
 from mixlab.eval.runner import Launcher, MpsDaemon
 
@@ -180,7 +180,7 @@ def pivot(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="folder for gpu_matrix.md / .jsonl / _failures.log")
     ap.add_argument("--run-dir", default=None, help="where the runs go (default: a temporary folder)")
     ap.add_argument("--mixers", nargs="+", default=None, help=f"registry names or patterns (default: all + {HYBRID!r})")

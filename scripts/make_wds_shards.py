@@ -13,16 +13,16 @@ validation (``--classes-from``) so both splits share one label mapping.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 from mixlab.datamodules.imagenet import write_imagefolder_shards
+from mixlab.eval.common import OneLineParser
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="ImageFolder root: <root>/<class>/<image>")
     p.add_argument("pattern", help="output shard pattern with a printf field, e.g. out/imagenet1k-train-%%04d.tar")
     p.add_argument("--maxcount", type=int, default=1000, help="samples per shard")

@@ -37,7 +37,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mixlab.datamodules.text import expand_paths, get_tokenizer, iter_documents, split_stream, token_dtype
-from mixlab.eval.common import undo_on_failure
+from mixlab.eval.common import OneLineParser, undo_on_failure
 
 
 class ShardWriter:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     is written), a document that cannot be read, a split left empty. On any failure ``--out`` is left as
     it was (a folder the run created is removed; an existing one keeps exactly its earlier files).
     """
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="files, directories, globs or brace patterns")
     p.add_argument("--out", required=True, help="output folder (created)")
     p.add_argument("--tokenizer", choices=["gpt2", "byte"], default="gpt2")

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from mixlab.eval.common import OneLineParser
+
 DTYPES = ("float32", "bfloat16", "float16", "mixed")
 OPS = ("kda", "gla", "mesa")
 
@@ -120,7 +122,7 @@ def worker(op: str, dtype: str, dims: list[int], shapes: list[tuple[int, int]]) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)

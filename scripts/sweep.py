@@ -25,6 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from mixlab.eval.common import OneLineParser
+
 METRICS = {  # task_name prefix -> test metrics reported
     "mad_": ["test/acc", "test/acc_macro"],
     "regbench": ["test/regbench_acc", "test/tvd"],
@@ -78,7 +80,7 @@ def _grid_overrides(config: str) -> dict[str, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", required=True, help="task configs (YAML)")
     p.add_argument("--mixers", nargs="+", required=True, help="registered mixer names or patterns")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="CLI overrides for every run")

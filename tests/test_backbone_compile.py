@@ -146,3 +146,47 @@ def test_lm_compile_option_whole_model(monkeypatch, caplog):
     torch.testing.assert_close(g_out, g_ref)
     for a, b in zip(score_fn(inputs, targets), lm.scores(inputs, targets)):
         torch.testing.assert_close(a, b)
+
+
+def test_compile_notices_come_before_the_first_step_of_a_fit(caplog):
+    """A CPU fit with ``compile: true`` (the model's, or the backbone's) says once that it has no effect, from
+    ``on_fit_start``: before the sanity check and the first training step, so the line is not printed inside the
+    progress bar (a user test saw it there)."""
+    import lightning.pytorch as pl
+
+    from mixlab.heads.lm import CausalLM
+
+    order = []
+
+    class Watch(pl.Callback):
+        def on_sanity_check_start(self, trainer, pl_module):
+            order.append("sanity")
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            order.append("step")
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            if "no effect" in record.getMessage():
+                order.append(record.getMessage().split(":")[0])
+
+    handler = Record()
+    for name in ("mixlab.heads.lm", "mixlab.backbone"):
+        logging.getLogger(name).addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO):
+            for kwargs in ({"compile": True}, {"backbone": BackboneConfig(d_model=32, n_layers=1, n_heads=2,
+                                                                           compile=True)}):
+                torch.manual_seed(0)
+                lm = CausalLM(vocab_size=64, **{"backbone": BackboneConfig(d_model=32, n_layers=1, n_heads=2),
+                                                **kwargs})
+                data = torch.utils.data.DataLoader(torch.randint(0, 64, (8, 9)), batch_size=4)
+                trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                     enable_progress_bar=False, enable_model_summary=False, callbacks=[Watch()],
+                                     num_sanity_val_steps=1, limit_val_batches=1)
+                trainer.fit(lm, data, data)
+    finally:
+        for name in ("mixlab.heads.lm", "mixlab.backbone"):
+            logging.getLogger(name).removeHandler(handler)
+    assert order == ["model.init_args.compile", "sanity", "step", "step",
+                     "backbone.compile", "sanity", "step", "step"], order

@@ -88,4 +88,6 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_info:
             bench.parse(list(argv))
         assert exit_info.value.code == 2
-        assert message in capsys.readouterr().err, argv
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert len(errors) == 1 and message in errors[0] and "usage:" not in err, (argv, err)  # one line, no usage

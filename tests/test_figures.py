@@ -159,7 +159,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
 
 def _cli(capsys, monkeypatch, *argv: str) -> str:
     """``python -m mixlab *argv`` in-process, expected to fail with status 2; its one stderr line with
-    ``error:`` (after argparse's usage, before the MIXLAB_TRACEBACK hint)."""
+    ``error:`` (before the MIXLAB_TRACEBACK hint)."""
     import sys
 
     from mixlab import cli
@@ -193,8 +193,10 @@ def test_a_failed_figure_command_leaves_the_run_folder_as_it_was(tmp_path: Path,
     # bad arguments: one line, nothing written
     for argv, says in ((["--head", "9"], "error: --head 9: the GOAT layer has 2 heads"),
                        (["--layer", "3"], "error: --layer 3: GOAT layers of this model are [0]"),
-                       (["--length", "0"], "python -m mixlab figure: error: --length must be >= 1; got 0"),
-                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0"),
+                       (["--length", "0"], "python -m mixlab figure: error: --length must be >= 1; got 0 (--help lists the "
+                                         "options)"),
+                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0 (--help lists the "
+                                         "options)"),
                        (["--grid", "4", "4"], "error: --grid 4 4: this model's GOAT prior has 1 axis (sequences); "
                                               "draw it with --length")):
         assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), *argv) == says, argv

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -215,7 +216,11 @@ def test_a_resumed_run_logs_at_the_steps_of_the_uninterrupted_run(tmp_path, val_
             "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
             "--data.init_args.num_workers", "0", "--data.init_args.n_train", "2560", "--data.init_args.batch_size", "8"]
     MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "10"])
-    MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "20", "--ckpt_path", "last"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "20", "--ckpt_path", "last"])
+    said = [str(w.message) for w in caught]  # the run's own checkpoint folder is not news on a resume
+    assert not [m for m in said if "Checkpoint directory" in m], said
     scalars = load_scalars(next(tmp_path.glob("*/*/version_0")))
     assert [s for _, s, _ in scalars["train/loss"]] == list(range(20))
     assert [s for _, s, _ in scalars["val/loss"]] == list(range(val_every - 1, 20, val_every))

@@ -269,11 +269,17 @@ class Backbone(nn.Module):
         LM, ``{2}`` for a ViT, ``{3}`` for mixed VQA); empty when no layer reads coordinates."""
         return {blk.mixer.position_axes for blk in self.blocks} - {None}
 
-    def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        if self.cfg.compile and not x.is_cuda and not self.__dict__.get("_said_eager"):
+    def compile_notice(self, device: torch.device) -> None:
+        """Say once (INFO) that ``compile: true`` has no effect on ``device`` when it is not CUDA. Called by the
+        first forward, and by :meth:`mixlab.heads.common.Head.on_fit_start` so that the line comes before the
+        progress bars."""
+        if self.cfg.compile and device.type != "cuda" and not self.__dict__.get("_said_eager"):
             self.__dict__["_said_eager"] = True
             log.info("backbone.compile: true has no effect on %s: the blocks run eagerly (compiled on CUDA only)",
-                     x.device)
+                     device)
+
+    def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
+        self.compile_notice(x.device)
         blocks = self._compiled_blocks() if self.cfg.compile and x.is_cuda and caches is None else self.blocks
         for i, blk in enumerate(blocks):
             x = blk(x, coords, None if caches is None else caches[i])

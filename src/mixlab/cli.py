@@ -291,6 +291,8 @@ class MixlabCLI(LightningCLI):
                              "configs/trainer/ddp.yaml (gloo)")
         if self.subcommand == "fit" and checkpoint is not None:
             self._nothing_to_train = nothing_to_train(cfg["ckpt_path"], checkpoint, trainer)
+            # a resume writes into the run's own checkpoint folder, which holds its checkpoints by design
+            warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         return trainer
 
     # ------------------------------------------------------------------ the run folder

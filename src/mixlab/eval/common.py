@@ -1,8 +1,10 @@
 """What every evaluation command shares: reading a run from its checkpoint, the plotting set-up,
-the GOAT layers of a model, the chunked forward, and undoing a failed command's writes."""
+the GOAT layers of a model, the chunked forward, undoing a failed command's writes, and the one-line
+argument errors of the commands and scripts."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib
 import shutil
@@ -16,9 +18,18 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits", "undo_on_failure"]
+           "chunked_logits", "undo_on_failure", "OneLineParser"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose bad input is ONE line on stderr, ``<prog>: error: <message> (--help
+    lists the options)``, exit status 2, without the usage block (as the training commands' errors): every
+    ``python -m mixlab`` evaluation command and the scripts under ``scripts/`` use it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
 def import_class(path: str) -> type:

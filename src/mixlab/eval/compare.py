@@ -21,7 +21,6 @@ Runs lacking a metric are named in one message (stderr and the Markdown file).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import fnmatch
 import math
@@ -30,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixlab.eval.common import pyplot
+from mixlab.eval.common import OneLineParser, pyplot
 from mixlab.eval.metrics import TASK_METRICS, Metric, task_metrics
 
 __all__ = ["Metric", "TASK_METRICS", "task_metrics", "load_scalars", "collect", "compare", "main"]
@@ -259,7 +258,7 @@ def compare(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
 
 def main(argv: list[str] | None = None) -> Comparison:
     """CLI entry (``python -m mixlab compare``)."""
-    p = argparse.ArgumentParser(prog="python -m mixlab compare", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m mixlab compare", description=__doc__.split("\n\n")[0])
     p.add_argument("logdir", help="run root: <logdir>/<task>/<mixer>/version_N")
     p.add_argument("--tasks", nargs="+", default=None, help="task names or patterns (default: all)")
     p.add_argument("--mixers", nargs="+", default=None, help="run names or patterns (default: all)")

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.eval.common import goat_layers, load_run, pyplot, undo_on_failure
+from mixlab.eval.common import OneLineParser, goat_layers, load_run, pyplot, undo_on_failure
 
 __all__ = [
     "goat_layers", "goat_prior_panels", "goat_prior_figure", "goat_spectrum", "goat_spectrum_figure", "write_rates",
@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
     held-out batches that cannot be loaded raise ValueError / OSError before any folder or event file is
     created. An error while drawing leaves ``--out`` and ``--tb`` as they were (:func:`undo_on_failure`).
     """
-    p = argparse.ArgumentParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
     p.add_argument("name", choices=sorted(FIGURES))
     p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a mixlab run")
     p.add_argument("--out", default=None, help="folder of the PNGs (default: <version_N>/figures of the "

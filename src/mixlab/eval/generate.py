@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mixlab.eval.common import import_class, load_run
+from mixlab.eval.common import OneLineParser, import_class, load_run
 
 __all__ = ["Codec", "codec_for", "generate", "main"]
 
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict:
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """
-    p = argparse.ArgumentParser(prog="python -m mixlab generate", description=__doc__, allow_abbrev=False,
+    p = OneLineParser(prog="python -m mixlab generate", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint of a CausalLM / SyntheticLM run")
     src = p.add_mutually_exclusive_group(required=True)

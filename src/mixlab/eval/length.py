@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.eval.common import Run, chunked_logits, import_class, load_run, pyplot, undo_on_failure
+from mixlab.eval.common import OneLineParser, Run, chunked_logits, import_class, load_run, pyplot, undo_on_failure
 
 __all__ = ["position_nll", "length_table", "plot_position_nll", "main"]
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
     before that checkpoint's TensorBoard writer is created); any error leaves ``--out`` and the runs'
     ``length_extrapolation`` folders as they were (:func:`~mixlab.eval.common.undo_on_failure`).
     """
-    p = argparse.ArgumentParser(prog="python -m mixlab length-extrapolation", description=__doc__,
+    p = OneLineParser(prog="python -m mixlab length-extrapolation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint(s) to compare")
     p.add_argument("--labels", nargs="*", default=None, help="row labels (default: the model run names)")

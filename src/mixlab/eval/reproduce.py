@@ -31,7 +31,6 @@ total training time over all parts.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import math
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mixlab.cli import _latest_checkpoint
+from mixlab.eval.common import OneLineParser
 from mixlab.eval.runner import TIMED_OUT, Launcher, MpsDaemon
 
 __all__ = ["RunSpec", "Experiment", "SUITES", "select", "run_suites", "main"]
@@ -817,16 +817,9 @@ def _earlier_results(path: Path, rerun: set[str], mode: str) -> dict[str, dict]:
     return keep
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Bad input is one line on stderr (``<prog>: error: ...``, exit status 2), without the usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab reproduce SUITE [--quick] [--out DIR] [--only NAME ...] [--scale F] [--workers N]``."""
-    p = _OneLineParser(prog="python -m mixlab reproduce", allow_abbrev=False,
+    p = OneLineParser(prog="python -m mixlab reproduce", allow_abbrev=False,
                        description=__doc__.splitlines()[0] + " Run it from the mixlab repository root (the configs are "
                        "read from configs/).")
     p.add_argument("suite", choices=[*SUITES, "all"])

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mixlab.eval.common import load_run, pyplot, undo_on_failure
+from mixlab.eval.common import OneLineParser, load_run, pyplot, undo_on_failure
 
 __all__ = ["parse_resolution", "evaluate_resolutions", "render_log_prior", "main"]
 
@@ -273,7 +273,7 @@ def _write_tables(rows: list[dict], out: Path, writer) -> None:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab resolution --ckpt ... --resolutions 224 288 384`` (see module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m mixlab resolution", description=__doc__.split("\n\n")[0],
+    p = OneLineParser(prog="python -m mixlab resolution", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="ImageClassifier checkpoints (one per run)")
     p.add_argument("--resolutions", nargs="+", required=True, type=_resolution_arg,

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mixlab.datamodules.retrieval import load_essay, make_example, span_metrics
-from mixlab.eval.common import chunked_logits, load_run, pyplot
+from mixlab.eval.common import OneLineParser, chunked_logits, load_run, pyplot
 
 __all__ = ["evaluate_cell", "plot_heatmap", "main", "passkey_main", "niah_main"]
 
@@ -78,7 +78,7 @@ def plot_heatmap(grid: np.ndarray, depths: list[float], lengths: list[int], path
 
 def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
     """CLI entry; returns ``{(length, depth): metrics}``."""
-    p = argparse.ArgumentParser(prog=f"python -m mixlab {task}", description=__doc__,
+    p = OneLineParser(prog=f"python -m mixlab {task}", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--lengths", nargs="+", type=int, default=None,

@@ -95,7 +95,7 @@ class Head(pl.LightningModule):
     resume: checkpoints resume where training stopped (also a run stopped at ``max_steps`` and
     extended), validations inside a gradient-accumulation cycle are refused, and ``validate``/``test``
     from a checkpoint log at its global step. A subclass overriding ``on_save_checkpoint``,
-    ``on_load_checkpoint`` or ``on_train_start`` calls ``super()``.
+    ``on_load_checkpoint``, ``on_fit_start`` or ``on_train_start`` calls ``super()``.
     """
 
     optim_cfg: OptimConfig
@@ -139,6 +139,15 @@ class Head(pl.LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self._eval_epoch_end("test")
+
+    def on_fit_start(self) -> None:
+        """Compile options without effect on this device are said once here, before the progress bars (said
+        from the first step, the line landed inside the bar): every submodule's ``compile_notice(device)``, the
+        model's own included."""
+        for module in self.modules():
+            notice = getattr(module, "compile_notice", None)
+            if callable(notice):
+                notice(self.device)
 
     # ------------------------------------------------------------------ optimisation
     def on_train_start(self) -> None:

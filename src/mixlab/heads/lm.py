@@ -187,10 +187,7 @@ class CausalLM(Head):
         if not self.compile_model:
             return fn
         if device.type != "cuda":
-            if not self.__dict__.get("_said_eager"):
-                self.__dict__["_said_eager"] = True
-                log.info("model.init_args.compile: true has no effect on %s: the model runs eagerly (compiled on "
-                         "CUDA only)", device)
+            self.compile_notice(device)
             return fn
         compiled = self.__dict__.setdefault("_compiled_fns", {})
         if name not in compiled:
@@ -198,6 +195,14 @@ class CausalLM(Head):
                 fn = functools.partial(fn, chunk_tokens=self.compiled_chunk_tokens)
             compiled[name] = torch.compile(fn, dynamic=False)
         return compiled[name]
+
+    def compile_notice(self, device: torch.device) -> None:
+        """Say once (INFO) that ``compile: true`` has no effect on ``device`` when it is not CUDA (from the first
+        step, and from :meth:`mixlab.heads.common.Head.on_fit_start`, before the progress bars)."""
+        if self.compile_model and device.type != "cuda" and not self.__dict__.get("_said_eager"):
+            self.__dict__["_said_eager"] = True
+            log.info("model.init_args.compile: true has no effect on %s: the model runs eagerly (compiled on CUDA "
+                     "only)", device)
 
     def scores(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per-token next-token scores of a batch, as training and evaluation use them.
@@ -257,6 +262,7 @@ class CausalLM(Head):
     def on_fit_start(self) -> None:
         """``loss_kernel: fla`` needs CUDA and bf16 or float32 matmuls: refused in one line before the sanity
         check and any step."""
+        super().on_fit_start()
         if self.loss_kernel != "fla":
             return
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
