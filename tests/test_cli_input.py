@@ -174,6 +174,11 @@ def test_missing_or_foreign_checkpoint_file_is_one_line(capsys, monkeypatch, tmp
     err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", str(missing),
                 "--run_root", str(tmp_path / "runs"))
     assert err == [f"error: --ckpt_path {missing}: file not found", "(MIXLAB_TRACEBACK=1 shows the full traceback)"]
+    monkeypatch.chdir(tmp_path)  # a misspelt name (user test): no such file here, so the hint
+    err = _main(capsys, monkeypatch, "test", "--config", str(GENOME), "--ckpt_path", "lats",
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-2] == ("error: --ckpt_path lats: file not found; did you mean --ckpt_path last (this run's last "
+                       "checkpoint)?")
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--ckpt_path", str(GENOME),
                 "--run_root", str(tmp_path / "runs"))
     assert err[-2].startswith(f"error: --ckpt_path {GENOME}: not a PyTorch Lightning checkpoint (")
@@ -193,13 +198,18 @@ def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
 
 
 def test_val_check_interval_zero_and_an_escaping_run_name_are_refused(capsys, monkeypatch, tmp_path):
-    """``val_check_interval: 0`` was Lightning's ``ZeroDivisionError`` traceback after a step, and ``--run_name
-    ../../x`` wrote outside ``--run_root`` (second user test): both one line, nothing written."""
+    """``val_check_interval: 0`` was Lightning's ``ZeroDivisionError`` traceback after a step, ``--run_name
+    ../../x`` wrote outside ``--run_root`` (second user test), and ``max_steps`` or ``max_epochs`` 0 exited 0 with
+    an empty run folder: each one line, nothing written."""
     runs = tmp_path / "runs"
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.val_check_interval=0",
                 "--run_root", str(runs))
     assert err[-2] == ("error: trainer.val_check_interval=0: give training batches >= 1 (an int) or a fraction of an "
                        "epoch in (0, 1] (a float)")
+    for limit in ("max_steps", "max_epochs"):  # a user test: exit 0 and an empty version folder
+        err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), f"--trainer.{limit}=0",
+                    "--run_root", str(runs))
+        assert err[-2] == f"error: trainer.{limit}=0 trains nothing: give {limit} >= 1 (-1: no limit of that kind)"
     for name in ("../../escaped", str(tmp_path / "abs"), " ", "a/b", ".."):  # a/b: `compare` found no run
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--run_name", name, "--run_root", str(runs))
         assert err[-2] == f"error: --run_name {name!r}: one folder name inside --run_root/<task> (no '/', not '..', " \
@@ -628,3 +638,22 @@ def test_bad_optimizer_values_are_one_line_errors(capsys, monkeypatch, tmp_path,
                 "--trainer.max_steps=1", "--run_root", str(tmp_path / "runs"))
     assert err[0] == line, err
     assert not list((tmp_path / "runs").glob("*/*/version_*"))
+
+
+def test_a_command_without_a_config_says_to_give_one(capsys, monkeypatch, tmp_path):
+    """``fit`` with options but no ``--config`` listed the missing ``fit.data, fit.model`` (a user test): it now
+    says to give a task config, with an example."""
+    monkeypatch.chdir(tmp_path)
+    err = _main(capsys, monkeypatch, "fit", "--trainer.max_steps", "2")
+    assert err[-1] == ("error: the following arguments are required: fit.data, fit.model: give a task config, e.g. "
+                       "python -m mixlab fit --config configs/genome/goat.yaml (configs/ holds one per task and mixer)")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_precision_lists_every_value_lightning_takes(capsys, monkeypatch, tmp_path):
+    """``--trainer.precision 17`` named only ``Literal[64, 32, 16]`` (a user test), not the strings the README uses."""
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.precision", "17",
+                "--run_root", str(tmp_path / "runs"))
+    assert err[-1].startswith("error: --trainer.precision: one of 64, 32, 16, ") and err[-1].endswith("; got 17")
+    assert all(v in err[-1] for v in ("bf16-mixed", "16-mixed", "bf16-true", "32-true")), err
+    assert not (tmp_path / "runs").exists()

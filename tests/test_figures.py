@@ -191,12 +191,11 @@ def test_a_failed_figure_command_leaves_the_run_folder_as_it_was(tmp_path: Path,
     (fig / "goat_prior_l0_h0.png").write_bytes(b"earlier png")
     before = _tree(tmp_path)
     # bad arguments: one line, nothing written
+    fig_error, see_help = "python -m mixlab figure: error:", "(--help lists the options)"
     for argv, says in ((["--head", "9"], "error: --head 9: the GOAT layer has 2 heads"),
                        (["--layer", "3"], "error: --layer 3: GOAT layers of this model are [0]"),
-                       (["--length", "0"], "python -m mixlab figure: error: --length must be >= 1; got 0 (--help lists the "
-                                         "options)"),
-                       (["--grid", "4", "0"], "python -m mixlab figure: error: --grid must be >= 1; got 4 0 (--help lists the "
-                                         "options)"),
+                       (["--length", "0"], f"{fig_error} --length must be >= 1; got 0 {see_help}"),
+                       (["--grid", "4", "0"], f"{fig_error} --grid must be >= 1; got 4 0 {see_help}"),
                        (["--grid", "4", "4"], "error: --grid 4 4: this model's GOAT prior has 1 axis (sequences); "
                                               "draw it with --length")):
         assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), *argv) == says, argv

@@ -130,8 +130,14 @@ def test_registry_names_its_entries_and_refuses_a_second_registration():
     assert POSITIONS.names() == ["alibi", "goat", "nope", "rope"]
     with pytest.raises(ValueError, match="mixer 'goat' is already registered"):
         MIXERS.register("goat")(type("Other", (), {}))
-    with pytest.raises(ValueError, match="unknown mixer 'gaot'; registered mixers: alibi, deltanet"):
+    with pytest.raises(ValueError, match="unknown mixer 'gaot'; registered mixers: alibi, deltanet.*; did you mean "
+                                         "'goat'\\?$"):
         MIXERS.get("gaot")
+    with pytest.raises(ValueError, match="registered mixers: [a-z0-9_, ]+$"):  # nothing close: no suggestion
+        MIXERS.get("transformer")
+    with pytest.raises(ValueError, match="mixer\\(s\\) 'mesaa'; registered mixers: .*; did you mean 'mesa' for "
+                                         "'mesaa'\\?$"):
+        BackboneConfig(mixer="goat", mixer_args={"mesaa": {}})
 
 
 # ---------------------------------------------------------------------- init by type, also for mixers outside mixlab

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
-from mixlab.registry import MIXERS, POSITIONS
+from mixlab.registry import MIXERS, POSITIONS, closest
 
 log = logging.getLogger("mixlab.backbone")
 
@@ -140,8 +140,10 @@ class BackboneConfig:
             raise ValueError(f"backbone: drop_path must be in [0, 1); got {self.drop_path}")
         unknown = sorted(set(self.mixer_args or {}) - set(list_mixers()))
         if unknown:
+            near = {u: closest(u, list_mixers()) for u in unknown}
+            hint = "; ".join(f"did you mean {n!r} for {u!r}?" for u, n in near.items() if n)
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
-                             f"registered mixers: {', '.join(list_mixers())}")
+                             f"registered mixers: {', '.join(list_mixers())}" + (f"; {hint}" if hint else ""))
 
     def with_position_axes(self, axes: int, defaults: dict[str, Any] | None = None,
                            force: dict[str, Any] | None = None) -> BackboneConfig:

@@ -74,7 +74,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from mixlab import overrides
 from mixlab.callbacks import BestCheckpoint, LastCheckpoint, LossProgressBar, MixerMetrics, ThroughputMemory
-from mixlab.registry import load_plugins
+from mixlab.registry import closest, load_plugins
 from mixlab.tb import HParams
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
@@ -247,6 +247,9 @@ class MixlabCLI(LightningCLI):
         if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # Lightning: a modulo by 0
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
+        for limit in ("max_steps", "max_epochs"):  # Lightning would "train" nothing and keep an empty run folder
+            if self.subcommand == "fit" and cfg["trainer"].get(limit) == 0:
+                raise ValueError(f"trainer.{limit}=0 trains nothing: give {limit} >= 1 (-1: no limit of that kind)")
         name_given = cfg.get("run_name")
         if name_given is not None and (not name_given.strip() or name_given.strip() in (".", "..")
                                        or any(c in name_given for c in "/\\")):
@@ -564,10 +567,17 @@ def _own_checkpoint_file(path: Any) -> bool:
 
 
 def read_checkpoint(path: str) -> dict:
-    """The checkpoint dict at ``--ckpt_path path``: :func:`mixlab.eval.common.read_checkpoint`."""
+    """The checkpoint dict at ``--ckpt_path path``: :func:`mixlab.eval.common.read_checkpoint`; a missing
+    ``path`` that looks like a misspelt ``last`` or ``best`` says so."""
     from mixlab.eval.common import read_checkpoint as read
 
-    return read(path, "--ckpt_path")
+    try:
+        return read(path, "--ckpt_path")
+    except FileNotFoundError as err:
+        near = closest(str(path), ["last", "best"]) if not Path(str(path)).exists() else None
+        if near is None:
+            raise
+        raise FileNotFoundError(f"{err}; did you mean --ckpt_path {near} (this run's {near} checkpoint)?") from None
 
 
 def _get(node: Any, key: str) -> Any:
@@ -818,9 +828,17 @@ def _not_a_mapping(words: list[str]) -> str | None:
     return None
 
 
-def _closest(word: str, candidates: list[str]) -> str | None:
-    hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return hits[0] if hits else None
+def _precision_values() -> list:
+    """Every value Lightning's ``trainer.precision`` takes (a union of literals; jsonargparse's error names the
+    first only)."""
+    import typing
+
+    from lightning.fabric.connector import _PRECISION_INPUT
+
+    def flat(t: Any) -> list:
+        return [v for a in typing.get_args(t) for v in (flat(a) if typing.get_origin(a) is not None else [a])]
+
+    return list(dict.fromkeys(map(str, flat(_PRECISION_INPUT))))
 
 
 def parse_error_line(message: str, words: list[str], options: list[str], command: str = "fit") -> str:
@@ -836,9 +854,13 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
         return _yaml_error(words) or " ".join(line.strip() for line in message.splitlines())
     if message.startswith("Unexpected config"):  # a file that is empty or holds no mapping of options
         return _not_a_mapping(words) or message.strip()
+    required = re.fullmatch(r"the following arguments are required: (.+)", message.strip())
+    if required and {"data", "model"} & {a.strip().split(".")[-1] for a in required.group(1).split(",")}:
+        return (f"{message.strip()}: give a task config, e.g. python -m mixlab {command} --config "
+                f"configs/genome/goat.yaml (configs/ holds one per task and mixer)")
     choice = re.fullmatch(r"argument subcommand: invalid choice: '(.+)' \(choose from (.+)\)", message.strip())
     if choice:
-        near = _closest(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)))
+        near = closest(choice.group(1), re.findall(r"'([^']+)'", choice.group(2)))
         return message.strip() + (f"; did you mean {near}?" if near else "")
     top = re.fullmatch(r"Subcommand '\w+' does not accept option '(.+)'", message.strip())
     extra = re.fullmatch(r"unrecognized arguments: (.+)", message.strip())
@@ -849,27 +871,31 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
         else:
             key = next((w[2:].split("=", 1)[0] for w in extra.group(1).split() if w.startswith("--")),
                        extra.group(1).split()[0])
-        suggestion, candidates = _closest(key, options), options
+        suggestion, candidates = closest(key, options), options
     else:
         unknown = re.fullmatch(r"Option '(.+)' is not accepted", leaf)
         if unknown is None:
             key = ".".join(path)
             got = re.search(r"Got value: (.+)$", leaf)
             where, shown = _where(key, words, got and got.group(1).strip()) if key else (None, "")
+            if key == "trainer.precision" and leaf.startswith("Expected a typing.Literal"):  # it names one of 4 kinds
+                given = [b for a, b in zip(words, words[1:]) if a == "--trainer.precision"]
+                given += [w.split("=", 1)[1] for w in words if w.startswith("--trainer.precision=")]
+                leaf = f"one of {', '.join(_precision_values())}" + (f"; got {given[-1]}" if given else "")
             missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
             if missing:  # a class_path typo
                 try:
                     names = [n for n in dir(importlib.import_module(missing.group(1))) if n[:1].isupper()]
                 except ImportError:
                     names = []
-                near = _closest(missing.group(2), names)
+                near = closest(missing.group(2), names)
                 leaf += f"; did you mean {missing.group(1)}.{near}?" if near else ""
                 shown = shown.removesuffix(".init_args") + ".class_path" if shown else shown
             place = f"{where}: {shown}" if where else (f"--{shown}" if shown else "")
             return f"{place}: {leaf}" if place else leaf
         key = ".".join([*path, unknown.group(1)])
         candidates = _accepted(owner) if owner else []
-        near = _closest(unknown.group(1), candidates)
+        near = closest(unknown.group(1), candidates)
         suggestion = ".".join([*path, near]) if near else None
     where, shown = _where(key, words)
     if suggestion is not None and not (top or extra):  # in the user's spelling (with or without init_args)

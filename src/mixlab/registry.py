@@ -18,6 +18,7 @@ scheme is one class decorated ``@register_position("name")``, built as
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
@@ -25,7 +26,7 @@ import os
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-__all__ = ["Registry", "MIXERS", "POSITIONS", "register_mixer", "register_position", "get_mixer_cls",
+__all__ = ["Registry", "closest", "MIXERS", "POSITIONS", "register_mixer", "register_position", "get_mixer_cls",
            "list_mixers", "build_mixer", "load_plugins", "PLUGIN_GROUP", "PLUGIN_ENV"]
 
 PLUGIN_GROUP = "mixlab.plugins"
@@ -59,6 +60,14 @@ def load_plugins(env: str | None = None) -> list[str]:
         except Exception as err:  # noqa: BLE001 - any failure of the user's module is reported in one line
             raise ImportError(f"{source}: cannot import {name!r}: {type(err).__name__}: {err}") from err
     return [n for _, n in names]
+
+
+
+def closest(word: str, candidates: list[str]) -> str | None:
+    """The candidate nearest to a misspelt ``word`` (:func:`difflib.get_close_matches`, cutoff 0.6), or None:
+    the "did you mean" of every error about an unknown name."""
+    hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return hits[0] if hits else None
 
 
 class Registry:
@@ -119,7 +128,9 @@ class Registry:
             ValueError: unknown name; the message lists the registered ones.
         """
         if name not in self._classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.names())}")
+            near = closest(str(name), self.names())
+            raise ValueError(f"unknown {self.kind} {name!r}; registered {self.kind}s: {', '.join(self.names())}"
+                             + (f"; did you mean {near!r}?" if near else ""))
         return self._classes[name]
 
     def defaults(self, name: str) -> dict[str, Any]:
