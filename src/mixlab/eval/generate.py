@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
             model's learned absolute positions.
     """
     p = OneLineParser(prog="python -m mixlab generate", description=__doc__, allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, help="checkpoint of a CausalLM / SyntheticLM run")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (DNA letters for a genome run, token ids for other synthetic runs)")

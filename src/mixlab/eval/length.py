@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     ``length_extrapolation`` folders as they were (:func:`~mixlab.eval.common.undo_on_failure`).
     """
     p = OneLineParser(prog="python -m mixlab length-extrapolation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint(s) to compare")
     p.add_argument("--labels", nargs="*", default=None, help="row labels (default: the model run names)")
     p.add_argument("--lengths", nargs="+", type=float, default=[1, 2, 4, 8], help="multiples of the training length")

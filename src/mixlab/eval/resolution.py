@@ -274,7 +274,7 @@ def _write_tables(rows: list[dict], out: Path, writer) -> None:
 def main(argv: list[str] | None = None) -> list[dict]:
     """``python -m mixlab resolution --ckpt ... --resolutions 224 288 384`` (see module docstring)."""
     p = OneLineParser(prog="python -m mixlab resolution", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="ImageClassifier checkpoints (one per run)")
     p.add_argument("--resolutions", nargs="+", required=True, type=_resolution_arg,
                    help="S or HxW, multiples of the patch size")

@@ -79,7 +79,7 @@ def plot_heatmap(grid: np.ndarray, depths: list[float], lengths: list[int], path
 def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
     """CLI entry; returns ``{(length, depth): metrics}``."""
     p = OneLineParser(prog=f"python -m mixlab {task}", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--lengths", nargs="+", type=int, default=None,
                    help="context lengths in tokens (default: 1, 2, 4, 8 x the training length)")
