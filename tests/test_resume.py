@@ -367,3 +367,23 @@ def test_changed_data_options():
     assert changed_data_options({"fasta": "a.fa", "k": {"x": None}}, {"fasta": "b.fa", "k": {"x": 1}}) == [
         "data.init_args.fasta: 'a.fa' in the checkpoint, 'b.fa' now",
         "data.init_args.k.x: None in the checkpoint, 1 now"]
+
+
+def test_the_progress_bar_of_a_resume_inside_an_epoch_counts_on_from_the_checkpoint(tmp_path, capsys):
+    """Lightning skips ``on_train_epoch_start`` on a resume inside an epoch, so the bar read ``Training: 15/?`` with
+    a rate counted from batch 0 (a user test). mixlab's bar now reads ``Epoch 0`` and ends at ``15/15``."""
+    from mixlab.cli import MixlabCLI
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
+            "--trainer.val_check_interval", "5", "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps",
+            "0", "--trainer.enable_model_summary", "false", "--trainer.max_epochs", "-1",
+            "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
+            "--data.init_args.num_workers", "0", "--data.init_args.n_train", "2560", "--data.init_args.batch_size", "8"]
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "10"])
+    capsys.readouterr()
+    MixlabCLI(args=["fit", *argv, "--trainer.max_steps", "15", "--ckpt_path", "last"])
+    bars = [b for b in capsys.readouterr().out.replace("\r", "\n").splitlines() if b.startswith(("Epoch", "Training"))]
+    counting = [b for b in bars if not b.startswith("Training: |          | 0/?")]  # the bar drawn before step 1
+    assert counting and all(b.startswith("Epoch 0: ") for b in counting), bars[:4]
+    assert "10/15 " in counting[0] and "15/15 " in counting[-1], (counting[0], counting[-1])

@@ -188,6 +188,30 @@ class LossProgressBar(TQDMProgressBar):
         super().__init__(refresh_rate=refresh_rate, leave=leave)
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._shown: float | None = None
+        self._epoch_bar = False
+
+    def on_train_start(self, *args) -> None:
+        super().on_train_start(*args)
+        self._epoch_bar = False
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        self._epoch_bar = True
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
+        """A resume inside an epoch: Lightning skips ``on_train_epoch_start``, so the bar read ``Training: 305/?``
+        with a rate counted from batch 0 (a user test). Set it up as that hook would, starting at ``batch_idx``."""
+        if self._epoch_bar or self.train_progress_bar is None:
+            return
+        self._epoch_bar = True
+        bar = self.train_progress_bar
+        bar.reset()
+        total = trainer.num_training_batches
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:  # as Lightning's bar,
+            total = min(total, batch_idx + trainer.max_steps - trainer.global_step)  # counted from the epoch's start
+        bar.total = None if total == float("inf") else total
+        bar.initial = bar.n = batch_idx  # the rate counts the batches of this process only
+        bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def _loss(self, trainer: pl.Trainer) -> float | None:
         loss = trainer.callback_metrics.get("train/loss")
