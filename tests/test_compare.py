@@ -71,8 +71,11 @@ def test_table_values(logdir: Path, tmp_path: Path, capsys) -> None:
 def test_filters_and_errors(logdir: Path, tmp_path: Path) -> None:
     cmp = collect(logdir, tasks=["gen*"], mixers=["kda"])
     assert list(cmp.table) == ["kda"] and [c[0] for c in cmp.columns] == ["genome"]
-    with pytest.raises(FileNotFoundError, match="no runs"):
+    with pytest.raises(FileNotFoundError, match="no runs.*; tasks there: genome, parity, text$"):
         collect(logdir, tasks=["imagenet"])
+    with pytest.raises(FileNotFoundError, match="did you mean 'genome' for 'genomee'\\?; did you mean 'goat' for "
+                                                "'gaot'\\?$"):  # misspelt filters (a user test)
+        collect(logdir, tasks=["genomee"], mixers=["gaot"])
     with pytest.raises(FileNotFoundError, match="does not exist"):
         collect(tmp_path / "nope")
 
