@@ -99,7 +99,8 @@ def test_position_scheme_typo_is_a_one_line_error_naming_the_accepted_keys(name)
     assert "\n" not in msg
     assert msg.startswith(f"position_args of {name!r} got unknown key(s) 'n_mode'; it ")
     accepted = POSITIONS.options(name)
-    assert accepted == [] or msg.endswith("it accepts: " + ", ".join(accepted))
+    hint = "; did you mean 'n_modes' for 'n_mode'?" if "n_modes" in accepted else ""  # the closest key, if any
+    assert accepted == [] or msg.endswith("it accepts: " + ", ".join(accepted) + hint)
     assert accepted != [] or msg.endswith("it accepts no keys")
 
 

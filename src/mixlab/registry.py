@@ -169,8 +169,10 @@ class Registry:
             unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
             if unknown:
                 accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
+                near = {u: closest(u, list(accepted)) for u in unknown}
+                hint = "".join(f"; did you mean {n!r} for {u!r}?" for u, n in near.items() if n)
                 raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
-                                 f"{', '.join(map(repr, unknown))}; {accepts}")
+                                 f"{', '.join(map(repr, unknown))}; {accepts}{hint}")
         bound = self._defaults[name]
         replaced = {k: v for k, v in kwargs.items() if k in bound and v != bound[k]}
         if replaced:  # e.g. deltanet with decay='scalar' is a GDN layer that still runs under the name deltanet
