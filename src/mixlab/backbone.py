@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
-from mixlab.registry import MIXERS, POSITIONS, closest
+from mixlab.registry import MIXERS, POSITIONS, did_you_mean
 
 log = logging.getLogger("mixlab.backbone")
 
@@ -140,10 +140,8 @@ class BackboneConfig:
             raise ValueError(f"backbone: drop_path must be in [0, 1); got {self.drop_path}")
         unknown = sorted(set(self.mixer_args or {}) - set(list_mixers()))
         if unknown:
-            near = {u: closest(u, list_mixers()) for u in unknown}
-            hint = "; ".join(f"did you mean {n!r} for {u!r}?" for u, n in near.items() if n)
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
-                             f"registered mixers: {', '.join(list_mixers())}" + (f"; {hint}" if hint else ""))
+                             f"registered mixers: {', '.join(list_mixers())}{did_you_mean(unknown, list_mixers())}")
 
     def with_position_axes(self, axes: int, defaults: dict[str, Any] | None = None,
                            force: dict[str, Any] | None = None) -> BackboneConfig:
@@ -281,7 +279,8 @@ class Backbone(nn.Module):
                      device)
 
     def forward(self, x: Tensor, coords: Coords | None = None, caches: list[dict] | None = None) -> Tensor:
-        self.compile_notice(x.device)
+        if self.cfg.compile and not x.is_cuda:
+            self.compile_notice(x.device)
         blocks = self._compiled_blocks() if self.cfg.compile and x.is_cuda and caches is None else self.blocks
         for i, blk in enumerate(blocks):
             x = blk(x, coords, None if caches is None else caches[i])

@@ -26,8 +26,8 @@ import os
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
-__all__ = ["Registry", "closest", "MIXERS", "POSITIONS", "register_mixer", "register_position", "get_mixer_cls",
-           "list_mixers", "build_mixer", "load_plugins", "PLUGIN_GROUP", "PLUGIN_ENV"]
+__all__ = ["Registry", "closest", "did_you_mean", "MIXERS", "POSITIONS", "register_mixer", "register_position",
+           "get_mixer_cls", "list_mixers", "build_mixer", "load_plugins", "PLUGIN_GROUP", "PLUGIN_ENV"]
 
 PLUGIN_GROUP = "mixlab.plugins"
 """Entry-point group whose modules the CLI imports first (your package's mixers and schemes register)."""
@@ -68,6 +68,12 @@ def closest(word: str, candidates: list[str]) -> str | None:
     the "did you mean" of every error about an unknown name."""
     hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
     return hits[0] if hits else None
+
+
+def did_you_mean(words: list[str], candidates: list[str]) -> str:
+    """``"; did you mean 'a' for 'b'?"`` for each of ``words`` that has a :func:`closest` candidate, joined (``""``
+    when none has): the tail of an error about unknown names."""
+    return "".join(f"; did you mean {near!r} for {w!r}?" for w in words if (near := closest(w, candidates)))
 
 
 class Registry:
@@ -169,10 +175,8 @@ class Registry:
             unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
             if unknown:
                 accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
-                near = {u: closest(u, list(accepted)) for u in unknown}
-                hint = "".join(f"; did you mean {n!r} for {u!r}?" for u, n in near.items() if n)
                 raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
-                                 f"{', '.join(map(repr, unknown))}; {accepts}{hint}")
+                                 f"{', '.join(map(repr, unknown))}; {accepts}{did_you_mean(unknown, list(accepted))}")
         bound = self._defaults[name]
         replaced = {k: v for k, v in kwargs.items() if k in bound and v != bound[k]}
         if replaced:  # e.g. deltanet with decay='scalar' is a GDN layer that still runs under the name deltanet

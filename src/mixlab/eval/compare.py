@@ -31,7 +31,7 @@ from pathlib import Path
 
 from mixlab.eval.common import OneLineParser, pyplot
 from mixlab.eval.metrics import TASK_METRICS, Metric, task_metrics
-from mixlab.registry import closest
+from mixlab.registry import did_you_mean
 
 __all__ = ["Metric", "TASK_METRICS", "task_metrics", "load_scalars", "collect", "compare", "main"]
 
@@ -145,13 +145,11 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
     if not all_scalars:
         there = sorted(p.name for p in root.iterdir() if p.is_dir())
         runs_there = sorted({r.name for t in root.iterdir() if t.is_dir() for r in t.iterdir() if r.is_dir()})
-        hints = [f"did you mean {near!r} for {name!r}?" for given, names in ((tasks, there), (mixers, runs_there))
-                 for name in given or []
-                 if not any(_match(n, [name]) for n in names) and (near := closest(name, names))]
+        hints = "".join(did_you_mean([w for w in given or [] if not any(_match(n, [w]) for n in names)], names)
+                        for given, names in ((tasks, there), (mixers, runs_there)))  # filters matching nothing
         raise FileNotFoundError(f"compare: no runs with TensorBoard event files under {root}/<task>/<mixer>/ "
                                 f"(tasks={tasks or 'all'}, mixers={mixers or 'all'})"
-                                + (f"; {'; '.join(hints)}" if hints else f"; tasks there: {', '.join(there)}"
-                                   if there else ""))
+                                + (hints or (f"; tasks there: {', '.join(there)}" if there else "")))
     mad = [(t, lab) for t, lab, _ in columns if t.startswith("mad_") and lab == "acc"]
     if mad:
         # a score over fewer tasks than the suite has would read as the MAD score: label the count
