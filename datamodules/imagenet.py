@@ -87,6 +87,7 @@ from mixlab.distributed import (
     consumer_slice,
     fit_progress,
     stream_seed,
+    worker_init_ignoring_sigterm,
     worker_skip,
 )
 
@@ -723,7 +724,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
                                   pin_memory=torch.cuda.is_available(),
                                   persistent_workers=train and self.num_workers > 0 and self.persistent_workers,
-                                  worker_init_fn=functools.partial(self.corrupt.worker_init, split))
+                                  worker_init_fn=worker_init_ignoring_sigterm(functools.partial(self.corrupt.worker_init,
+                                                                                                split)))
         self.corrupt.install()  # this process: the accelerator decode (decode: gpu) and num_workers 0
         if self.format == "wds" and self.decode_mode() == "gpu":
             from mixlab.datamodules.imagenet_gpu import collate_encoded
@@ -837,6 +839,10 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
     if not re.search(r"%0?\d*d", pattern):
         raise ValueError(f"shard pattern {pattern!r} needs a printf field such as %04d")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
+    if not classes:
+        flat = sum(1 for f in root.iterdir() if f.is_file() and f.suffix.lower() in _IMG_EXT)
+        raise FileNotFoundError(f"ImageFolder root {str(root)!r} has no class sub-folders ({flat} images directly "
+                                f"in it): the layout is <root>/<class>/<image>")
     class_to_idx = class_to_idx or {c: i for i, c in enumerate(classes)}
     items = [(p, class_to_idx[c]) for c in classes for p in sorted((root / c).rglob("*"))
              if p.is_file() and p.suffix.lower() in _IMG_EXT]

@@ -8,7 +8,8 @@ next to the shards). JPEG files are copied byte for byte, other formats re-encod
 shuffled (``--seed``) so every shard holds a class mix. Write at least ``n_gpus x num_workers`` shards
 per split. Read them back with ``mixlab.datamodules.imagenet.ImageNetDataModule(format="wds",
 train_path="/data/wds/imagenet1k-train-{0000..1024}.tar", ...)``. Use the train folder's classes for
-validation (``--classes-from``) so both splits share one label mapping.
+validation (``--classes-from``) so both splits share one label mapping. Shards of the pattern that exist
+already are refused (a glob would read old and new together); ``--overwrite`` removes them first.
 """
 
 from __future__ import annotations
@@ -21,12 +22,24 @@ from mixlab.datamodules.imagenet import write_imagefolder_shards
 from mixlab.eval.common import OneLineParser
 
 
+def existing_shards(pattern: str) -> list[Path]:
+    """The files that ``pattern``'s printf field (``%04d``) could have written: its name with any number there."""
+    path = Path(pattern)
+    field = re.search(r"%0?\d*d", path.name)
+    if field is None or not path.parent.is_dir():
+        return []
+    name = re.compile(re.escape(path.name[:field.start()]) + r"\d+" + re.escape(path.name[field.end():]))
+    return sorted(f for f in path.parent.iterdir() if f.is_file() and name.fullmatch(f.name))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", help="ImageFolder root: <root>/<class>/<image>")
     p.add_argument("pattern", help="output shard pattern with a printf field, e.g. out/imagenet1k-train-%%04d.tar")
     p.add_argument("--maxcount", type=int, default=1000, help="samples per shard")
     p.add_argument("--seed", type=int, default=0, help="sample shuffle seed (-1: keep folder order)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="remove the shards of PATTERN that exist already, then write (default: refuse)")
     p.add_argument("--classes-from", default=None,
                    help="ImageFolder root (or classes.txt) defining the class -> label mapping (default: root)")
     a = p.parse_args(argv)
@@ -46,7 +59,16 @@ def main(argv: list[str] | None = None) -> None:
         missing = sorted(d.name for d in Path(a.root).iterdir() if d.is_dir() and d.name not in mapping)
         if missing:
             sys.exit(f"--classes-from {a.classes_from}: classes {missing[:5]} of {a.root} are not in the mapping")
-    shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping)
+    old = existing_shards(a.pattern)
+    if old and not a.overwrite:
+        p.error(f"pattern {a.pattern!r}: {len(old)} shards exist already ({old[0]} ..): a glob would read them with "
+                f"the new ones; pass --overwrite to remove them first, or choose another pattern")
+    for f in old:
+        f.unlink()
+    try:
+        shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping)
+    except (FileNotFoundError, ValueError) as err:
+        p.error(str(err))
     first, last = shards[0], shards[-1]
     print(f"wrote {len(shards)} shards: {first} .. {last}")
     digits = len(Path(first).stem.rsplit("-", 1)[-1]) if "-" in Path(first).stem else 0

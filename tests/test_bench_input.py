@@ -119,3 +119,41 @@ def test_make_wds_shards_refuses_a_missing_root_in_one_line(capsys, tmp_path):
                            text=True)
         assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
     assert not list(tmp_path.glob("out-*"))
+
+
+def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(tmp_path):
+    """A user test: a second run into the same pattern replaced shard 0 and left the old 1..3 beside it (a glob
+    then read duplicates), and a folder of images without class folders gave a traceback."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from PIL import Image
+
+    def run(*argv):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wds_shards.py"), *map(str, argv)],
+                              capture_output=True, text=True)
+
+    rng = np.random.default_rng(0)
+    for c in ("cat", "dog"):
+        (tmp_path / "imgs" / c).mkdir(parents=True)
+        for i in range(3):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "imgs" / c / f"{i}.jpg")
+    out = tmp_path / "out"
+    pattern = out / "train-%04d.tar"
+    assert run(tmp_path / "imgs", pattern, "--maxcount", 2).returncode == 0
+    first = sorted(p.name for p in out.glob("train-*.tar"))
+    assert first == ["train-0000.tar", "train-0001.tar", "train-0002.tar"]
+    before = (out / "train-0000.tar").read_bytes()
+    r = run(tmp_path / "imgs", pattern, "--maxcount", 4)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "3 shards exist already" in r.stderr.strip().splitlines()[-1] and "--overwrite" in r.stderr
+    assert (out / "train-0000.tar").read_bytes() == before  # nothing lost
+    (out / "train-old.tar").write_bytes(b"x")  # not a file of the pattern: kept
+    assert run(tmp_path / "imgs", pattern, "--maxcount", 4, "--overwrite").returncode == 0
+    assert sorted(p.name for p in out.glob("train-*.tar")) == ["train-0000.tar", "train-0001.tar", "train-old.tar"]
+    r = run(tmp_path / "imgs" / "cat", tmp_path / "flat-%04d.tar")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert ("has no class sub-folders (3 images directly in it): the layout is <root>/<class>/<image>"
+            in r.stderr.strip().splitlines()[-1])
+    assert not list(tmp_path.glob("flat-*"))

@@ -76,6 +76,33 @@ def test_bad_input_error_walks_the_chain_and_skips_foreign_raises():
         assert cli.bad_input_error(foreign) is None
 
 
+def test_a_dataloader_workers_bad_input_error_is_its_own_one_line():
+    """torch re-raises a worker's error with the worker's whole traceback as its message (a user test: 106 lines
+    for a label out of range with num_workers 2); mixlab's own bad-input error inside it is the one line."""
+    from torch._utils import ExceptionWrapper
+
+    from mixlab.datamodules.genome import encode_sequence
+
+    try:
+        encode_sequence("AC7", where="x.fa")
+    except ValueError:
+        ours = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(ValueError) as info:
+        ours.reraise()
+    assert str(info.value).startswith("Caught ValueError in DataLoader worker process 0.")
+    field, cause = cli.bad_input_error(info.value)
+    assert field == "data" and type(cause) is ValueError
+    assert str(cause) == "x.fa: character '7' at position 3 is not a DNA letter (expected ACGTN or IUPAC " \
+        "RYKMSWBDHV, any case)"
+    try:
+        int("x")  # another library's error in a worker keeps its traceback
+    except ValueError:
+        foreign = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(ValueError) as info:
+        foreign.reraise()
+    assert cli.bad_input_error(info.value) is None
+
+
 def test_trainer_misconfiguration_is_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--trainer.strategy=dpp")
     assert err[-2].startswith("error: trainer: You selected an invalid strategy name: `strategy='dpp'`")

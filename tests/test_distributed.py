@@ -17,7 +17,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from mixlab.cli import main
 from mixlab.datamodules.genome import GenomeDataModule
-from mixlab.distributed import ResumableSampler, SeededStream, consumer_slice, stream_seed, worker_skip
+from mixlab.distributed import (
+    ResumableSampler,
+    SeededStream,
+    consumer_slice,
+    stream_seed,
+    worker_init_ignoring_sigterm,
+    worker_skip,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "configs" / "trainer"
@@ -114,6 +121,27 @@ def test_ranks_and_workers_cover_every_genome_sample_once(genome, split, train):
                 assert per_rank[r][k * batch:(k + 1) * batch] == big[k][r::2]
     else:
         assert len(per_rank[0]) - len(per_rank[1]) == n % 2
+
+
+def test_loader_workers_ignore_sigterm_so_the_main_process_can_save(genome):
+    """A user test: ``kill -TERM`` to the whole process group (a cluster's preemption) killed the DataLoader
+    workers first, and the main process died of "worker is killed by signal" before saving ``last.ckpt``.
+    The datamodules' workers ignore SIGTERM and keep serving every batch."""
+    import os
+    import signal
+    import time
+
+    from mixlab.distributed import _ignore_sigterm_then
+
+    assert genome.train_dataloader().worker_init_fn.func is _ignore_sigterm_then  # every resumable_loader
+    loader = DataLoader(list(range(16)), batch_size=2, num_workers=1, worker_init_fn=worker_init_ignoring_sigterm())
+    it = iter(loader)
+    first = next(it)
+    worker = it._workers[0]
+    os.kill(worker.pid, signal.SIGTERM)
+    time.sleep(0.5)
+    assert worker.is_alive()
+    assert torch.cat([first, *it]).tolist() == list(range(16))
 
 
 def test_plain_distributed_sampler_with_workers_covers_every_crop(genome):

@@ -508,6 +508,28 @@ def _our_roots() -> tuple[str, ...]:
                  [*mixlab.__path__, *mixlab.datamodules.__path__])
 
 
+_WORKER_RERAISE = re.compile(r"Caught \w+ in DataLoader worker process \d+\.\nOriginal Traceback "
+                             r"\(most recent call last\):\n(.*)", re.S)
+
+
+def _worker_error(exc: BaseException, roots: tuple[str, ...]) -> BaseException | None:
+    """The original error of a DataLoader worker, when ``exc`` is torch's re-raise of one (the same type, its
+    message the worker's formatted traceback) and the worker's error was a ``ValueError`` / ``OSError`` raised in
+    mixlab's source: a new exception of that type holding only the worker's own message. Else None."""
+    m = _WORKER_RERAISE.match(str(exc))
+    if m is None or not isinstance(exc, (ValueError, OSError)):
+        return None
+    lines = m.group(1).splitlines()
+    last = max((i for i, line in enumerate(lines) if line.startswith('  File "')), default=None)
+    if last is None:
+        return None
+    path = re.match(r'  File "([^"]+)"', lines[last]).group(1)
+    if not os.path.realpath(path).startswith(roots):
+        return None
+    text = "\n".join(line for line in lines[last + 1:] if not line.startswith("    ")).strip()
+    return type(exc)(re.sub(r"^[\w.]+: ", "", text))
+
+
 def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | None:
     """``(config field or None, error)`` when ``exc`` is, or was raised from, bad input found by mixlab.
 
@@ -521,6 +543,9 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
     roots, seen = _our_roots(), set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
+        worker = _worker_error(exc, roots)
+        if worker is not None:
+            return "data", worker
         frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
         if (isinstance(exc, (ValueError, OSError)) and frames
                 and os.path.realpath(frames[-1].f_code.co_filename).startswith(roots)):

@@ -38,10 +38,12 @@ Typical use in a datamodule (see ``datamodules/genome.py``)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import random
+import signal
 from typing import Any, Callable, Iterator, Literal
 
 import lightning.pytorch as pl
@@ -50,7 +52,8 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDP
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, get_worker_info
 
-__all__ = ["FSDPStrategy", "rank_world", "ResumableSampler", "sampler_state", "restore_sampler",
+__all__ = ["FSDPStrategy", "rank_world", "worker_init_ignoring_sigterm", "ResumableSampler", "sampler_state",
+           "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
            "check_validation_on_optimizer_steps", "check_at_least", "changed_data_options", "LOADER_OPTIONS"]
@@ -69,6 +72,24 @@ def rank_world(num_replicas: int | None = None, rank: int | None = None) -> tupl
     if world < 1 or not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, num_replicas), got rank={rank}, num_replicas={world}")
     return rank, world
+
+
+def _ignore_sigterm_then(init: Callable[[int], Any] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if init is not None:
+        init(worker_id)
+
+
+def worker_init_ignoring_sigterm(init: Callable[[int], Any] | None = None) -> Callable[[int], None]:
+    """A DataLoader ``worker_init_fn`` that makes the worker ignore SIGTERM, then calls ``init(worker_id)``.
+
+    A cluster's preemption (``kill -TERM`` to the whole process group, ``scancel``) reaches the workers too; a
+    worker killed by it makes the main process raise "DataLoader worker ... is killed by signal" before
+    Lightning's SIGTERM handling saves ``last.ckpt``. Ignoring it, the workers live until the main process
+    has saved and shut them down (they also exit when the main process is gone: torch's worker watchdog).
+    Picklable (``functools.partial`` of a module function) for spawn-started workers.
+    """
+    return functools.partial(_ignore_sigterm_then, init)
 
 
 class ResumableSampler(DistributedSampler):
@@ -398,6 +419,7 @@ class ResumableDataModule(pl.LightningDataModule):
             state, self._pending_sampler_state = self._pending_sampler_state, None
             self._restore_train_sampler(sampler, state)
         loader_kwargs.setdefault("persistent_workers", num_workers > 0)
+        loader_kwargs["worker_init_fn"] = worker_init_ignoring_sigterm(loader_kwargs.get("worker_init_fn"))
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                           drop_last=train if drop_last is None else drop_last,
                           num_workers=num_workers, **loader_kwargs)
