@@ -7,6 +7,7 @@ The subprocess tests run ``python -m mixlab fit`` on a tiny genome config:
 """
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -127,8 +128,6 @@ def test_loader_workers_ignore_sigterm_so_the_main_process_can_save(genome):
     """A user test: ``kill -TERM`` to the whole process group (a cluster's preemption) killed the DataLoader
     workers first, and the main process died of "worker is killed by signal" before saving ``last.ckpt``.
     The datamodules' workers ignore SIGTERM and keep serving every batch."""
-    import os
-    import signal
     import time
 
     from mixlab.distributed import _ignore_sigterm_then
@@ -138,10 +137,35 @@ def test_loader_workers_ignore_sigterm_so_the_main_process_can_save(genome):
     it = iter(loader)
     first = next(it)
     worker = it._workers[0]
-    os.kill(worker.pid, signal.SIGTERM)
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # sent by another process: ignored
     time.sleep(0.5)
     assert worker.is_alive()
     assert torch.cat([first, *it]).tolist() == list(range(16))
+
+
+def test_a_worker_ignoring_sigterm_still_lets_the_main_process_exit(tmp_path):
+    """CI hung after the suite's last test: at interpreter exit ``multiprocessing`` SIGTERMs the daemonic
+    workers of a DataLoader iterator still alive and joins them, and workers ignoring every SIGTERM never
+    ended. A SIGTERM from the main process ends the worker (exit code 0, as torch's own handler does)."""
+    script = tmp_path / "keep_an_iterator.py"
+    script.write_text(
+        "from torch.utils.data import DataLoader\n"
+        "from mixlab.distributed import worker_init_ignoring_sigterm\n"
+        "loader = DataLoader(list(range(64)), batch_size=4, num_workers=2, persistent_workers=True,\n"
+        "                    worker_init_fn=worker_init_ignoring_sigterm())\n"
+        "it = iter(loader)\n"
+        "print(next(it).tolist())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[0, 1, 2, 3]" and "Error" not in done.stderr
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1, worker_init_fn=worker_init_ignoring_sigterm())
+    it = iter(loader)
+    next(it)
+    worker = it._workers[0]
+    os.kill(worker.pid, signal.SIGTERM)  # from this process, the worker's parent
+    worker.join(timeout=30)
+    assert worker.exitcode == 0
+    it._shutdown_workers()
 
 
 def test_plain_distributed_sampler_with_workers_covers_every_crop(genome):

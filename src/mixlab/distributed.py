@@ -41,9 +41,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import multiprocessing
 import os
 import random
 import signal
+import threading
 from typing import Any, Callable, Iterator, Literal
 
 import lightning.pytorch as pl
@@ -74,20 +76,39 @@ def rank_world(num_replicas: int | None = None, rank: int | None = None) -> tupl
     return rank, world
 
 
+def _exit_on_a_sigterm_from(parents: set[int]) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid not in parents:
+        pass
+    os._exit(0)  # what torch's own worker SIGTERM handler does for its parent's SIGTERM
+
+
 def _ignore_sigterm_then(init: Callable[[int], Any] | None, worker_id: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if hasattr(signal, "sigwaitinfo"):  # Linux; elsewhere SIGTERM keeps its default
+        parents = {os.getppid()}
+        logical_parent = multiprocessing.parent_process()  # the main process under forkserver too
+        if logical_parent is not None and logical_parent.pid:
+            parents.add(logical_parent.pid)
+        # Blocked here, SIGTERM stays blocked in every thread the worker starts later; one thread takes it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        threading.Thread(target=_exit_on_a_sigterm_from, args=(parents,), daemon=True,
+                         name="mixlab-worker-sigterm").start()
     if init is not None:
         init(worker_id)
 
 
 def worker_init_ignoring_sigterm(init: Callable[[int], Any] | None = None) -> Callable[[int], None]:
-    """A DataLoader ``worker_init_fn`` that makes the worker ignore SIGTERM, then calls ``init(worker_id)``.
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGTERM unless its main process sends it, then
+    ``init(worker_id)`` runs.
 
     A cluster's preemption (``kill -TERM`` to the whole process group, ``scancel``) reaches the workers too; a
     worker killed by it makes the main process raise "DataLoader worker ... is killed by signal" before
     Lightning's SIGTERM handling saves ``last.ckpt``. Ignoring it, the workers live until the main process
-    has saved and shut them down (they also exit when the main process is gone: torch's worker watchdog).
-    Picklable (``functools.partial`` of a module function) for spawn-started workers.
+    has saved and shut them down. A SIGTERM from the main process itself (``multiprocessing`` terminating its
+    daemonic workers at interpreter exit, the DataLoader stopping a straggler) still ends the worker: a
+    worker that ignored that one too would hang the main process's exit. Workers also exit when the main
+    process is gone (torch's worker watchdog). Linux only (``signal.sigwaitinfo`` names the sender);
+    elsewhere the workers keep SIGTERM's default. Picklable (``functools.partial`` of a module function) for
+    spawn-started workers.
     """
     return functools.partial(_ignore_sigterm_then, init)
 
