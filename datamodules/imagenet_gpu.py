@@ -60,6 +60,7 @@ import copy
 import functools
 import io
 import math
+import os
 import queue
 import random
 import threading
@@ -73,7 +74,7 @@ from torch.profiler import record_function
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "GpuPipeline", "RA_OPS",
            "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher",
-           "stage_op_counts"]
+           "quiet_profiler_without_cuda", "stage_op_counts"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -1258,6 +1259,13 @@ class GpuPipeline:
         return x
 
 
+def quiet_profiler_without_cuda() -> None:
+    """On a machine without CUDA, keep ``torch.profiler``'s tracer (kineto) from printing its harmless
+    ``ERROR ... gpuGetDeviceCount failed`` line (``KINETO_LOG_LEVEL``, unless the user set it)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -> dict[str, int]:
     """Torch ops one call of the device ``stage`` dispatches on ``batch`` (a CPU-measurable proxy of its kernel
     launches and host work), from ``torch.profiler`` on the CPU: ``ops`` = ``aten::`` ops called from Python
@@ -1271,6 +1279,7 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
     ``item`` + ``_local_scalar_dense`` in :func:`_smooth`, once per RandAugment layer."""
     from torch.profiler import ProfilerActivity, profile
 
+    quiet_profiler_without_cuda()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         stage(batch)
     events = prof.events()

@@ -137,6 +137,9 @@ def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15
     (``stage/decode``, ``stage/crop_resize``, ``stage/augment``) and the ``top`` kernels by device time."""
     from torch.profiler import ProfilerActivity, profile
 
+    from mixlab.datamodules.imagenet_gpu import quiet_profiler_without_cuda
+
+    quiet_profiler_without_cuda()
     b = held_batch(dm, split, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     t0 = time.perf_counter()

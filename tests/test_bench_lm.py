@@ -91,3 +91,13 @@ def test_bench_lm_refuses_bad_options_in_one_line(monkeypatch, capsys):
         err = capsys.readouterr().err
         errors = [line for line in err.splitlines() if "error:" in line]
         assert len(errors) == 1 and message in errors[0] and "usage:" not in err, (argv, err)  # one line, no usage
+
+
+def test_bench_lm_quick_sets_defaults_and_a_given_option_still_applies(monkeypatch):
+    """A user test: ``--quick --seq-len 128`` measured T 64 without a word (--quick replaced the shape)."""
+    bench = _bench(monkeypatch)
+    args = bench.parse(["--quick", "--seq-len", "128", "--hybrid", "goat,kda"])
+    assert (args.seq_len, args.d_model, args.n_layers, args.batch, args.rounds) == (128, 64, 2, 2, 2)
+    assert args.hybrid == "goat,kda" and args.modes == ["eager"] and args.device == "cpu" and not args.amp
+    args = bench.parse(["--quick"])
+    assert (args.seq_len, args.vocab, args.hybrid) == (64, 512, "kda,goat")

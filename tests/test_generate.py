@@ -210,3 +210,14 @@ def test_python_m_mixlab_generate_writes_text_to_stdout_and_progress_to_stderr(t
     assert res.returncode == 0, res.stderr
     assert "10 new tokens" in res.stderr and "rope" in res.stderr
     assert res.stdout.endswith("\n") and len(res.stdout[:-1].encode()) <= 10 * 3  # the continuation only
+
+
+def test_generating_past_the_training_context_says_so(text_ckpts, capsys):
+    """A user test: a prompt far past the training context decoded without a word about length extrapolation."""
+    common = ["--ckpt", str(text_ckpts["rope"]), "--prompt", "the", "--temperature", "0", "--ignore-eos"]
+    generate_main([*common, "--max-new-tokens", "8"])
+    assert "note:" not in capsys.readouterr().err  # within the 32 tokens of training
+    new = generate_main([*common, "--max-new-tokens", "40"])["ids"]
+    err = capsys.readouterr().err
+    assert len(new) == 40 and "tokens, 1." in err
+    assert "x the 32 the model was trained on" in err and "length-extrapolation" in err

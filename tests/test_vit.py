@@ -356,3 +356,22 @@ def test_shipped_digits_configs_keep_their_run_names_and_old_form_builds_the_sam
     old = MixlabCLI(args=["--config", cfg, *small, *old_form], run=False).model
     assert old.run_name == preset and old.model.ape == new.model.ape
     assert all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+
+
+def test_training_at_another_resolution_than_img_size_warns_naming_both_fields():
+    """A user test: ``data.init_args.image_size: 32`` with ``model.init_args.img_size: 16`` trained without a
+    word (the patch coordinates' unit and the APE grid come from ``img_size``)."""
+    import types
+    import warnings
+
+    model = ImageClassifier(10, 16, 4, backbone=vit_backbone("nope", d_model=32, n_layers=1, n_heads=2))
+    model._trainer = types.SimpleNamespace(datamodule=types.SimpleNamespace(num_classes=10, image_size=32))
+    with pytest.warns(UserWarning, match=r"data.init_args.image_size=32 trains at another resolution than "
+                                         r"model.init_args.img_size=\[16, 16\].*set model.init_args.img_size: 32"):
+        model.setup("fit")
+    model._trainer.datamodule.image_size = [16, 16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.setup("fit")
+        model._trainer.datamodule.image_size = 32
+        model.setup("validate")  # evaluating at another resolution is what the resolution transfer does

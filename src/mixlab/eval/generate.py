@@ -354,6 +354,11 @@ def main(argv: list[str] | None = None) -> dict:
     if not ids:
         raise ValueError("--prompt: the prompt is empty (no token to start from); give at least one character")
     _check_positions(model, len(ids), args.max_new_tokens, option="--max-new-tokens", prefix="")
+    trained, total = int(run.data_args.get("context_length") or 0), len(ids) + args.max_new_tokens
+    if trained and total > trained:
+        _log(f"note: prompt + --max-new-tokens = {total} tokens, {total / trained:.1f}x the {trained} the model was "
+             "trained on: past that it extrapolates in length (python -m mixlab length-extrapolation measures how "
+             "well)")
     _log(f"{args.ckpt}: {type(model).__name__} {model.run_name}, step {run.step}, {args.dtype} on {args.device}; "
          f"{codec.name} prompt of {len(ids)} token{'' if len(ids) == 1 else 's'} "
          f"(loaded in {time.perf_counter() - t0:.1f}s)")
@@ -365,8 +370,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.compile and not supports_static(model):
         _log(f"--compile: {model.run_name} has a layer without a static decoding step; it decodes through the "
              "dict caches, not compiled")
-    elif args.compile and device.type == "cpu":  # torch's note about the missing CUDA runtime, once per compile
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    elif args.compile:
+        _log("--compile: compiling the decoding step first (tens of seconds, once per model)")
+        if device.type == "cpu":  # torch's note about the missing CUDA runtime, once per compile
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     new = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, gen, codec.vocab_size,
                    None if args.ignore_eos else codec.eos_id,
                    cuda_graph=False if args.no_cuda_graph else None, compile_step=args.compile)[0].tolist()

@@ -54,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from timm.layers import PatchEmbed, resample_abs_pos_embed, trunc_normal_
 from torch import Tensor, nn
 from torchmetrics import SumMetric
@@ -435,6 +436,12 @@ class ImageClassifier(Head):
                     self.model.grid(*((size, size) if isinstance(size, int) else size))
                 except ValueError as err:
                     raise ValueError(f"data.init_args.{name}={size}: {err}") from None
+        size = self.data_attr("image_size")
+        if stage == "fit" and size is not None and to_hw(size) != self.model.img_size:
+            rank_zero_warn(f"data.init_args.image_size={size} trains at another resolution than "
+                           f"model.init_args.img_size={list(self.model.img_size)} (the APE grid and the patch "
+                           f"coordinates' unit); set model.init_args.img_size: {size} unless this is a fine-tune "
+                           "at a new resolution")
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
         x, y = batch
