@@ -107,33 +107,46 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
         assert message in capsys.readouterr().err, argv
 
 
-def test_make_wds_shards_refuses_a_missing_root_in_one_line(capsys, tmp_path):
+def _make_wds_shards(monkeypatch, capsys):
+    """``scripts/make_wds_shards.py``'s ``main`` in this process (a subprocess per call cost seconds of imports):
+    ``run(*argv)`` gives ``(exit status, stderr)``."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import make_wds_shards
+
+    def run(*argv) -> tuple[int, str]:
+        capsys.readouterr()
+        try:
+            make_wds_shards.main([str(v) for v in argv])
+            code = 0
+        except SystemExit as exit_info:
+            code = exit_info.code
+        except Exception as err:  # a traceback for the user
+            pytest.fail(f"make_wds_shards {argv}: {type(err).__name__}: {err}")
+        return code, capsys.readouterr().err
+
+    return run
+
+
+def test_make_wds_shards_refuses_a_missing_root_in_one_line(monkeypatch, capsys, tmp_path):
     """``scripts/make_wds_shards.py`` with a root that is not a folder, or a shard size below 1: one argparse line,
     exit 2, nothing written (a traceback before: user test)."""
-    import subprocess
-    import sys
-
-    for argv, says in (([str(tmp_path / "nope"), str(tmp_path / "out-%04d.tar")], "is not a directory"),
-                       ([str(tmp_path), str(tmp_path / "out-%04d.tar"), "--maxcount", "0"], "--maxcount must be >= 1")):
-        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wds_shards.py"), *argv], capture_output=True,
-                           text=True)
-        assert r.returncode == 2 and says in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+    run = _make_wds_shards(monkeypatch, capsys)
+    for argv, says in (([tmp_path / "nope", tmp_path / "out-%04d.tar"], "is not a directory"),
+                       ([tmp_path, tmp_path / "out-%04d.tar", "--maxcount", "0"], "--maxcount must be >= 1")):
+        code, err = run(*argv)
+        assert code == 2 and says in err.strip().splitlines()[-1] and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.glob("out-*"))
 
 
-def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(tmp_path):
+def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(monkeypatch, capsys, tmp_path):
     """A user test: a second run into the same pattern replaced shard 0 and left the old 1..3 beside it (a glob
     then read duplicates), and a folder of images without class folders gave a traceback."""
-    import subprocess
-    import sys
-
     import numpy as np
     from PIL import Image
 
-    def run(*argv):
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / "make_wds_shards.py"), *map(str, argv)],
-                              capture_output=True, text=True)
-
+    run = _make_wds_shards(monkeypatch, capsys)
     rng = np.random.default_rng(0)
     for c in ("cat", "dog"):
         (tmp_path / "imgs" / c).mkdir(parents=True)
@@ -141,19 +154,18 @@ def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(tmp_path):
             Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "imgs" / c / f"{i}.jpg")
     out = tmp_path / "out"
     pattern = out / "train-%04d.tar"
-    assert run(tmp_path / "imgs", pattern, "--maxcount", 2).returncode == 0
+    assert run(tmp_path / "imgs", pattern, "--maxcount", 2)[0] == 0
     first = sorted(p.name for p in out.glob("train-*.tar"))
     assert first == ["train-0000.tar", "train-0001.tar", "train-0002.tar"]
     before = (out / "train-0000.tar").read_bytes()
-    r = run(tmp_path / "imgs", pattern, "--maxcount", 4)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert "3 shards exist already" in r.stderr.strip().splitlines()[-1] and "--overwrite" in r.stderr
+    code, err = run(tmp_path / "imgs", pattern, "--maxcount", 4)
+    assert code == 2 and "3 shards exist already" in err.strip().splitlines()[-1] and "--overwrite" in err
     assert (out / "train-0000.tar").read_bytes() == before  # nothing lost
     (out / "train-old.tar").write_bytes(b"x")  # not a file of the pattern: kept
-    assert run(tmp_path / "imgs", pattern, "--maxcount", 4, "--overwrite").returncode == 0
+    assert run(tmp_path / "imgs", pattern, "--maxcount", 4, "--overwrite")[0] == 0
     assert sorted(p.name for p in out.glob("train-*.tar")) == ["train-0000.tar", "train-0001.tar", "train-old.tar"]
-    r = run(tmp_path / "imgs" / "cat", tmp_path / "flat-%04d.tar")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    code, err = run(tmp_path / "imgs" / "cat", tmp_path / "flat-%04d.tar")
+    assert code == 2
     assert ("has no class sub-folders (3 images directly in it): the layout is <root>/<class>/<image>"
-            in r.stderr.strip().splitlines()[-1])
+            in err.strip().splitlines()[-1])
     assert not list(tmp_path.glob("flat-*"))
