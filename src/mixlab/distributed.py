@@ -107,7 +107,8 @@ def worker_init_ignoring_sigterm(init: Callable[[int], Any] | None = None) -> Ca
     daemonic workers at interpreter exit, the DataLoader stopping a straggler) still ends the worker: a
     worker that ignored that one too would hang the main process's exit. Workers also exit when the main
     process is gone (torch's worker watchdog). Linux only (``signal.sigwaitinfo`` names the sender);
-    elsewhere the workers keep SIGTERM's default. Picklable (``functools.partial`` of a module function) for
+    elsewhere the workers keep SIGTERM's default. SIGTERM stays blocked in the worker's threads, and a program
+    the worker starts inherits that mask (it then ignores SIGTERM too). Picklable (``functools.partial`` of a module function) for
     spawn-started workers.
     """
     return functools.partial(_ignore_sigterm_then, init)
