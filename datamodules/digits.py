@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixlab.distributed import ResumableDataModule
+from mixlab.distributed import ResumableDataModule, check_at_least
 
 __all__ = ["load_uci_digits", "DigitsDataModule", "DigitsDataset"]
 
@@ -156,6 +156,9 @@ class DigitsDataModule(ResumableDataModule):
         self.save_hyperparameters()
         if not 0 < val_fraction + test_fraction < 1:
             raise ValueError("DigitsDataModule: val_fraction + test_fraction must be in (0, 1)")
+        smallest = lambda size: None if size is None else min([size] if isinstance(size, int) else size)  # noqa: E731
+        check_at_least(image_size=(smallest(image_size), 1), eval_size=(smallest(eval_size), 1),
+                       batch_size=(batch_size, 1), num_workers=(num_workers, 0))
         self.image_size = image_size
         self.eval_size = image_size if eval_size is None else eval_size
         self.batch_size = batch_size

@@ -144,6 +144,7 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     ("mesa", {"eval_cg_eps": 0.0}, "mesa: eval_cg_eps (adaptive CG tolerance) must be > 0"),
     ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
     ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),
+    ("goat", {"dropout": 1.5}, "attention dropout must be in [0, 1) (a probability); got 1.5"),
 ])
 def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):
     from mixlab.registry import build_mixer
@@ -206,3 +207,41 @@ def test_every_extra_command_name_resolves():
     # the evaluation wing, and the mixer registry's listing (python -m mixlab mixers)
     assert all(t.startswith(("mixlab.eval.", "mixlab.mixers:")) and callable(cli._resolve(t))
                for t in cli.COMMANDS.values())
+
+
+def test_bad_values_that_failed_at_the_first_step_are_one_line_before_training(capsys, tmp_path, monkeypatch):
+    """A user test: these trained into a raw traceback at the first step (label smoothing, a zero image size), gave
+    nonsense advice (a patch larger than the image: "e.g. 0x0"), or trained silently (a negative clip norm)."""
+    digits = str(Path(GOAT).parents[1] / "vit" / "goat_digits.yaml")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    for override, message in (
+            ("--model.init_args.label_smoothing=2",
+             "error: model.init_args.label_smoothing must be in [0, 1); got 2.0"),
+            ("--data.init_args.image_size=0", "error: data.init_args.image_size must be >= 1; got 0"),
+            ("--model.init_args.patch_size=50", "error: data.init_args.image_size=24: image size 24x24 is smaller than "
+                                                "one patch (patch_size=50): give a patch_size <= 24 or larger images"),
+            ("--trainer.gradient_clip_val=-1", "error: trainer.gradient_clip_val=-1: give a norm (or value) >= 0, or "
+                                               "null for no clipping")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["fit", "--config", digits, "--trainer.max_steps=1", "--run_root", str(tmp_path), override])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-2] == message and not any("Traceback" in line for line in err), err
+    assert not list(tmp_path.rglob("version_*"))  # nothing written
+
+
+def test_an_evaluation_commands_checkpoint_with_a_missing_weight_is_one_line(tmp_path):
+    """A user test: ``generate --ckpt`` of a checkpoint missing a tensor gave load_state_dict's raw traceback."""
+    import torch
+
+    from mixlab.eval.common import load_run
+    from mixlab.heads.lm import CausalLM
+
+    model = CausalLM(vocab_size=8, backbone={"d_model": 16, "n_layers": 1, "n_heads": 2, "mixer": "nope"})
+    ckpt = {"state_dict": {k: v for k, v in model.state_dict().items() if k != "embed.weight"},
+            "hyper_parameters": dict(model.hparams), "pytorch-lightning_version": "2.6.0", "global_step": 3}
+    torch.save(ckpt, tmp_path / "x.ckpt")
+    with pytest.raises(ValueError, match=r"--ckpt .*x.ckpt: its weights do not fit the mixlab.heads.lm.CausalLM it "
+                                         r"records \(1 tensor\(s\) of the model missing from the checkpoint, e.g. "
+                                         r"embed.weight\)"):
+        load_run(tmp_path / "x.ckpt", head=CausalLM)

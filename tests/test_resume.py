@@ -166,8 +166,8 @@ def test_validation_inside_an_accumulation_cycle_is_refused_in_one_line(tmp_path
     assert msg.startswith(f"trainer.val_check_interval={kw['val_check_interval']} counts training batches, not "
                           f"optimizer steps: with accumulate_grad_batches=2 validation and its checkpoints would "
                           f"fall inside a gradient-accumulation cycle (first after training batch {first})")
-    assert msg.endswith("use a multiple of 2" if first != 8 else
-                        "use a multiple of 5 or set limit_train_batches to a multiple of 2")
+    assert msg.endswith("give val_check_interval a multiple of 2" if first != 8 else
+                        "give val_check_interval a multiple of 5 or set trainer.limit_train_batches to a multiple of 2")
 
 
 class _Steps(pl.loggers.Logger):

@@ -247,6 +247,9 @@ class MixlabCLI(LightningCLI):
         if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # Lightning: a modulo by 0
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
+        clip = cfg["trainer"].get("gradient_clip_val")
+        if clip is not None and not clip >= 0:  # Lightning clips to a negative norm without a word
+            raise ValueError(f"trainer.gradient_clip_val={clip}: give a norm (or value) >= 0, or null for no clipping")
         for limit in ("max_steps", "max_epochs"):  # Lightning would "train" nothing and keep an empty run folder
             if self.subcommand == "fit" and cfg["trainer"].get(limit) == 0:
                 raise ValueError(f"trainer.{limit}=0 trains nothing: give {limit} >= 1 (-1: no limit of that kind)")
@@ -682,20 +685,24 @@ def check_state_dict(path: str, checkpoint: dict, model: torch.nn.Module) -> Non
     try:
         model.load_state_dict(dict(checkpoint.get("state_dict") or {}), strict=getattr(model, "strict_loading", True))
     except RuntimeError as err:
-        lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip()] or [str(err)]
-        lines.sort(key=lambda line: not line.startswith("size mismatch"))  # a shape says most
-        size = re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from "
-                        r"checkpoint, the shape in current model is torch.Size\((\[.*?\])\)", lines[0])
-        if size:
-            what = f"{size.group(1)} has shape {size.group(2)} in the checkpoint but {size.group(3)} in the model"
-        else:
-            keys = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", lines[0])
-            names = re.findall(r'"([^"]+)"', keys.group(2)) if keys else []
-            where = "of the model missing from the checkpoint" if keys and keys.group(1) == "Missing" else \
-                "of the checkpoint not in the model"
-            what = f"{len(names)} tensor(s) {where}, e.g. {names[0]}" if names else lines[0].rstrip(".")
-        raise ValueError(f"--ckpt_path {path}: the checkpoint does not fit the config's model ({what}); use the "
-                         f"config it was trained with") from None
+        raise ValueError(f"--ckpt_path {path}: the checkpoint does not fit the config's model "
+                         f"({state_dict_mismatch(err)}); use the config it was trained with") from None
+
+
+def state_dict_mismatch(err: RuntimeError) -> str:
+    """The first difference ``load_state_dict``'s error lists, in one phrase: the tensor and both shapes, or how
+    many tensors only one side has (with one name)."""
+    lines = [line.strip() for line in str(err).splitlines()[1:] if line.strip()] or [str(err)]
+    lines.sort(key=lambda line: not line.startswith("size mismatch"))  # a shape says most
+    size = re.match(r"size mismatch for (\S+): copying a param with shape torch.Size\((\[.*?\])\) from "
+                    r"checkpoint, the shape in current model is torch.Size\((\[.*?\])\)", lines[0])
+    if size:
+        return f"{size.group(1)} has shape {size.group(2)} in the checkpoint but {size.group(3)} in the model"
+    keys = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", lines[0])
+    names = re.findall(r'"([^"]+)"', keys.group(2)) if keys else []
+    where = "of the model missing from the checkpoint" if keys and keys.group(1) == "Missing" else \
+        "of the checkpoint not in the model"
+    return f"{len(names)} tensor(s) {where}, e.g. {names[0]}" if names else lines[0].rstrip(".")
 
 
 # ---------------------------------------------------------------------- bad config and command-line keys

@@ -108,8 +108,8 @@ def worker_init_ignoring_sigterm(init: Callable[[int], Any] | None = None) -> Ca
     worker that ignored that one too would hang the main process's exit. Workers also exit when the main
     process is gone (torch's worker watchdog). Linux only (``signal.sigwaitinfo`` names the sender);
     elsewhere the workers keep SIGTERM's default. SIGTERM stays blocked in the worker's threads, and a program
-    the worker starts inherits that mask (it then ignores SIGTERM too). Picklable (``functools.partial`` of a module function) for
-    spawn-started workers.
+    the worker starts inherits that mask (it then ignores SIGTERM too). Picklable (``functools.partial`` of a
+    module function) for spawn-started workers.
     """
     return functools.partial(_ignore_sigterm_then, init)
 
@@ -332,9 +332,9 @@ def check_validation_on_optimizer_steps(trainer: Any) -> None:
             bad = []
     if not bad:
         return
-    fix = f"use a multiple of {k}" if n == float("inf") or per_epoch or int(n) % k == 0 else (
-        f"the {int(n)} training batches of an epoch are not a multiple of {k} either, so use a multiple of {int(n)} "
-        f"or set limit_train_batches to a multiple of {k}")
+    fix = f"give val_check_interval a multiple of {k}" if n == float("inf") or per_epoch or int(n) % k == 0 else (
+        f"the {int(n)} training batches of an epoch are not a multiple of {k} either, so give val_check_interval a "
+        f"multiple of {int(n)} or set trainer.limit_train_batches to a multiple of {k}")
     raise ValueError(f"trainer.val_check_interval={trainer.val_check_interval} counts training batches, not optimizer "
                      f"steps: with accumulate_grad_batches={k} validation and its checkpoints would fall inside a "
                      f"gradient-accumulation cycle (first after training batch {bad[0]}), whose half-summed gradient "

@@ -154,7 +154,15 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
     cls = import_class(head_path)
     if head is not None and not issubclass(cls, head):
         raise ValueError(f"--ckpt {ckpt}: a {head_path} checkpoint; {hint or f'expected a {head.__name__} run'}")
-    model = cls.load_from_checkpoint(path, map_location=device, weights_only=False)
+    try:
+        model = cls.load_from_checkpoint(path, map_location=device, weights_only=False)
+    except RuntimeError as err:
+        if "state_dict" not in str(err).split("\n", 1)[0]:
+            raise
+        from mixlab.cli import state_dict_mismatch
+
+        raise ValueError(f"--ckpt {ckpt}: its weights do not fit the {head_path} it records "
+                         f"({state_dict_mismatch(err)}); a damaged or hand-edited checkpoint?") from None
     return Run(path, model.eval().to(device), head_path, data, data_args, int(raw.get("global_step", 0)))
 
 

@@ -225,6 +225,9 @@ class MixViT(nn.Module):
     def grid(self, height: int, width: int) -> tuple[int, int]:
         """Patch grid ``(gh, gw)`` of an image; ValueError if a side is not a multiple of P."""
         p = self.patch_size
+        if height < p or width < p:
+            raise ValueError(f"image size {height}x{width} is smaller than one patch (patch_size={p}): give a "
+                             f"patch_size <= {min(height, width)} or larger images")
         if height % p or width % p:
             raise ValueError(f"image size {height}x{width} is not divisible by patch_size={p}; "
                              f"resize/crop to multiples of {p} (e.g. {height // p * p}x{width // p * p})")
@@ -371,6 +374,8 @@ class ImageClassifier(Head):
         patch_coords: Literal["scaled", "index"] = "scaled",
     ) -> None:
         super().__init__()
+        if not 0 <= label_smoothing < 1:
+            raise ValueError(f"model.init_args.label_smoothing must be in [0, 1); got {label_smoothing}")
         self.save_hyperparameters()
         plain_hparams(self)  # checkpoints reload with weights_only=True
         backbone = None if backbone is None else as_config(BackboneConfig, backbone)

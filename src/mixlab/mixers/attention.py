@@ -70,6 +70,8 @@ class Attention(AttentionMixer):
         head_dim = resolve_head_dim("attention", d_model, n_heads, head_dim)
         if impl not in ("sdpa", "reference"):
             raise ValueError(f"attention impl must be 'sdpa' or 'reference'; got {impl!r}")
+        if not 0 <= dropout < 1:
+            raise ValueError(f"attention dropout must be in [0, 1) (a probability); got {dropout}")
         self.d_model, self.n_heads, self.head_dim, self.causal = d_model, n_heads, head_dim, causal
         self.impl, self.dropout, self.layer_idx = impl, dropout, layer_idx
         # For lane schemes the last n_lanes rows of every q/k head of qkv are inert: those outputs
