@@ -16,6 +16,7 @@ from mixlab.backbone import BackboneConfig
 from mixlab.callbacks import ThroughputMemory
 from mixlab.datamodules.genome import GenomeDataModule
 from mixlab.heads.lm import CausalLM
+from mixlab.heads.vit import ImageClassifier
 
 
 class _Record(Logger):
@@ -196,3 +197,20 @@ def test_goat_constant_frequencies_are_copied_to_the_device_once():
     assert pos.log_freqs is None and pos.freqs() is pos._freqs_fixed
     pos.to("meta")
     assert pos.freqs() is pos.freqs() and pos.freqs().device.type == "meta"
+
+
+def test_the_image_classifier_logs_images_per_s():
+    """A user test: the ViT's ``perf/tokens_per_s`` counted images (21 steps/s x 32 = 678), not its 37 tokens each."""
+    import types
+
+    cb = ThroughputMemory()
+    ticks = itertools.count(0, 2.0)
+    cb.clock = lambda: next(ticks)
+    logged = {}
+    module = types.SimpleNamespace(throughput_unit=ImageClassifier.throughput_unit, device=torch.device("cpu"),
+                                   batch_tokens=ImageClassifier.batch_tokens, log=logged.__setitem__)
+    trainer = types.SimpleNamespace(global_step=1, log_every_n_steps=1, world_size=1)
+    batch = (torch.zeros(32, 3, 24, 24), torch.zeros(32, dtype=torch.long))
+    cb.on_train_batch_start(trainer, module, batch, 0)
+    cb.on_train_batch_end(trainer, module, None, batch, 0)
+    assert logged["perf/images_per_s"] == 32 / 2 and "perf/tokens_per_s" not in logged

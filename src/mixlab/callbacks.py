@@ -22,7 +22,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputMemory(pl.Callback):
-    """Logs ``perf/tokens_per_s``, ``perf/steps_per_s`` and ``perf/peak_mem_gb`` (GB) once per window of
+    """Logs ``perf/tokens_per_s`` (``perf/<unit>_per_s`` for a head whose ``throughput_unit`` is another unit:
+    ``images`` for the image classifier), ``perf/steps_per_s`` and ``perf/peak_mem_gb`` (GB) once per window of
     ``log_every_n_steps`` training steps (default: the trainer's ``log_every_n_steps``, so that every value
     reaches the logger).
 
@@ -65,7 +66,8 @@ class ThroughputMemory(pl.Callback):
             return
         self._sync(pl_module)
         dt = max(self.clock() - self._t0, 1e-9)
-        pl_module.log("perf/tokens_per_s", self._tokens * trainer.world_size / dt)
+        unit = getattr(pl_module, "throughput_unit", "tokens")
+        pl_module.log(f"perf/{unit}_per_s", self._tokens * trainer.world_size / dt)
         pl_module.log("perf/steps_per_s", self._steps / dt)
         pl_module.log("perf/peak_mem_gb", peak_memory_gb(pl_module.device))
         self._t0 = None
