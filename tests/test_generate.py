@@ -221,3 +221,22 @@ def test_generating_past_the_training_context_says_so(text_ckpts, capsys):
     err = capsys.readouterr().err
     assert len(new) == 40 and "tokens, 1." in err
     assert "x the 32 the model was trained on" in err and "length-extrapolation" in err
+
+
+def test_a_fasta_prompt_keeps_the_training_context_unless_last_tokens_says_otherwise(genome_ckpt, capsys):
+    """A user test: ``--fasta`` of a 200k-base record on a 256-context model ran for minutes without a word."""
+    ckpt, _ = genome_ckpt
+    fasta = ckpt.parents[5] / "toy.fa"  # the 3000 bases the model was trained on
+    common = ["--ckpt", str(ckpt), "--max-new-tokens", "2", "--temperature", "0"]
+    from mixlab.datamodules.genome import read_fasta
+
+    bases = read_fasta(str(fasta), "fold", "n")[0][0][1].tolist()
+    out = generate_main([*common, "--fasta", str(fasta)])
+    assert out["prompt_ids"] == bases[-32:]  # context_length 32
+    assert "the prompt's last 32 of its 3000 tokens are kept (the training context" in capsys.readouterr().err
+    assert generate_main([*common, "--fasta", str(fasta), "--last-tokens", "100"])["prompt_ids"] == bases[-100:]
+    full = generate_main([*common, "--prompt", "ACGTACGT"])["prompt_ids"]
+    assert len(full) == 8 and generate_main([*common, "--prompt", "ACGTACGT", "--last-tokens", "3"])["prompt_ids"] \
+        == full[-3:]
+    with pytest.raises(ValueError, match="--last-tokens must be >= 1; got 0"):
+        generate_main([*common, "--prompt", "ACGT", "--last-tokens", "0"])

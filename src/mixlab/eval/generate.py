@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     Raises:
         FileNotFoundError: ``--ckpt`` or ``--fasta`` missing.
-        ValueError: ``--max-new-tokens`` below 0, ``--temperature`` not a finite number >= 0, ``--top-k``
-            below 1; not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
+        ValueError: ``--max-new-tokens`` below 0, ``--temperature`` not a finite number >= 0, ``--top-k`` or
+            ``--last-tokens`` below 1; not an LM checkpoint; an empty prompt; characters the tokenizer cannot encode;
             ``--fasta`` for a run that is not a genome LM; a prompt plus new tokens longer than the
             model's learned absolute positions.
     """
@@ -301,6 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (DNA letters for a genome run, token ids for other synthetic runs)")
     src.add_argument("--fasta", help="genome runs: the prompt is the first record of this FASTA(.gz) file")
+    p.add_argument("--last-tokens", type=int, default=None, metavar="N",
+                   help="keep only the last N tokens of the prompt (default: all of --prompt; for --fasta, the "
+                        "training context length when the record is longer)")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy (argmax)")
     p.add_argument("--top-k", type=int, default=None,
@@ -316,7 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="compile the static decoding step with torch.compile (fewer, fused kernels per token; "
                         "the compilation takes tens of seconds, once)")
     args = p.parse_args(argv)
-    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1)):
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1),
+                                 ("--last-tokens", args.last_tokens, 1)):
         if value is not None and value < least:
             raise ValueError(f"{option} must be >= {least}; got {value}")
     if not 0 <= args.temperature < math.inf:  # NaN fails too
@@ -353,6 +357,13 @@ def main(argv: list[str] | None = None) -> dict:
         ids = codec.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt: the prompt is empty (no token to start from); give at least one character")
+    keep = args.last_tokens
+    if keep is None and args.fasta is not None and run.data_args.get("context_length"):
+        keep = int(run.data_args["context_length"])  # a chromosome is no prompt for a model of that context
+    if keep is not None and len(ids) > keep:
+        _log(f"the prompt's last {keep} of its {len(ids)} tokens are kept"
+             + ("" if args.last_tokens is not None else " (the training context; --last-tokens N keeps another N)"))
+        ids = ids[-keep:]
     _check_positions(model, len(ids), args.max_new_tokens, option="--max-new-tokens", prefix="")
     trained, total = int(run.data_args.get("context_length") or 0), len(ids) + args.max_new_tokens
     if trained and total > trained:
