@@ -245,3 +245,18 @@ def test_an_evaluation_commands_checkpoint_with_a_missing_weight_is_one_line(tmp
                                          r"records \(1 tensor\(s\) of the model missing from the checkpoint, e.g. "
                                          r"embed.weight\)"):
         load_run(tmp_path / "x.ckpt", head=CausalLM)
+
+
+def test_ctrl_c_in_an_evaluation_command_is_one_line(capsys, monkeypatch):
+    """A user test: Ctrl-C in ``length-extrapolation`` printed a 20-line KeyboardInterrupt traceback."""
+    import signal
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_resolve", lambda target: interrupted)
+    monkeypatch.delenv("MIXLAB_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["length-extrapolation", "--ckpt", "x.ckpt"])
+    assert info.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err.strip() == "mixlab length-extrapolation: interrupted (Ctrl-C)"

@@ -1018,7 +1018,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         if words and words[0] in COMMANDS:
-            _resolve(COMMANDS[words[0]])(words[1:])
+            try:
+                _resolve(COMMANDS[words[0]])(words[1:])
+            except KeyboardInterrupt:
+                if os.environ.get("MIXLAB_TRACEBACK"):
+                    raise
+                print(f"mixlab {words[0]}: interrupted (Ctrl-C)", file=sys.stderr)
+                raise SystemExit(128 + signal.SIGINT) from None
             return
         lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
         if words and not words[0].startswith("-") and words[0] not in lightning:
