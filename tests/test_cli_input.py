@@ -657,3 +657,15 @@ def test_a_bad_precision_lists_every_value_lightning_takes(capsys, monkeypatch, 
     assert err[-1].startswith("error: --trainer.precision: one of 64, 32, 16, ") and err[-1].endswith("; got 17")
     assert all(v in err[-1] for v in ("bf16-mixed", "16-mixed", "bf16-true", "32-true")), err
     assert not (tmp_path / "runs").exists()
+
+
+def test_validate_without_a_checkpoint_warns_that_the_weights_are_untrained(caplog, monkeypatch, tmp_path):
+    """A user test: ``validate --run_name noval`` without ``--ckpt_path`` wrote a run of an untrained model, which
+    ``compare`` then listed, without a word."""
+    import logging
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
+        cli.main(["validate", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16",
+                  "--trainer.limit_val_batches=1", "--run_root", str(tmp_path)])
+    assert "validate without --ckpt_path evaluates the model's initial (untrained) weights" in caplog.text

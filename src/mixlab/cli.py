@@ -247,6 +247,10 @@ class MixlabCLI(LightningCLI):
         if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # Lightning: a modulo by 0
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
+        if self.subcommand in ("validate", "test") and not cfg.get("ckpt_path"):
+            logging.getLogger("mixlab.cli").warning(
+                "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
+                "best, or a file) evaluates a trained run", self.subcommand)
         clip = cfg["trainer"].get("gradient_clip_val")
         if clip is not None and not clip >= 0:  # Lightning clips to a negative norm without a word
             raise ValueError(f"trainer.gradient_clip_val={clip}: give a norm (or value) >= 0, or null for no clipping")
