@@ -161,3 +161,18 @@ def test_a_failed_length_extrapolation_leaves_the_run_folder_as_it_was(tmp_path,
     assert sorted(p.name for p in le.iterdir()) == ["length_extrapolation.csv", "length_extrapolation.md",
                                                     "position_nll.csv", "position_nll.png", "tb"]
     assert len(list((le / "tb").glob("events.out.tfevents.*"))) == 2  # the scalars and the figure
+
+
+def test_split_is_restricted_to_the_text_splits(tmp_path, capsys):
+    """A user test: ``--split trian`` silently evaluated the val split (TextDataModule.windows reads every
+    split name but "train" as val). Now argparse refuses it in one line, before anything is read or written;
+    --help says that test is the same data as val."""
+    with pytest.raises(SystemExit) as info:
+        L.main(["--ckpt", str(tmp_path / "none.ckpt"), "--split", "trian", "--out", str(tmp_path / "x")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "argument --split: invalid choice: 'trian'" in err[0]
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit):
+        L.main(["--help"])
+    assert "test is the same data as val" in " ".join(capsys.readouterr().out.split())

@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="tokens per cached forward (default: training length; 0: none)")
     p.add_argument("--data-path", default=None, help="evaluate on these documents instead of the checkpoint's")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint datamodule's tokenizer")
-    p.add_argument("--split", default="val")
+    p.add_argument("--split", choices=["val", "test", "train"], default="val",
+                   help="text split to cut the windows from (TextDataModule: test is the same data as val)")
     p.add_argument("--smooth", type=int, default=16, help="moving-average width of the NLL curve")
     p.add_argument("--out", default=None, help="output folder (default: <ckpt dir>/../length_extrapolation)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -11,6 +11,12 @@ training length), so long contexts stay memory-safe. Outputs in ``--out``:
 ``<task>_<haystack>.md`` / ``.csv`` (every cell, all three metrics),
 ``<task>_<haystack>_heatmap.png`` (span token accuracy, depth x length) and TensorBoard
 scalars under ``tb/``.
+
+The checkpoint must be a decoder LM trained on the character-level retrieval data
+(``RetrievalDataModule``: ``configs/synthetic/passkey.yaml`` / ``niah.yaml``), whose 75-id
+vocabulary the prompts are written in; any other run is refused before anything is written. Bad
+option values are one-line errors, and a command that fails leaves ``--out`` as it was
+(:func:`mixlab.eval.common.undo_on_failure`).
 """
 
 from __future__ import annotations
@@ -22,10 +28,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixlab.datamodules.retrieval import load_essay, make_example, span_metrics
-from mixlab.eval.common import OneLineParser, chunked_logits, load_run, pyplot
+from mixlab.datamodules.retrieval import CHARS, RetrievalDataModule, load_essay, make_example, span_metrics
+from mixlab.eval.common import OneLineParser, chunked_logits, import_class, load_run, pyplot, undo_on_failure
 
 __all__ = ["evaluate_cell", "plot_heatmap", "main", "passkey_main", "niah_main"]
+
+_RETRIEVAL_HINT = ("{task} needs a decoder LM trained on the character-level retrieval data "
+                   "(mixlab.datamodules.retrieval.RetrievalDataModule, e.g. python -m mixlab fit --config "
+                   "configs/synthetic/{task}.yaml)")
+
+
+def _check_args(args) -> None:
+    """ValueError naming the first option with a bad value."""
+    for option, value, least in (("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
+                                 ("--chunk", args.chunk, 0)):
+        if value is not None and value < least:
+            raise ValueError(f"{option} must be >= {least}; got {value}")
+    bad = [n for n in args.lengths or [] if n < 1]
+    if bad:
+        raise ValueError(f"--lengths must be >= 1 token each; got {bad[0]}")
+    bad = [d for d in args.depths if not (0.0 <= d <= 1.0)]  # NaN fails too
+    if bad:
+        raise ValueError(f"--depths must be fractions in [0, 1] (of the haystack before the needle); got {bad[0]:g}")
+
+
+def _check_run(run, ckpt: str, task: str) -> None:
+    """ValueError unless ``run`` is a decoder LM trained on :class:`RetrievalDataModule` data."""
+    hint = _RETRIEVAL_HINT.format(task=task)
+    data = import_class(run.data) if run.data else None
+    if data is None or not (isinstance(data, type) and issubclass(data, RetrievalDataModule)):
+        what = f"a {data.__name__} run" if data is not None else "a run with no recorded datamodule"
+        raise ValueError(f"--ckpt {ckpt}: {what}; {hint}")
+    if getattr(run.model, "decoder", "lm") != "lm" or getattr(run.model, "vocab_size", len(CHARS)) != len(CHARS):
+        raise ValueError(f"--ckpt {ckpt}: a {run.head} with decoder={getattr(run.model, 'decoder', 'lm')!r} and "
+                         f"vocab_size={run.model.vocab_size}; {hint} (decoder 'lm', vocab_size {len(CHARS)})")
 
 
 @torch.no_grad()
@@ -95,18 +131,45 @@ def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
     p.add_argument("--out", default=None, help="output folder (default: <ckpt dir>/../retrieval)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    run = load_run(args.ckpt, args.device)
+    _check_args(args)
+    from mixlab.heads.lm import CausalLM
+
+    run = load_run(args.ckpt, args.device, head=CausalLM, hint=_RETRIEVAL_HINT.format(task=task))
+    _check_run(run, args.ckpt, task)
     model, hp = run.model, run.data_args
     train_len = int(hp.get("context_length", 256))
     haystack = args.haystack or hp.get("haystack", "noise")
     lengths = args.lengths or [train_len * m for m in (1, 2, 4, 8)]
     essay = load_essay(args.text or hp.get("essay_path")) if haystack == "essay" else None
+    for length in lengths:  # too short for the needle and question: before anything is written
+        try:
+            make_example(np.random.default_rng(0), task, length, 0.5, haystack, essay)
+        except ValueError as err:
+            raise ValueError(f"--lengths {length}: {err}") from None
     chunk = train_len if args.chunk is None else args.chunk
     out = Path(args.out) if args.out else Path(args.ckpt).resolve().parent.parent / "retrieval"
-    out.mkdir(parents=True, exist_ok=True)
+    with undo_on_failure() as note:
+        results, md = _evaluate(model, task, args, lengths, haystack, essay, chunk, train_len, out, note)
+    stem = f"{task}_{haystack}"
+    print("\n".join(md))
+    print(f"wrote {out}/{stem}.md, .csv, {stem}_heatmap.png, tb/")
+    return results
+
+
+def _evaluate(model, task, args, lengths, haystack, essay, chunk, train_len, out: Path, note):
+    """:func:`main`'s grid and outputs: ``(results, markdown)``; ``note(folder)`` before each folder is first
+    written into (:func:`~mixlab.eval.common.undo_on_failure`)."""
+    note(out).mkdir(parents=True, exist_ok=True)
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(out / "tb" / f"{task}_{haystack}"))
+    writer = SummaryWriter(str(note(out / "tb" / f"{task}_{haystack}")))
+    try:
+        return _grid(model, task, args, lengths, haystack, essay, chunk, train_len, out, writer)
+    finally:
+        writer.close()
+
+
+def _grid(model, task, args, lengths, haystack, essay, chunk, train_len, out: Path, writer):
     results: dict[tuple[int, float], dict[str, float]] = {}
     grid = np.zeros((len(args.depths), len(lengths)))
     for j, length in enumerate(lengths):
@@ -138,10 +201,7 @@ def main(argv: list[str] | None = None, task: str = "passkey") -> dict:
     fig = plot_heatmap(grid, args.depths, lengths, out / f"{stem}_heatmap.png",
                        f"{task} ({haystack}): {getattr(model, 'run_name', '')}")
     writer.add_figure(f"{task}/heatmap", fig)
-    writer.close()
-    print("\n".join(md))
-    print(f"wrote {out}/{stem}.md, .csv, {stem}_heatmap.png, tb/")
-    return results
+    return results, md
 
 
 def passkey_main(argv: list[str] | None = None) -> dict:
