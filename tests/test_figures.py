@@ -234,3 +234,38 @@ def test_a_failed_figure_command_leaves_the_run_folder_as_it_was(tmp_path: Path,
     figures.main(["goat-prior", "--head", "1", "--ckpt", str(ckpt)])
     assert sorted(p.name for p in fig.iterdir() if not p.name.startswith("events.")) == ["goat_prior_l0_h1.png"]
     assert len(list(fig.glob("events.out.tfevents.*"))) == 1
+
+
+# ---------------------------------------------------------------------------- SyntheticLM checkpoints
+@pytest.mark.parametrize("name, mixer", [("write-rates", "fg2gdn"), ("mesa-solver", "mesa")])
+def test_figure_on_a_synthetic_checkpoint(tmp_path: Path, monkeypatch, name: str, mixer: str) -> None:
+    """A user test: write-rates / mesa-solver failed on every SyntheticLM checkpoint ("cannot feed a batch of
+    type dict"); the held-out dict batches now go through the head's own split_batch, as its _eval_step."""
+    import sys
+
+    from mixlab import cli
+    from mixlab.eval import figures
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    monkeypatch.chdir(tmp_path)
+    cfg = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic" / "mad_in_context_recall.yaml")
+    cli.main(["fit", "--config", cfg, "--run_root", str(tmp_path / "runs"), "--trainer.max_steps=2",
+              "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.accelerator=cpu",
+              f"--model.backbone.mixer={mixer}", "--model.backbone.d_model=16", "--model.backbone.n_heads=2",
+              "--model.backbone.n_layers=1", "--data.seq_len=16", "--data.batch_size=4", "--data.n_train=16",
+              "--data.n_val=8", "--data.n_test=8"])
+    (ckpt,) = sorted((tmp_path / "runs").rglob("last.ckpt"))
+    out = tmp_path / "fig"
+    stats = figures.main([name, "--ckpt", str(ckpt), "--out", str(out), "--tb", str(tmp_path / "tb")])
+    _png(out / ("write_rates.png" if name == "write-rates" else "mesa_solver.png"))
+    (layer,) = stats.values()
+    n = figures.heldout_batches(ckpt, 1)[0]["inputs"].numel()  # tokens of the one held-out dict batch
+    if name == "write-rates":
+        rates = np.asarray(layer["rates"])
+        assert rates.shape[0] == n and np.isfinite(rates).all() and (rates >= 0).all() and (rates <= 2).all()
+        np.testing.assert_allclose(layer["channel_mean"], rates.mean(0), rtol=1e-6)
+    else:
+        cond, iters = np.asarray(layer["cond"]), np.asarray(layer["cg_iters"])
+        assert cond.shape[0] == n and np.isfinite(cond).all() and (cond >= 1 - 1e-6).all()
+        assert np.isfinite(iters).all() and (iters >= 0).all()
+        assert np.isfinite(layer["lamb"]).all() and (np.asarray(layer["lamb"]) > 0).all()

@@ -51,6 +51,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
@@ -257,7 +258,9 @@ def _capture_inputs(model: nn.Module, kinds: tuple[type, ...], forward: Callable
 
 def forward_batch(model: nn.Module, batch: Any) -> Any:
     """Run a head on one batch as its ``_eval_step`` would: ``LongTensor [B, L+1]`` -> ``model(batch[:, :-1])``;
-    ``(x, y)`` -> ``model(x)``; a float tensor -> ``model(batch)``.
+    ``(x, y)`` -> ``model(x)``; a float tensor -> ``model(batch)``; a synthetic-task dict
+    (``inputs``/``targets``, :class:`~mixlab.heads.SyntheticLM`) -> ``model(batch["inputs"])`` via
+    :func:`mixlab.heads.synthetic.split_batch`.
 
     Raises:
         ValueError: another batch type (the figure functions also take a callable).
@@ -266,6 +269,10 @@ def forward_batch(model: nn.Module, batch: Any) -> Any:
         return model(batch[:, :-1] if not batch.is_floating_point() and batch.dim() == 2 else batch)
     if isinstance(batch, (tuple, list)) and batch and torch.is_tensor(batch[0]):
         return model(batch[0])
+    if isinstance(batch, dict):
+        from mixlab.heads.synthetic import split_batch  # the SyntheticLM batch format, as its _eval_step reads it
+
+        return model(split_batch(batch)[0])
     raise ValueError(f"figures: cannot feed a batch of type {type(batch).__name__} to {type(model).__name__}; "
                      f"pass a callable running the model instead")
 
@@ -565,9 +572,7 @@ def main(argv: list[str] | None = None) -> dict:
     batches: list[Any] = []
     if a.name in ("write-rates", "mesa-solver"):
         dev = torch.device(a.device)
-        batches = [b.to(dev) if torch.is_tensor(b) else
-                   type(b)(x.to(dev) if torch.is_tensor(x) else x for x in b) if isinstance(b, (tuple, list)) else b
-                   for b in heldout_batches(ckpt, a.batches)]
+        batches = [move_data_to_device(b, dev) for b in heldout_batches(ckpt, a.batches)]  # tensors, tuples, dicts
     run_tb = _default_tb(ckpt)
     a.out = a.out or str(run_tb or Path("runs") / "figures" / ckpt.stem)
     tb = Path(a.tb) if a.tb else (run_tb or Path(a.out) / "tb")
