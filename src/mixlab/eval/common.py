@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits", "undo_on_failure", "OneLineParser"]
+           "chunked_logits", "undo_on_failure", "OneLineParser", "refuse_below"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -30,6 +30,18 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def refuse_below(*checks: tuple[str, Any, int | float]) -> None:
+    """Refuse command-line options below their least value: each check is ``(option, value, least)``; a value
+    of ``None`` is "not given" and passes.
+
+    Raises:
+        ValueError: ``<option> must be >= <least>; got <value>``, for the first option out of range.
+    """
+    for option, value, least in checks:
+        if value is not None and value < least:
+            raise ValueError(f"{option} must be >= {least}; got {value}")
 
 
 def import_class(path: str) -> type:

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mixlab.eval.common import OneLineParser, import_class, load_run
+from mixlab.eval.common import OneLineParser, import_class, load_run, refuse_below
 
 __all__ = ["Codec", "codec_for", "generate", "main"]
 
@@ -319,10 +319,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="compile the static decoding step with torch.compile (fewer, fused kernels per token; "
                         "the compilation takes tens of seconds, once)")
     args = p.parse_args(argv)
-    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1),
-                                 ("--last-tokens", args.last_tokens, 1)):
-        if value is not None and value < least:
-            raise ValueError(f"{option} must be >= {least}; got {value}")
+    refuse_below(("--max-new-tokens", args.max_new_tokens, 0), ("--top-k", args.top_k, 1),
+                 ("--last-tokens", args.last_tokens, 1))
     if not 0 <= args.temperature < math.inf:  # NaN fails too
         raise ValueError(f"--temperature must be a finite number >= 0 (0: greedy); got {args.temperature}")
 

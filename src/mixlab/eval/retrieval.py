@@ -29,7 +29,15 @@ import numpy as np
 import torch
 
 from mixlab.datamodules.retrieval import CHARS, RetrievalDataModule, load_essay, make_example, span_metrics
-from mixlab.eval.common import OneLineParser, chunked_logits, import_class, load_run, pyplot, undo_on_failure
+from mixlab.eval.common import (
+    OneLineParser,
+    chunked_logits,
+    import_class,
+    load_run,
+    pyplot,
+    refuse_below,
+    undo_on_failure,
+)
 
 __all__ = ["evaluate_cell", "plot_heatmap", "main", "passkey_main", "niah_main"]
 
@@ -40,10 +48,7 @@ _RETRIEVAL_HINT = ("{task} needs a decoder LM trained on the character-level ret
 
 def _check_args(args) -> None:
     """ValueError naming the first option with a bad value."""
-    for option, value, least in (("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1),
-                                 ("--chunk", args.chunk, 0)):
-        if value is not None and value < least:
-            raise ValueError(f"{option} must be >= {least}; got {value}")
+    refuse_below(("--samples", args.samples, 1), ("--batch-size", args.batch_size, 1), ("--chunk", args.chunk, 0))
     bad = [n for n in args.lengths or [] if n < 1]
     if bad:
         raise ValueError(f"--lengths must be >= 1 token each; got {bad[0]}")
