@@ -102,10 +102,10 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 
 # ---------------------------------------------------------------------------- 0. prefill pieces
-CG_CONFIGS = ["bc=32,warps=8,hold=1,prec=fp16x3", "bc=16,warps=4,hold=1,prec=fp16x3",
-              "bc=64,warps=8,hold=1,prec=fp16x3", "bc=32,warps=4,hold=0,prec=fp16x3",
-              "bc=16,warps=4,hold=0,prec=fp16x3", "bc=32,warps=8,hold=0,prec=tf32x3",
+CG_CONFIGS = ["bc=32,warps=8,hold=1,prec=fp16x3", "bc=32,warps=8,hold=1,prec=fp16", "bc=64,warps=8,hold=1,prec=fp16",
+              "bc=32,warps=4,hold=1,prec=fp16", "bc=16,warps=4,hold=1,prec=fp16", "bc=64,warps=8,hold=1,prec=fp16x3",
               "bc=16,warps=4,hold=0,prec=tf32x3", "bc=16,warps=4,hold=0,prec=ieee"]
+STATES_CONFIGS = ["bk=64,bx=64,warps=4,stages=3", "bk=64,bx=64,warps=4,stages=1", "bk=32,bx=64,warps=4,stages=3"]
 
 
 @torch.no_grad()
@@ -135,6 +135,19 @@ def bench_breakdown(dev, shape, reps) -> str:
                      f"H vs torch {rel_err(ch_t.H, ch.H):.1e}, G {rel_err(ch_t.G, ch.G):.1e}", t_prep_t,
                      t_prep_t / anchor])
         del ch_t
+        saved_s = os.environ.get("MIXLAB_MESA_STATES")
+        for scfg in STATES_CONFIGS:
+            os.environ["MIXLAB_MESA_STATES"] = scfg
+            try:
+                ts = timed(lambda: mo._Chunks(k, v, g, beta, None, 64, states="triton"), dev, reps=reps)
+                rows.append([f"chunk statistics, Triton scan {scfg}", "", ts, ts / anchor])
+            except Exception as e:  # noqa: BLE001
+                rows.append([f"Triton scan {scfg} failed: {type(e).__name__}: {str(e)[:80]}", "", float("nan"),
+                             float("nan")])
+        if saved_s is None:
+            os.environ.pop("MIXLAB_MESA_STATES", None)
+        else:
+            os.environ["MIXLAB_MESA_STATES"] = saved_s
     except Exception as e:  # noqa: BLE001
         rows.append([f"Triton chunk-state scan failed: {type(e).__name__}: {str(e)[:80]}", "", float("nan"),
                      float("nan")])

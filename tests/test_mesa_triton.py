@@ -14,17 +14,19 @@ triton = pytest.importorskip("triton")
 
 def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
     res = run_interpreter_check("mesa_triton_check.py")
-    assert len(res) == 8
+    assert len(res) == 9
     for name, r in res.items():
         if name.startswith("backward"):
             tol = 1e-5 if "fixed" in name else 1e-4
             assert all(err < tol for err in r.values()), (name, r)
-        elif name.startswith("mixer"):
-            assert r["o_vs_chunk"] < 1e-4, r
+        elif name.startswith("mixer"):  # inference: one float16 product per CG step
+            assert r["o_vs_chunk"] < 5e-4, r
         else:
             assert r["o_vs_exact"] < 1e-3, (name, r)  # issue 17: fp32 relative error <= 1e-3
-            assert r["o_vs_torch"] < 1e-4, (name, r)
-            assert r["iters_diff"] <= 3, (name, r)  # float32 rounding at the stopping threshold
+            # float32-accurate products (fp16x3) in a forward that will be differentiated; an inference
+            # forward takes one float16 product per CG step (~2e-4 from the torch CG, fla's bf16 kernel 7e-4)
+            assert r["o_vs_torch"] < (1e-4 if name.startswith("train") else 5e-4), (name, r)
+            assert r["iters_diff"] <= 3, (name, r)  # rounding at the stopping threshold
             assert r["state_vs_torch"] < 2e-6, (name, r)  # the Triton chunk-state scan (fp16x3 products)
     assert res["fixed30_T37_C16_state"]["mean_iters"] == 30.0
     assert 1 < res["adaptive_T75_C32_correlated"]["mean_iters"] < 30

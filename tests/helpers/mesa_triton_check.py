@@ -3,7 +3,8 @@
 Inputs are float32 with correlated keys (a shared direction plus noise, as trained keys are),
 forget gates near 1, odd lengths, T = 1 and lengths not divisible by the chunk size. Every case
 compares the Triton CG (``cg_impl="triton"``) with the torch chunk CG (same algorithm: outputs,
-iteration counts and, for the backward, every gradient) and with the float64 exact solve.
+iteration counts and, for the backward, every gradient) and with the float64 exact solve. Forward
+cases run as inference (one float16 product per CG step) unless their name starts with ``train``.
 
 Prints one JSON line ``{case: {metric: value}}``. Used by tests/test_mesa_triton.py.
 On a GPU (``MESA_CHECK_DEVICE=cuda``, no interpreter) it checks the compiled kernel.
@@ -41,12 +42,16 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def forward_case(chunk, cg_iters, cg_eps, **kw):
+def forward_case(chunk, cg_iters, cg_eps, train=False, **kw):
+    """``train``: q requires grad, so the Triton forward keeps float32-accurate products (fp16x3);
+    otherwise it is an inference forward (one float16 product per CG step)."""
     x = inputs(**kw)
     sign = x.pop("gate_sign", None)
     h0 = x.pop("initial_state", None)
     args = [x[n] for n in ("q", "k", "v", "g", "beta", "lamb")]
-    o_t, s_t, it_t = mesa_chunk(*args, cg_iters, cg_eps, chunk, h0, True, sign, cg_impl="triton")
+    q_t = args[0].clone().requires_grad_(train)
+    o_t, s_t, it_t = mesa_chunk(q_t, *args[1:], cg_iters, cg_eps, chunk, h0, True, sign, cg_impl="triton")
+    o_t, s_t = o_t.detach(), tuple(z.detach() for z in s_t)
     o_c, s_c, it_c = mesa_chunk(*args, cg_iters, cg_eps, chunk, h0, True, sign, cg_impl="torch")
     o_e, _ = mesa_exact(*[a.double() for a in args], None if h0 is None else tuple(z.double() for z in h0),
                         gate_sign=sign)
@@ -85,6 +90,8 @@ def mixer_case():
 def main():
     out = {
         "adaptive_T75_C32_correlated": forward_case(32, 30, 1e-4, b=2, t=75, h=2, k=24, v=20, seed=0),
+        "train_adaptive_T75_C32_correlated": forward_case(32, 30, 1e-4, train=True, b=2, t=75, h=2, k=24, v=20,
+                                                          seed=0),
         "adaptive_T1": forward_case(64, 30, 1e-4, b=2, t=1, h=2, k=16, v=16, seed=1),
         "fixed30_T37_C16_state": forward_case(16, 30, None, b=1, t=37, h=2, k=16, v=8, seed=2, state=True),
         "adaptive_T70_C64_K64_gates_near_one": forward_case(64, 30, 1e-4, b=1, t=70, h=1, k=64, v=64, seed=3,

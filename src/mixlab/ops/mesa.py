@@ -26,8 +26,11 @@ Implementations (all compute in float32, or float64 for float64 inputs):
   matmuls, CG over all tokens at once (paper Appendix D); adaptive CG drops finished
   chunks from the working set. Backward solves the adjoint system
   ``(H_t + Lambda) u_t = G_t do_t`` (not by differentiating CG iterations).
-  ``cg_impl="triton"`` runs both solves in one Triton program per chunk with per-token
-  adaptive stopping (:mod:`mixlab.ops.mesa_triton`).
+  ``cg_impl="triton"`` (and ``"auto"`` where the kernel serves) runs both solves in one Triton
+  program per chunk with per-token adaptive stopping (:mod:`mixlab.ops.mesa_triton`); its forward
+  reads q, k, v in place (chunk-start states, CG and read-out in three kernels), with one float16
+  product per CG step when no gradient will be taken (output ~2e-4 from the float64 solve) and
+  float32-accurate products otherwise.
 * :func:`mesa_net` - dispatch; on CUDA the fixed-count path goes to fla-core's
   ``chunk_mesa_net`` (fp16 q/k, CG denominators floored at 1e-5, K <= 128, K == V).
 """
@@ -351,8 +354,7 @@ class _Chunks:
             return z.permute(0, 3, 1, 2, *range(4, z.dim())).contiguous()
 
         kc, vc = chunk(k), chunk(v)
-        gc = chunk(g).cumsum(-1)  # [B, H, N, C]
-        bc = chunk(beta)
+        gc, bc, sc = _chunk_gates(g, beta, sign, c)  # [B, H, N, C]
         tri = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
         diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~tri, float("-inf"))
         self.D = diff.exp() * bc.unsqueeze(-2)  # [B, H, N, C, C]
@@ -360,8 +362,7 @@ class _Chunks:
         # chunk-start states: S_{n+1} = exp(gc_last) S_n + sum_i exp(gc_last - gc_i) beta_i k_i (k_i | v_i)^T
         kw = kc * ((gc[..., -1:] - gc).exp() * bc).unsqueeze(-1)  # [B, H, N, C, K]
         last = gc[..., -1].exp()  # [B, H, N]
-        if sign is not None:  # padded tail: sign 0 -> 1 (a no-op step)
-            sc = torch.where(chunk(sign) == 0, 1.0, chunk(sign)).to(gc.dtype).cumprod(-1)  # [B, H, N, C]
+        if sc is not None:
             self.D = self.D * (sc.unsqueeze(-1) * sc.unsqueeze(-2))
             self.dq = self.dq * sc
             kw = kw * (sc[..., -1:] * sc).unsqueeze(-1)
@@ -407,6 +408,53 @@ class _Chunks:
         b, t, h, dk, dv, c, n, pad = self.shape
         z = z.reshape(b, h, n, c, *z.shape[2:]).movedim(1, 3).reshape(b, n * c, h, *z.shape[2:])
         return z[:, :t]
+
+
+def _chunk_gates(g: Tensor, beta: Tensor, sign: Tensor | None, c: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Per-chunk gate statistics ``[B, H, N, C]`` (zero-padded past T): the within-chunk cumulative
+    log forget gate, beta, and the within-chunk cumulative product of the gate signs (None without)."""
+    b, t, h = g.shape
+    n = -(-t // c)
+
+    def chunk(z: Tensor) -> Tensor:
+        z = F.pad(z, (0, 0, 0, n * c - t)) if n * c > t else z
+        return z.reshape(b, n, c, h).permute(0, 3, 1, 2).contiguous()
+
+    sc = None
+    if sign is not None:  # padded tail: sign 0 -> 1 (a no-op step)
+        sc = torch.where(chunk(sign) == 0, 1.0, chunk(sign)).to(g.dtype).cumprod(-1)
+    return chunk(g).cumsum(-1), chunk(beta), sc
+
+
+def _forward_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, h0: State | None,
+                    sign: Tensor | None, chunk_size: int, cg_iters: int, cg_eps: float | None, prec: str | None
+                    ) -> tuple[Tensor, Tensor, Tensor, State]:
+    """Chunkwise forward on the Triton kernels without chunked copies of q, k, v: the chunk-start
+    states (:func:`~mixlab.ops.mesa_triton.chunk_states_triton`), then CG and read-out in one program
+    (:func:`~mixlab.ops.mesa_triton.mesa_chunk_cg_triton`). Float32 compute.
+
+    Returns ``o [B, T, H, V]`` float32, ``x [M, C, K]`` (the solves, for the backward), CG iterations
+    ``[B, T, H]`` int32 and the final state.
+    """
+    from mixlab.ops.mesa_triton import chunk_states_triton, mesa_chunk_cg_triton
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    c = max(1, min(chunk_size, t))
+    n = -(-t // c)
+    q, k, v = (z if z.stride(-1) == 1 else z.contiguous() for z in (q, k, v))  # the kernels load any float dtype
+    gc, bc, sc = _chunk_gates(g.float(), beta.float(), sign, c)
+    sc = torch.ones_like(gc) if sc is None else sc
+    w = ((gc[..., -1:] - gc).exp() * bc * (sc[..., -1:] * sc)).reshape(b * h, n, c)  # each key's weight at the end
+    last = (gc[..., -1].exp() * sc[..., -1]).reshape(b * h, n)
+    s0 = (None, None) if h0 is None else (h0[0].reshape(b * h, dk, dk), h0[1].reshape(b * h, dk, dv))
+    hk, fk = chunk_states_triton(k, k, last, s0[0], w=w, chunk_size=c)
+    hv, fv = chunk_states_triton(k, v, last, s0[1], w=w, chunk_size=c)
+    m = b * h * n
+    lam = lamb.float().view(1, h, 1, dk).expand(b, h, n, dk).reshape(m, dk).contiguous()
+    x, iters, o = mesa_chunk_cg_triton(hk.view(m, dk, dk), k, gc.reshape(m, c), bc.reshape(m, c), sc.reshape(m, c),
+                                       lam, q, hv.view(m, dk, dv), v, c, cg_iters, cg_eps, prec)
+    iters = iters.view(b, h, n * c)[:, :, :t].transpose(1, 2)
+    return o, x, iters, (fk.view(b, h, dk, dk), fv.view(b, h, dk, dv))
 
 
 def _matvec_kk(p: Tensor, H: Tensor, k: Tensor, D: Tensor, dq: Tensor) -> Tensor:
@@ -484,24 +532,32 @@ class _MesaChunkFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign, cg_impl):
+    def forward(ctx, q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size, sign, cg_impl, inference):
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
-        # an explicit impl="triton" also takes the Triton chunk-state scan and the read-out in the CG kernel's
-        # program (auto: not yet measured on a GPU)
-        fused = cg_impl == "triton" and dt == torch.float32
-        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign,
-                     states="triton" if fused else "torch")
-        lam = _lamb_per_chunk(lamb.to(dt), ch)
-        if fused:
-            from mixlab.ops.mesa_triton import mesa_cg_triton
-            x, iters, o = mesa_cg_triton(ch.H, ch.k, ch.D, ch.dq, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps,
-                                         readout=(ch.G, ch.v))
-        else:
-            x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, cg_impl)
-            o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
-        ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
         ctx.cfg = (cg_iters, cg_eps, chunk_size, cg_impl)
+        solve_impl = cg_impl
+        if dt == torch.float32 and (cg_impl == "triton" or (cg_impl == "auto" and _triton_cg_serves(q, chunk_size))):
+            # inference: one float16 product per CG step (the fp32 output stays within ~3e-4 of the float64
+            # solve); a forward that will be differentiated keeps float32-accurate products (fp16x3)
+            from mixlab.ops.mesa_triton import TritonCGUnfit
+            try:
+                o, x, iters, final = _forward_triton(q, k, v, g, beta, lamb, h0, sign, chunk_size, cg_iters, cg_eps,
+                                                     "fp16" if inference else None)
+            except TritonCGUnfit as e:
+                if cg_impl == "triton":
+                    raise
+                warnings.warn(f"{e}; Mesa falls back to the torch CG", stacklevel=2)
+                solve_impl = "torch"
+            else:
+                ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
+                ctx.mark_non_differentiable(iters)
+                return o.to(v.dtype), final[0], final[1], iters
+        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign)
+        lam = _lamb_per_chunk(lamb.to(dt), ch)
+        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, solve_impl)
+        o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
+        ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
         iters = ch.token_view(iters)
         ctx.mark_non_differentiable(iters)
         return ch.token_view(o).to(v.dtype), ch.final[0], ch.final[1], iters
@@ -539,7 +595,7 @@ class _MesaChunkFunction(torch.autograd.Function):
         dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
         cast = lambda gz, ref: None if ref is None or gz is None else gz.to(ref.dtype)
         return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
-                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None, None)
+                cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None, None, None)
 
 
 def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,
@@ -577,8 +633,10 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
     _check_sign(gate_sign, g)
     h_kk0, h_kv0 = initial_state if initial_state is not None else (None, None)
     sign = None if gate_sign is None else gate_sign.detach()
+    inference = not (torch.is_grad_enabled()
+                     and any(z is not None and z.requires_grad for z in (q, k, v, g, beta, lamb, h_kk0, h_kv0)))
     o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size,
-                                                    sign, cg_impl)
+                                                    sign, cg_impl, inference)
     return o, ((h_kk, h_kv) if output_final_state else None), iters
 
 

@@ -14,7 +14,11 @@ exactly 0 stops too); a program stops when all its tokens have (``while`` loop, 
 blocks cost nothing more), and writes the per-token iteration counts. Products run at
 float32 accuracy: ``fp16x3`` (three float16 tensor-core products of hi/lo halves, the
 default), ``tf32x3`` or ``ieee`` (float32 FMA); plain TF32 would floor the residual near 1e-3
-and adaptive stopping at 1e-4 would never trigger. :func:`launch_config` picks the block size, warps and precision.
+and adaptive stopping at 1e-4 would never trigger. An inference forward takes ``fp16``: one
+float16 product per step on ``p / ||r||`` (the recursive residual still falls to ``eps``; the
+output stays within ~3e-4 of the float64 solve). :func:`launch_config` picks the block size, warps
+and precision. :func:`mesa_chunk_cg_triton` reads q, k, v in their ``[B, T, H, d]`` layout and
+builds the decays in the program; :func:`chunk_states_triton` likewise for the chunk-start states.
 
 Used by :func:`mixlab.ops.mesa.mesa_chunk` with ``cg_impl="triton"`` for the forward solve and
 the adjoint solve of the backward (imported only then: this module imports Triton). No
@@ -31,8 +35,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["mesa_cg_triton", "solve_dense_triton", "chunk_states_triton", "launch_config", "TritonCGUnfit", "MAX_CHUNK",
-           "MAX_HEAD_DIM"]
+__all__ = ["mesa_cg_triton", "mesa_chunk_cg_triton", "solve_dense_triton", "chunk_states_triton", "launch_config",
+           "TritonCGUnfit", "MAX_CHUNK", "MAX_HEAD_DIM"]
 
 class TritonCGUnfit(RuntimeError):
     """The kernel does not fit the GPU at this shape and launch configuration (shared memory, registers)."""
@@ -52,23 +56,31 @@ def _mm(a, b, b_hi, b_lo, PREC: tl.constexpr):
     """``a @ b`` at float32 accuracy. ``fp16x3``: ``a`` scaled per row into float16's range and
     split, three float16 tensor-core products with the pre-split ``b_hi + b_lo``; else
     ``tl.dot(a, b)`` with ``input_precision=PREC`` (``tf32x3`` or ``ieee``)."""
-    if PREC == "fp16x3":
+    if PREC == "fp16x3" or PREC == "fp16":
         s = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30)
         a_hi, a_lo = _split16(a / s[:, None])
-        acc = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
-        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
-        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
-        return acc * s[:, None]
+        return _mm_split(a_hi, a_lo, b_hi, b_lo, "fp16x3") * s[:, None]  # the read-out: three products
     else:
         return tl.dot(a, b, input_precision=PREC)
+
+@triton.jit
+def _mm_split(a_hi, a_lo, b_hi, b_lo, PREC: tl.constexpr):
+    """``(a_hi + a_lo) @ (b_hi + b_lo)`` on float16 halves: three products (``fp16x3``, ``a_lo @ b_lo``
+    dropped) or one (``fp16``: ``a_hi @ b_hi``)."""
+    acc = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
+    if PREC != "fp16":
+        acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+        acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
+    return acc
+
 
 @triton.jit
 def _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf, PREC: tl.constexpr):
     """The chunk's ``H``, ``k``, ``k^T`` (and their float16 halves for ``fp16x3``)."""
     h = tl.load(h_ptrs, mask=mkk, other=0.0)
-    kc = tl.load(k_ptrs, mask=mfk, other=0.0)
-    kt = tl.load(kt_ptrs, mask=mkf, other=0.0)
-    if PREC == "fp16x3":
+    kc = tl.load(k_ptrs, mask=mfk, other=0.0).to(tl.float32)
+    kt = tl.load(kt_ptrs, mask=mkf, other=0.0).to(tl.float32)
+    if PREC == "fp16x3" or PREC == "fp16":
         h_hi, h_lo = _split16(h)
         kc_hi, kc_lo = _split16(kc)
         kt_hi, kt_lo = _split16(kt)
@@ -80,7 +92,7 @@ def _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf, PREC: tl.constexpr):
 @triton.jit
 def _halves(a, PREC: tl.constexpr):
     """``(hi, lo)`` float16 halves of a ``b`` operand of :func:`_mm` for ``fp16x3``, else ``(a, a)``."""
-    if PREC == "fp16x3":
+    if PREC == "fp16x3" or PREC == "fp16":
         hi, lo = _split16(a)
     else:
         hi, lo = a, a
@@ -88,31 +100,50 @@ def _halves(a, PREC: tl.constexpr):
 
 
 @triton.jit
-def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr, o_ptr, C, K, V, max_iter, eps2,
-        tiny, BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
-        HOLD: tl.constexpr, READOUT: tl.constexpr):
-    # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m; their systems are independent, but
-    # the intra-chunk term reads every key of the chunk (D is 0 above the diagonal)
+def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr, o_ptr, C, K, V, T, NH, NC,
+        skb, skt, skh, sbb, sbt, sbh, svb, svt, svh, sob, sot, soh, max_iter, eps2, tiny, BC: tl.constexpr,
+        BCF: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, HOLD: tl.constexpr,
+        READOUT: tl.constexpr, DECAY: tl.constexpr):
+    # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m = (batch * NH + head) * NC + chunk; their systems are
+    # independent, but the intra-chunk term reads every key of the chunk (D is 0 above the diagonal). k, the
+    # right-hand sides b, v and o are [batch, T, head, dim] by their strides (last dim contiguous): token
+    # chunk * C + i of the sequence, masked past T. DECAY: D and dq from the chunk's cumulative log gate
+    # (d_ptr), beta (dq_ptr) and gate-sign product (sg_ptr), all [M, C]; else D [M, C, C] and dq [M, C] given.
     m = tl.program_id(0).to(tl.int64)
+    n = m % NC
+    hh = (m // NC) % NH
+    bb = m // (NC * NH)
     t0 = tl.program_id(1) * BC
     ot = t0 + tl.arange(0, BC)  # this program's tokens
     of = tl.arange(0, BCF)  # every token of the chunk
     ok = tl.arange(0, BK)
-    mt = ot < C
-    mf = of < C
+    mt = (ot < C) & (n * C + ot < T)
+    mf = (of < C) & (n * C + of < T)
     mk = ok < K
     h_ptrs = h_ptr + m * K * K + ok[:, None] * K + ok[None, :]  # H is symmetric: H^T = H
-    k_ptrs = k_ptr + m * C * K + of[:, None] * K + ok[None, :]
-    kt_ptrs = k_ptr + m * C * K + of[None, :] * K + ok[:, None]
+    k_base = k_ptr + bb * skb + hh * skh + n * C * skt
+    k_ptrs = k_base + of[:, None] * skt + ok[None, :]
+    kt_ptrs = k_base + of[None, :] * skt + ok[:, None]
     mkk = mk[:, None] & mk[None, :]
     mfk = mf[:, None] & mk[None, :]
     mkf = mk[:, None] & mf[None, :]
-    tk = m * C * K + ot[:, None] * K + ok[None, :]
     mtk = mt[:, None] & mk[None, :]
-    dq = tl.load(dq_ptr + m * C + ot, mask=mt, other=0.0)
+    if DECAY:  # D[t, i] = beta_i exp(gc_t - gc_i) s_t s_i (i <= t), dq_t = exp(gc_t) s_t
+        gct = tl.load(d_ptr + m * C + ot, mask=ot < C, other=0.0)
+        gcf = tl.load(d_ptr + m * C + of, mask=of < C, other=0.0)
+        sgt = tl.load(sg_ptr + m * C + ot, mask=ot < C, other=0.0)
+        sgf = tl.load(sg_ptr + m * C + of, mask=of < C, other=0.0)
+        btf = tl.load(dq_ptr + m * C + of, mask=mf, other=0.0)
+        causal = (of[None, :] <= ot[:, None]) & mt[:, None] & mf[None, :]
+        dd = tl.exp(tl.where(causal, gct[:, None] - gcf[None, :], float("-inf"))) * (btf * sgf)[None, :]
+        dd = dd * sgt[:, None]
+        dq = tl.where(mt, tl.exp(gct) * sgt, 0.0)
+    else:
+        dq = tl.load(dq_ptr + m * C + ot, mask=mt, other=0.0)
+        dd = tl.load(d_ptr + m * C * C + ot[:, None] * C + of[None, :], mask=mt[:, None] & mf[None, :], other=0.0)
     lam = tl.load(lam_ptr + m * K + ok, mask=mk, other=0.0)
-    dd = tl.load(d_ptr + m * C * C + ot[:, None] * C + of[None, :], mask=mt[:, None] & mf[None, :], other=0.0)
-    r = tl.load(b_ptr + tk, mask=mtk, other=0.0)
+    r = tl.load(b_ptr + bb * sbb + hh * sbh + (n * C + ot[:, None]) * sbt + ok[None, :], mask=mtk,
+                other=0.0).to(tl.float32)
     # float32 scalars: torch.compile hands Python floats to a user kernel as float64 (H200, torch 2.11), which
     # would promote alpha, beta and so r to float64 inside the loop (Triton refuses a loop-carried type change)
     eps2 = tl.cast(eps2, tl.float32)
@@ -120,6 +151,11 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr
     if HOLD:
         h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
                                                                          PREC)
+    # w_t = max_i |D[t, i]| ||k_i||: bounds the scores (p_t / ||r_t||) . k_i D[t, i] by ||p_t|| / ||r_t||
+    kt0 = tl.load(kt_ptrs, mask=mkf, other=0.0).to(tl.float32)
+    knorm = tl.sqrt(tl.sum(kt0 * kt0, axis=0))
+    w = tl.maximum(tl.max(tl.abs(dd) * knorm[None, :], axis=1), tiny)
+    dd_w = dd / w[:, None]
     x = tl.zeros([BC, BK], dtype=tl.float32)
     p = r
     delta = tl.sum(r * r, axis=1)
@@ -132,9 +168,20 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr
             h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk,
                                                                              mkf, PREC)
         active = delta > thresh
-        ap = dq[:, None] * _mm(p, h, h_hi, h_lo, PREC)
-        ap += _mm(_mm(p, kt, kt_hi, kt_lo, PREC) * dd, kc, kc_hi, kc_lo, PREC)
-        ap += lam[None, :] * p
+        if PREC == "fp16x3" or PREC == "fp16":
+            # p scaled by 1/||r|| (||p|| / ||r|| stays O(sqrt(step)) in CG) and split once for both
+            # products; the intra-chunk scores scaled by the per-token bound w (no max per step)
+            pn = tl.sqrt(tl.maximum(delta, tiny))
+            p_hi, p_lo = _split16(p / pn[:, None])
+            sc = _mm_split(p_hi, p_lo, kt_hi, kt_lo, PREC) * dd_w
+            s_hi, s_lo = _split16(sc)
+            ap = dq[:, None] * _mm_split(p_hi, p_lo, h_hi, h_lo, PREC)
+            ap += w[:, None] * _mm_split(s_hi, s_lo, kc_hi, kc_lo, PREC)
+            ap = ap * pn[:, None] + lam[None, :] * p
+        else:
+            ap = dq[:, None] * _mm(p, h, h_hi, h_lo, PREC)
+            ap += _mm(_mm(p, kt, kt_hi, kt_lo, PREC) * dd, kc, kc_hi, kc_lo, PREC)
+            ap += lam[None, :] * p
         pap = tl.sum(p * ap, axis=1)
         alpha = tl.where(active, delta / tl.maximum(pap, tiny), 0.0)
         x += alpha[:, None] * p
@@ -146,8 +193,8 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr
         iters += active.to(tl.int32)
         n_active = tl.sum((delta > thresh).to(tl.int32), axis=0)
         step_no += 1
-    tl.store(x_ptr + tk, x, mask=mtk)
-    tl.store(it_ptr + m * C + ot, iters, mask=mt)
+    tl.store(x_ptr + m * C * K + ot[:, None] * K + ok[None, :], x, mask=(ot < C)[:, None] & mk[None, :])
+    tl.store(it_ptr + m * C + ot, iters, mask=ot < C)
     if READOUT:  # o_t = dq_t (x_t^T G) + sum_i D[t, i] (x_t . k_i) v_i  (the read-out G_t^T x_t)
         ov = tl.arange(0, BV)
         mv = ov < V
@@ -155,25 +202,39 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr
             h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
                                                                              PREC)
         gm = tl.load(g_ptr + m * K * V + ok[:, None] * V + ov[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
-        vc = tl.load(v_ptr + m * C * V + of[:, None] * V + ov[None, :], mask=mf[:, None] & mv[None, :], other=0.0)
+        vc = tl.load(v_ptr + bb * svb + hh * svh + (n * C + of[:, None]) * svt + ov[None, :],
+                     mask=mf[:, None] & mv[None, :], other=0.0).to(tl.float32)
         g_hi, g_lo = _halves(gm, PREC)
         v_hi, v_lo = _halves(vc, PREC)
-        o = dq[:, None] * _mm(x, gm, g_hi, g_lo, PREC)
-        o += _mm(_mm(x, kt, kt_hi, kt_lo, PREC) * dd, vc, v_hi, v_lo, PREC)
-        tl.store(o_ptr + m * C * V + ot[:, None] * V + ov[None, :], o, mask=mt[:, None] & mv[None, :])
+        if PREC == "fp16x3" or PREC == "fp16":  # x split once for both products, at float32 accuracy
+            xs = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-30)
+            x_hi, x_lo = _split16(x / xs[:, None])
+            o = dq[:, None] * _mm_split(x_hi, x_lo, g_hi, g_lo, "fp16x3")
+            s_hi, s_lo = _split16(_mm_split(x_hi, x_lo, kt_hi, kt_lo, "fp16x3") * dd_w)
+            o += w[:, None] * _mm_split(s_hi, s_lo, v_hi, v_lo, "fp16x3")
+            o = o * xs[:, None]
+        else:
+            o = dq[:, None] * _mm(x, gm, g_hi, g_lo, PREC)
+            o += _mm(_mm(x, kt, kt_hi, kt_lo, PREC) * dd, vc, v_hi, v_lo, PREC)
+        tl.store(o_ptr + bb * sob + hh * soh + (n * C + ot[:, None]) * sot + ov[None, :], o,
+                 mask=mt[:, None] & mv[None, :])
 
 
 
 @triton.jit
-def _states(kw_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, HAS_S0: tl.constexpr,
-            BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr):
+def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, T, NH, skb, skt, skh, sxb, sxt,
+            sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr,
+            BX: tl.constexpr, PREC: tl.constexpr):
     # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
-    # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n
+    # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n with kw = w * k
+    # (HAS_W: w [BH, N, C]). k and x are [batch, T, head, dim] by their strides (last dim contiguous).
     bh = tl.program_id(0).to(tl.int64)
+    bb = bh // NH
+    hh = bh % NH
     ok = tl.program_id(1) * BK + tl.arange(0, BK)
     ox = tl.program_id(2) * BX + tl.arange(0, BX)
     oc = tl.arange(0, BCF)
-    mk, mx, mc = ok < K, ox < X, oc < C
+    mk, mx = ok < K, ox < X
     mkx = mk[:, None] & mx[None, :]
     tile = ok[:, None] * X + ox[None, :]
     if HAS_S0:
@@ -183,10 +244,13 @@ def _states(kw_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, HAS_S
     for n in range(N):
         base = bh * N + n
         tl.store(out_ptr + base * K * X + tile, s, mask=mkx)
-        kwt = tl.load(kw_ptr + base * C * K + oc[None, :] * K + ok[:, None], mask=mk[:, None] & mc[None, :],
-                      other=0.0)  # [BK, C]
-        xc = tl.load(x_ptr + base * C * X + oc[:, None] * X + ox[None, :], mask=mc[:, None] & mx[None, :],
-                     other=0.0)  # [C, BX]
+        mc = (oc < C) & (n * C + oc < T)
+        kwt = tl.load(k_ptr + bb * skb + hh * skh + (n * C + oc[None, :]) * skt + ok[:, None],
+                      mask=mk[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BK, C]
+        if HAS_W:
+            kwt = kwt * tl.load(w_ptr + base * C + oc, mask=mc, other=0.0)[None, :]
+        xc = tl.load(x_ptr + bb * sxb + hh * sxh + (n * C + oc[:, None]) * sxt + ox[None, :],
+                     mask=mc[:, None] & mx[None, :], other=0.0).to(tl.float32)  # [C, BX]
         x_hi, x_lo = _split16(xc)
         a = tl.load(last_ptr + base)
         s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
@@ -214,29 +278,48 @@ def solve_dense_triton(H: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int, eps:
     return x.view(m, dk)
 
 
-def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, w: Tensor | None = None,
+                        chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
     """Chunk-start states of Mesa's statistics (MesaNet Appendix D; fla's ``chunk_fwd_h`` in form):
     ``S_0 = s0``, ``S_{n+1} = last_n S_n + kw_n^T x_n`` (float32, products at float32 accuracy via
-    ``fp16x3``). Forward only: :class:`mixlab.ops.mesa._Chunks` uses it outside autograd.
+    ``fp16x3``). Forward only: the chunked forward uses it outside autograd.
 
     Args:
-        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta; x: ``[BH, N, C, X]``
-        (keys for ``H``, values for ``G``); last: ``[BH, N]`` each chunk's total decay; s0: ``[BH, K, X]``
-        or None (zeros). All float32 on one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
+        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta, or, with ``w``,
+        the keys ``[B, T, H, K]`` (any strides, last dim contiguous) and ``w [BH, N, C]`` their weights;
+        x: ``[BH, N, C, X]``, or ``[B, T, H, X]`` with ``w`` (keys for ``H``, values for ``G``);
+        last: ``[BH, N]`` each chunk's total decay; s0: ``[BH, K, X]`` or None (zeros); chunk_size: C,
+        with ``w`` (tokens past T count as zeros). All float32 on one CUDA device (or CPU under
+        ``TRITON_INTERPRET=1``).
 
     Returns:
         ``states [BH, N, K, X]`` (the state before each chunk) and ``final [BH, K, X]``.
     """
-    bh, n, c, dk = kw.shape
-    dx = x.shape[-1]
-    kw, x, last = kw.contiguous(), x.contiguous(), last.contiguous()
+    has_w = w is not None
+    if not has_w:
+        bh, n, c, dk = kw.shape
+        kw, x = kw.contiguous().view(bh, n * c, 1, dk), x.contiguous().view(bh, n * c, 1, x.shape[-1])
+        w = last  # unused (HAS_W=False)
+    else:
+        bh, n, c, dk = w.shape[0], w.shape[1], chunk_size, kw.shape[-1]
+        w = w.contiguous()
+    nh, t, dx = kw.shape[2], kw.shape[1], x.shape[-1]
+    last = last.contiguous()
     out = torch.empty(bh, n, dk, dx, dtype=torch.float32, device=kw.device)
     fin = torch.empty(bh, dk, dx, dtype=torch.float32, device=kw.device)
-    bk, bx = min(64, _next_pow2(dk)), min(64, _next_pow2(dx))
+    cfg = {"bk": 64, "bx": 64, "warps": 4, "stages": 3}
+    for item in filter(None, (z.strip() for z in os.environ.get("MIXLAB_MESA_STATES", "").split(","))):
+        key, _, val = item.partition("=")
+        if key not in cfg or not val.isdigit():
+            raise ValueError(f"MIXLAB_MESA_STATES: bad entry {item!r}; keys: bk, bx, warps, stages")
+        cfg[key] = int(val)
+    bk, bx = min(cfg["bk"], _next_pow2(dk)), min(cfg["bx"], _next_pow2(dx))
     s0c = s0.contiguous() if s0 is not None else fin
-    _states[(bh, -(-dk // bk), -(-dx // bx))](kw, x, last, s0c, out, fin, n, c, dk, dx, HAS_S0=s0 is not None,
-                                               BCF=_next_pow2(c), BK=bk, BX=bx, PREC="fp16x3", num_warps=4,
-                                               num_stages=1)
+    _states[(bh, -(-dk // bk), -(-dx // bx))](kw, w, x, last, s0c, out, fin, n, c, dk, dx, t, nh, kw.stride(0),
+                                               kw.stride(1), kw.stride(2), x.stride(0), x.stride(1), x.stride(2),
+                                               HAS_S0=s0 is not None, HAS_W=has_w, BCF=_next_pow2(c),
+                                               BK=bk, BX=bx, PREC="fp16x3", num_warps=cfg["warps"],
+                                               num_stages=cfg["stages"])
     return out, fin
 
 
@@ -244,35 +327,42 @@ def _next_pow2(n: int) -> int:
     return 1 << max(4, (n - 1).bit_length())
 
 
-def launch_config(c: int, dk: int) -> dict:
+def launch_config(c: int, dk: int, prec: str | None = None) -> dict:
     """Tokens per program, warps, whether the chunk's matrices stay in registers, product precision.
 
     Defaults by the chunk and head size; ``MIXLAB_MESA_CG`` overrides them for benchmark sweeps
-    (``"bc=32,warps=8,hold=1,prec=fp16x3"``). ``prec``: ``"fp16x3"`` (default: three float16
-    tensor-core products of hi/lo halves, ~22-bit accuracy, half the shared memory of
-    ``tf32x3``), ``"tf32x3"`` (three TF32 products) or ``"ieee"`` (float32 FMA products); TF32
-    alone would floor the residual near 1e-3, so it is not offered.
+    (``"bc=32,warps=8,hold=1,prec=fp16x3"``). ``prec`` (the argument, unless the variable sets it):
+    ``"fp16x3"`` (default: three float16 tensor-core products of hi/lo halves, ~22-bit accuracy,
+    half the shared memory of ``tf32x3``), ``"fp16"`` (one float16 product per CG step, the right-hand
+    operand scaled by ``1/||r||``: the solve's float32 output within ~3e-4 of the float64 solve on the
+    checks, against fla's bf16 kernel ~7e-4; the read-out keeps three products), ``"tf32x3"`` (three
+    TF32 products) or ``"ieee"`` (float32 FMA products); TF32 alone would floor the residual near
+    1e-3, so it is not offered.
 
     Raises:
         ValueError: a malformed ``MIXLAB_MESA_CG`` (names the bad entry).
     """
     bcf = _next_pow2(c)
-    cfg = {"bc": min(bcf, 32), "warps": 4 if dk <= 64 else 8, "hold": 1, "prec": "fp16x3"}
+    prec = prec or "fp16x3"
+    # one float16 product per step holds half the tiles: a whole chunk of 64 per program is fastest at K = 128
+    bc = 64 if prec == "fp16" and dk > 64 else 32
+    cfg = {"bc": min(bcf, bc), "warps": 4 if dk <= 64 else 8, "hold": 1, "prec": prec}
     spec = os.environ.get("MIXLAB_MESA_CG", "").strip()
     for item in filter(None, (s.strip() for s in spec.split(","))):
         key, _, val = item.partition("=")
         if key not in cfg or not val:
             raise ValueError(f"MIXLAB_MESA_CG: bad entry {item!r}; keys: bc, warps, hold, prec")
         cfg[key] = val if key == "prec" else int(val)
-    if (cfg["prec"] not in ("ieee", "tf32x3", "fp16x3") or cfg["bc"] not in (16, 32, 64, 128)
+    if (cfg["prec"] not in ("ieee", "tf32x3", "fp16x3", "fp16") or cfg["bc"] not in (16, 32, 64, 128)
             or cfg["warps"] not in (1, 2, 4, 8, 16)):
-        raise ValueError(f"MIXLAB_MESA_CG: need prec ieee|tf32x3|fp16x3, bc 16|32|64|128, warps 1..16; got {cfg}")
+        raise ValueError(f"MIXLAB_MESA_CG: need prec ieee|tf32x3|fp16x3|fp16, bc 16|32|64|128, warps 1..16; got {cfg}")
     cfg["bc"] = min(cfg["bc"], bcf)
     return cfg
 
 
 def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int,
-                   eps: float | None, readout: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, ...]:
+                   eps: float | None, readout: tuple[Tensor, Tensor] | None = None, prec: str | None = None
+                   ) -> tuple[Tensor, ...]:
     """CG on ``(H_t + Lambda) x_t = rhs_t`` for every token of ``M`` chunks (float32).
 
     Args:
@@ -303,8 +393,7 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
     if any(z.dtype != torch.float32 or z.device != rhs.device for z in args):
         raise ValueError("mesa_cg_triton: H, k, D, dq, lamb and rhs must be float32 on one device; got "
                          f"{[(z.dtype, str(z.device)) for z in args]}")
-    x = torch.empty_like(args[-1])
-    iters = torch.empty(m, c, dtype=torch.int32, device=rhs.device)
+    g_m = v_m = None
     if readout is not None:
         dv = readout[0].shape[-1]
         if dv > MAX_HEAD_DIM:
@@ -312,19 +401,67 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
         g_m, v_m = (z.reshape(m, *sh).contiguous() for z, sh in zip(readout, ((dk, dv), (c, dv))))
         if any(z.dtype != torch.float32 or z.device != rhs.device for z in (g_m, v_m)):
             raise ValueError("mesa_cg_triton: the read-out's G and v must be float32 on the device of rhs")
-        o = torch.empty(m, c, dv, dtype=torch.float32, device=rhs.device)
+        v_m = v_m.view(m, c, 1, dv)
+    h_m, k_m, d_m, dq_m, lam_m, rhs_m = args
+    x, iters, o = _launch_cg(h_m, k_m.view(m, c, 1, dk), (d_m, dq_m, None), lam_m, rhs_m.view(m, c, 1, dk), g_m,
+                             v_m, c, max_iter, eps, prec)
+    if readout is None:
+        return x, iters
+    return x, iters, o.view(m, c, -1)
+
+
+def mesa_chunk_cg_triton(H: Tensor, k: Tensor, gc: Tensor, beta: Tensor, sign: Tensor, lamb: Tensor, q: Tensor,
+                         G: Tensor, v: Tensor, chunk_size: int, max_iter: int, eps: float | None,
+                         prec: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Mesa's chunkwise forward solve and read-out straight from the ``[B, T, H, d]`` tensors (no
+    chunked copies): the decays are built in the program from per-chunk gate statistics.
+
+    Args:
+        H: ``[M, K, K]`` and G: ``[M, K, V]`` chunk-start states (:func:`chunk_states_triton`),
+        ``M = B * H * N`` chunks of ``chunk_size`` tokens; k, q: ``[B, T, H, K]``, v: ``[B, T, H, V]``
+        (last dim contiguous, any other strides); gc: ``[M, C]`` within-chunk cumulative log forget
+        gate; beta: ``[M, C]`` input gate (0 on padding); sign: ``[M, C]`` within-chunk cumulative
+        product of the gate signs (ones without negative gates); lamb: ``[M, K]`` regulariser > 0;
+        max_iter, eps, prec: as :func:`mesa_cg_triton`. All float32 on one device.
+
+    Returns:
+        ``x [M, C, K]`` float32, iterations ``[M, C]`` int32, ``o [B, T, H, V]`` float32.
+
+    Raises:
+        TritonCGUnfit: as :func:`mesa_cg_triton`.
+    """
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    return _launch_cg(H, k, (gc, beta, sign), lamb, q, G, v, chunk_size, max_iter, eps, prec, o)
+
+
+def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None):
+    """Launches :func:`_cg` on ``[B, T, H, d]`` views (``[M, C, 1, d]`` for pre-chunked tensors)."""
+    b, t, nh, dk = rhs.shape
+    n = -(-t // c)
+    m = b * nh * n
+    x = torch.empty(m, c, dk, dtype=torch.float32, device=rhs.device)
+    iters = torch.empty(m, c, dtype=torch.int32, device=rhs.device)
+    readout = G is not None
+    if readout:
+        dv = v.shape[-1]
+        if o is None:
+            o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     else:
-        dv, g_m, v_m, o = 1, x, x, x  # unused (READOUT=False)
+        dv, G, v, o = 1, x, rhs, rhs  # unused (READOUT=False)
     if m == 0:
-        return (x, iters) if readout is None else (x, iters, o)
-    cfg = launch_config(c, dk)
+        return x, iters, o
+    d_p, dq_p, sg_p = decay
+    cfg = launch_config(c, dk, prec)
     eps2 = 0.0 if eps is None else float(eps) ** 2
     grid = (m, -(-c // cfg["bc"]))
     try:
-        _cg[grid](*args, x, iters, g_m, v_m, o, c, dk, dv, int(max_iter), eps2, torch.finfo(torch.float32).tiny,
-                  BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk), BV=_next_pow2(dv), PREC=cfg["prec"],
-                  HOLD=bool(cfg["hold"]), READOUT=readout is not None, num_warps=cfg["warps"], num_stages=1)
+        _cg[grid](H, k, d_p, dq_p, dq_p if sg_p is None else sg_p, lamb, rhs, x, iters, G, v, o, c, dk, dv, t, nh, n,
+                  k.stride(0), k.stride(1), k.stride(2), rhs.stride(0), rhs.stride(1), rhs.stride(2), v.stride(0),
+                  v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), int(max_iter), eps2,
+                  torch.finfo(torch.float32).tiny, BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk),
+                  BV=_next_pow2(dv), PREC=cfg["prec"], HOLD=bool(cfg["hold"]), READOUT=readout,
+                  DECAY=sg_p is not None, num_warps=cfg["warps"], num_stages=1)
     except triton.runtime.errors.OutOfResources as e:
         raise TritonCGUnfit(f"mesa_cg_triton: the kernel does not fit this GPU at chunk {c}, head dim {dk}, "
                             f"config {cfg} ({e}); set MIXLAB_MESA_CG (e.g. 'hold=0,bc=16') or use impl='chunk'") from e
-    return (x, iters) if readout is None else (x, iters, o)
+    return x, iters, o
