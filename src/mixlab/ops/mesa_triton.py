@@ -152,7 +152,10 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
         h, h_hi, h_lo, kc, kc_hi, kc_lo, kt, kt_hi, kt_lo = _load_chunk(h_ptrs, k_ptrs, kt_ptrs, mkk, mfk, mkf,
                                                                          PREC)
     # w_t = max_i |D[t, i]| ||k_i||: bounds the scores (p_t / ||r_t||) . k_i D[t, i] by ||p_t|| / ||r_t||
-    kt0 = tl.load(kt_ptrs, mask=mkf, other=0.0).to(tl.float32)
+    if HOLD:
+        kt0 = kt
+    else:
+        kt0 = tl.load(kt_ptrs, mask=mkf, other=0.0).to(tl.float32)
     knorm = tl.sqrt(tl.sum(kt0 * kt0, axis=0))
     w = tl.maximum(tl.max(tl.abs(dd) * knorm[None, :], axis=1), tiny)
     dd_w = dd / w[:, None]
@@ -361,22 +364,20 @@ def launch_config(c: int, dk: int, prec: str | None = None) -> dict:
 
 
 def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int,
-                   eps: float | None, readout: tuple[Tensor, Tensor] | None = None, prec: str | None = None
-                   ) -> tuple[Tensor, ...]:
-    """CG on ``(H_t + Lambda) x_t = rhs_t`` for every token of ``M`` chunks (float32).
+                   eps: float | None, prec: str | None = None) -> tuple[Tensor, Tensor]:
+    """CG on ``(H_t + Lambda) x_t = rhs_t`` for every token of ``M`` chunks (float32; MesaNet
+    Appendix C Algorithm 1 with per-token stopping, chunkwise products of Appendix D).
 
     Args:
         H: ``[M, K, K]`` chunk-start statistic (symmetric); k: ``[M, C, K]`` keys of the chunk;
         D: ``[M, C, C]`` decay-and-beta weights (lower triangular); dq: ``[M, C]`` decay from
         the chunk start; lamb: ``[M, K]`` (or ``[M, 1, K]``) regulariser diagonal, > 0;
         rhs: ``[M, C, K]`` right-hand sides; max_iter: iteration cap (fixed count when
-        ``eps`` is None); eps: relative residual tolerance; readout: ``(G [M, K, V], v [M, C, V])``
-        to also return the read-out ``o_t = G_t^T x_t`` (:func:`mixlab.ops.mesa._readout_kv`)
-        computed in the same program.
+        ``eps`` is None); eps: relative residual tolerance; prec: product precision
+        (:func:`launch_config`; None: ``fp16x3``).
 
     Returns:
-        ``x [M, C, K]`` float32 and iterations ``[M, C]`` int32 (updates applied per token), then
-        ``o [M, C, V]`` float32 when ``readout`` is given.
+        ``x [M, C, K]`` float32 and iterations ``[M, C]`` int32 (updates applied per token).
 
     Raises:
         ValueError: ``C > 128`` or ``K > 128`` (one program holds the chunk's keys), or tensors
@@ -393,28 +394,19 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
     if any(z.dtype != torch.float32 or z.device != rhs.device for z in args):
         raise ValueError("mesa_cg_triton: H, k, D, dq, lamb and rhs must be float32 on one device; got "
                          f"{[(z.dtype, str(z.device)) for z in args]}")
-    g_m = v_m = None
-    if readout is not None:
-        dv = readout[0].shape[-1]
-        if dv > MAX_HEAD_DIM:
-            raise ValueError(f"mesa_cg_triton: value head dim {dv} must be <= {MAX_HEAD_DIM}")
-        g_m, v_m = (z.reshape(m, *sh).contiguous() for z, sh in zip(readout, ((dk, dv), (c, dv))))
-        if any(z.dtype != torch.float32 or z.device != rhs.device for z in (g_m, v_m)):
-            raise ValueError("mesa_cg_triton: the read-out's G and v must be float32 on the device of rhs")
-        v_m = v_m.view(m, c, 1, dv)
     h_m, k_m, d_m, dq_m, lam_m, rhs_m = args
-    x, iters, o = _launch_cg(h_m, k_m.view(m, c, 1, dk), (d_m, dq_m, None), lam_m, rhs_m.view(m, c, 1, dk), g_m,
-                             v_m, c, max_iter, eps, prec)
-    if readout is None:
-        return x, iters
-    return x, iters, o.view(m, c, -1)
+    x, iters, _ = _launch_cg(h_m, k_m.view(m, c, 1, dk), (d_m, dq_m, None), lam_m, rhs_m.view(m, c, 1, dk), None,
+                             None, c, max_iter, eps, prec)
+    return x, iters
 
 
 def mesa_chunk_cg_triton(H: Tensor, k: Tensor, gc: Tensor, beta: Tensor, sign: Tensor, lamb: Tensor, q: Tensor,
                          G: Tensor, v: Tensor, chunk_size: int, max_iter: int, eps: float | None,
                          prec: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Mesa's chunkwise forward solve and read-out straight from the ``[B, T, H, d]`` tensors (no
-    chunked copies): the decays are built in the program from per-chunk gate statistics.
+    chunked copies): the decays are built in the program from per-chunk gate statistics
+    (MesaNet arXiv 2506.05233, Appendix C Algorithm 1 per token, Appendix D chunkwise products):
+    ``(H_t + Lambda) x_t = q_t``, then ``o_t = G_t^T x_t``.
 
     Args:
         H: ``[M, K, K]`` and G: ``[M, K, V]`` chunk-start states (:func:`chunk_states_triton`),
