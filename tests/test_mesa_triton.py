@@ -14,9 +14,16 @@ triton = pytest.importorskip("triton")
 
 def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
     res = run_interpreter_check("mesa_triton_check.py")
-    assert len(res) == 9
+    assert len(res) == 11
     for name, r in res.items():
-        if name.startswith("backward"):
+        if name.startswith("packed"):  # q, k, v strided views of one projection, read in place
+            assert r["dtype_ok"] == 1.0, (name, r)
+            assert r["iters_diff"] <= 3, (name, r)
+            if "bf16" in name:  # both outputs rounded to bf16 (~1.6e-3 floor against the float64 solve)
+                assert r["o_vs_torch"] < 2e-3 and r["o_vs_exact"] < 4e-3, (name, r)
+            else:
+                assert r["o_vs_torch"] < 5e-4 and r["o_vs_exact"] < 1e-3, (name, r)
+        elif name.startswith("backward"):
             tol = 1e-5 if "fixed" in name else 1e-4
             assert all(err < tol for err in r.values()), (name, r)
         elif name.startswith("mixer"):  # inference: one float16 product per CG step

@@ -60,6 +60,23 @@ def forward_case(chunk, cg_iters, cg_eps, train=False, **kw):
             "state_vs_torch": rel(s_t[0], s_c[0])}
 
 
+def packed_case(dtype, chunk, **kw):
+    """q, k, v as strided views of one packed ``[B, T, H, 2K + V']`` projection (as a layer hands them over), in
+    ``dtype``: the fused forward reads them in place; the torch path gets the same (rounded) values."""
+    x = inputs(**kw)
+    q, k, v = x["q"], x["k"], x["v"]
+    packed = torch.cat([q, k, v, torch.zeros_like(v[..., :3])], -1).to(dtype)
+    dk, dv = q.shape[-1], v.shape[-1]
+    qs, ks, vs = packed[..., :dk], packed[..., dk:2 * dk], packed[..., 2 * dk:2 * dk + dv]
+    rest = [x[n] for n in ("g", "beta", "lamb")]
+    o_t, _, it_t = mesa_chunk(qs, ks, vs, *rest, 30, 1e-4, chunk, cg_impl="triton")
+    o_c, _, it_c = mesa_chunk(qs.contiguous(), ks.contiguous(), vs.contiguous(), *rest, 30, 1e-4, chunk,
+                              cg_impl="torch")
+    o_e, _ = mesa_exact(*[z.double() for z in (qs, ks, vs)], *[z.double() for z in rest])
+    return {"o_vs_torch": rel(o_t, o_c), "o_vs_exact": rel(o_t, o_e), "iters_diff": int((it_t - it_c).abs().max()),
+            "dtype_ok": float(o_t.dtype == dtype)}
+
+
 def backward_case(chunk, cg_iters, cg_eps, **kw):
     x = inputs(**kw)
     sign = x.pop("gate_sign", None)
@@ -98,6 +115,8 @@ def main():
                                                             gmin=-0.002),
         "negative_gates_T33_C16": forward_case(16, 60, 1e-6, b=1, t=33, h=2, k=8, v=8, seed=4, signs=True,
                                                lamb0=50.0),
+        "packed_T45_C16": packed_case(torch.float32, 16, b=2, t=45, h=2, k=16, v=8, seed=8),
+        "packed_bf16_T45_C16": packed_case(torch.bfloat16, 16, b=2, t=45, h=2, k=16, v=8, seed=8),
         "backward_fixed_T29_C16_state": backward_case(16, 30, None, b=1, t=29, h=2, k=16, v=16, seed=5, state=True),
         "backward_adaptive_T40_C32": backward_case(32, 30, 1e-4, b=1, t=40, h=2, k=16, v=16, seed=6),
         "mixer_eval_adaptive": mixer_case(),
