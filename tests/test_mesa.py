@@ -157,6 +157,25 @@ def test_no_nan_forget_gates_near_one_T4096():
     assert float((o_ad.double() - o_ex).norm() / o_ex.norm()) < 1e-3
 
 
+def test_float32_states_and_gradients_track_float64_over_long_mixed_decay_sequences():
+    """Strong decay for 2000 tokens (log decay summed to ~ -2000), then gates near one: the chunk-to-chunk decay
+    matrix takes differences of large cumulative logs; float32 must stay as close to float64 as per-token math."""
+    q, k, v, g, beta, lamb, h0 = _inputs(b=1, t=3000, h=2, k=8, v=8, gmin=-2.0, seed=11, state=True)
+    g[:, 2000:] *= 1e-3
+    w = torch.randn(v.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    out = {}
+    for dt in (torch.float32, F64):
+        leaves = [z.to(dt).requires_grad_() for z in (q, k, v, g, beta, lamb, *h0)]
+        o, st, _ = mesa_chunk(*leaves[:6], cg_iters=30, chunk_size=16, initial_state=tuple(leaves[6:]),
+                              output_final_state=True)
+        ((o * w.to(dt)).sum() + st[0].sum() + st[1].sum()).backward()
+        out[dt] = [o.detach(), *(z.detach() for z in st)] + [z.grad for z in leaves]
+    names = ["o", "H_final", "G_final", "dq", "dk", "dv", "dg", "dbeta", "dlamb", "dh_kk0", "dh_kv0"]
+    for name, a, b in zip(names, out[torch.float32], out[F64]):
+        err = float((a.double() - b).norm() / b.norm())
+        assert err < 2e-5, (name, err)
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_bad_solver_arguments_raise():
     args = _inputs(t=3)

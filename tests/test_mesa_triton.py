@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
     res = run_interpreter_check("mesa_triton_check.py")
-    assert len(res) == 11
+    assert len(res) == 13
     for name, r in res.items():
         if name.startswith("packed"):  # q, k, v strided views of one projection, read in place
             assert r["dtype_ok"] == 1.0, (name, r)
@@ -23,8 +23,9 @@ def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
                 assert r["o_vs_torch"] < 2e-3 and r["o_vs_exact"] < 4e-3, (name, r)
             else:
                 assert r["o_vs_torch"] < 5e-4 and r["o_vs_exact"] < 1e-3, (name, r)
-        elif name.startswith("backward"):
-            tol = 1e-5 if "fixed" in name else 1e-4
+        elif name.startswith("backward"):  # the written-out backward with the adjoint Triton CG and reverse scans
+            # bf16 inputs: gradients rounded to bf16 on both sides (2^-9), one float16 product per CG step
+            tol = 5e-3 if "bf16" in name else 1e-5 if "fixed" in name else 1e-4
             assert all(err < tol for err in r.values()), (name, r)
         elif name.startswith("mixer"):  # inference: one float16 product per CG step
             assert r["o_vs_chunk"] < 5e-4, r

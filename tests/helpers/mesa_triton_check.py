@@ -77,19 +77,25 @@ def packed_case(dtype, chunk, **kw):
             "dtype_ok": float(o_t.dtype == dtype)}
 
 
-def backward_case(chunk, cg_iters, cg_eps, **kw):
+def backward_case(chunk, cg_iters, cg_eps, dtype=torch.float32, **kw):
+    """Gradients of the Triton path (fused forward, adjoint Triton CG, reverse Triton scans) against the torch
+    chunk path on the same inputs, the loss reading the output and both final states. ``dtype`` bf16: q, k, v
+    rounded to bf16 for both (the Triton CG then takes one float16 product per step)."""
     x = inputs(**kw)
     sign = x.pop("gate_sign", None)
     h0 = x.pop("initial_state", None)
+    x.update({n: x[n].to(dtype) for n in ("q", "k", "v")})
     names = ["q", "k", "v", "g", "beta", "lamb"] + (["h_kk0", "h_kv0"] if h0 is not None else [])
     base = [x[n] for n in names[:6]] + (list(h0) if h0 is not None else [])
-    w = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(7)).to(DEV)
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(x["v"].shape, generator=gen).to(DEV)
+    w_kv = torch.randn(x["k"].shape[0], x["k"].shape[2], x["k"].shape[3], x["v"].shape[3], generator=gen).to(DEV)
     grads = {}
     for impl in ("triton", "torch"):
         leaves = [z.clone().requires_grad_() for z in base]
         init = tuple(leaves[6:]) if h0 is not None else None
         o, st, _ = mesa_chunk(*leaves[:6], cg_iters, cg_eps, chunk, init, True, sign, cg_impl=impl)
-        ((o * w).sum() + st[0].sum() * 0.1).backward()
+        ((o.float() * w).sum() + st[0].sum() * 0.1 + (st[1] * w_kv).sum() * 0.1).backward()
         grads[impl] = [z.grad for z in leaves]
     return {f"d{n}": rel(a, b) for n, a, b in zip(names, grads["triton"], grads["torch"])}
 
@@ -119,6 +125,10 @@ def main():
         "packed_bf16_T45_C16": packed_case(torch.bfloat16, 16, b=2, t=45, h=2, k=16, v=8, seed=8),
         "backward_fixed_T29_C16_state": backward_case(16, 30, None, b=1, t=29, h=2, k=16, v=16, seed=5, state=True),
         "backward_adaptive_T40_C32": backward_case(32, 30, 1e-4, b=1, t=40, h=2, k=16, v=16, seed=6),
+        "backward_fixed_negative_gates_T33_C16_state": backward_case(16, 60, None, b=2, t=33, h=2, k=8, v=12,
+                                                                     seed=9, signs=True, lamb0=50.0, state=True),
+        "backward_bf16_adaptive_T45_C16": backward_case(16, 30, 1e-4, torch.bfloat16, b=2, t=45, h=2, k=16, v=16,
+                                                        seed=10),
         "mixer_eval_adaptive": mixer_case(),
     }
     print(json.dumps(out))

@@ -26,11 +26,14 @@ Implementations (all compute in float32, or float64 for float64 inputs):
   matmuls, CG over all tokens at once (paper Appendix D); adaptive CG drops finished
   chunks from the working set. Backward solves the adjoint system
   ``(H_t + Lambda) u_t = G_t do_t`` (not by differentiating CG iterations).
+  The backward is written out (:func:`_chunk_backward`): batched products per chunk, the states
+  carried over chunks as one product with the chunk-to-chunk decay matrix, no autograd graph.
   ``cg_impl="triton"`` (and ``"auto"`` where the kernel serves) runs both solves in one Triton
   program per chunk with per-token adaptive stopping (:mod:`mixlab.ops.mesa_triton`); its forward
-  reads q, k, v in place (chunk-start states, CG and read-out in three kernels), with one float16
-  product per CG step when no gradient will be taken (output ~2e-4 from the float64 solve) and
-  float32-accurate products otherwise.
+  reads q, k, v in place (chunk-start states, CG and read-out in three kernels), and its backward
+  carries the state gradients back by reverse Triton scans. The CG takes one float16 product per
+  step for an inference forward and for bf16/fp16 inputs (output ~2e-4 from the float64 solve) and
+  float32-accurate products for differentiated float32 inputs (:func:`_cg_prec`).
 * :func:`mesa_net` - dispatch; on CUDA the fixed-count path goes to fla-core's
   ``chunk_mesa_net`` (fp16 q/k, CG denominators floored at 1e-5, K <= 128, K == V).
 """
@@ -329,13 +332,16 @@ def mesa_recurrent(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lam
 class _Chunks:
     """Chunked view of one Mesa call: tensors ``[M = B*H*N, C, ...]`` plus chunk-start states.
 
-    Built differentiably from (k, v, g, beta, initial state) so the backward can reuse it
-    under autograd. ``D[t, i] = beta_i exp(gc_t - gc_i)`` for ``i <= t`` (0 above the diagonal),
-    ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate. With negative
-    gates, ``sc`` (the within-chunk cumulative product of the signs) multiplies every decay:
-    ``D[t, i] *= sc_t sc_i``, ``dq[t] *= sc_t`` (a ratio of +-1 products is their product).
-    ``states="triton"``: the chunk-start states by :func:`mixlab.ops.mesa_triton.chunk_states_triton`
-    (float32, not differentiable: the forward of the autograd function only).
+    ``D[t, i] = beta_i exp(gc_t - gc_i)`` for ``i <= t`` (0 above the diagonal; ``D0`` without beta),
+    ``dq[t] = exp(gc_t)`` with ``gc`` the within-chunk cumulative log forget gate, ``w[i] = beta_i
+    exp(gc_L - gc_i)`` each key's weight at the chunk end (``w0`` without beta), ``last = exp(gc_L)``
+    the chunk's total decay. With negative gates, ``sc`` (the within-chunk cumulative product of the
+    signs) multiplies every decay: ``D[t, i] *= sc_t sc_i``, ``dq[t] *= sc_t``, ``w[i] *= sc_L sc_i``
+    (a ratio of +-1 products is their product). The chunk-start states come from
+    ``S_{n+1} = last_n S_n + (k_n * w_n)^T (k_n | v_n)`` as one product with the chunk-to-chunk decay
+    matrix (:meth:`scan`), or, with ``states="triton"``, from
+    :func:`mixlab.ops.mesa_triton.chunk_states_triton` (float32 CUDA). Not differentiable: the
+    backward of :class:`_MesaChunkFunction` is written out (:func:`_chunk_backward`).
     """
 
     def __init__(self, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, h0: State | None, chunk_size: int,
@@ -346,68 +352,97 @@ class _Chunks:
         n = -(-t // c)
         pad = n * c - t
         self.shape = (b, t, h, dk, dv, c, n, pad)
-
-        def chunk(z: Tensor) -> Tensor:  # [B, T, H, ...] -> [B, H, N, C, ...]
-            if pad:
-                z = F.pad(z, (0, 0) * (z.dim() - 2) + (0, pad))
-            z = z.view(b, n, c, h, *z.shape[3:])
-            return z.permute(0, 3, 1, 2, *range(4, z.dim())).contiguous()
-
-        kc, vc = chunk(k), chunk(v)
+        self.dtype = g.dtype  # the compute dtype; k and v may come in another float dtype
+        kc, vc = (self.chunk_view(z).view(b, h, n, c, -1) for z in (k, v))
         gc, bc, sc = _chunk_gates(g, beta, sign, c)  # [B, H, N, C]
         tri = torch.ones(c, c, dtype=torch.bool, device=k.device).tril()
         diff = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~tri, float("-inf"))
-        self.D = diff.exp() * bc.unsqueeze(-2)  # [B, H, N, C, C]
-        self.dq = gc.exp()  # [B, H, N, C]
-        # chunk-start states: S_{n+1} = exp(gc_last) S_n + sum_i exp(gc_last - gc_i) beta_i k_i (k_i | v_i)^T
-        kw = kc * ((gc[..., -1:] - gc).exp() * bc).unsqueeze(-1)  # [B, H, N, C, K]
-        last = gc[..., -1].exp()  # [B, H, N]
+        D0, dq, w0 = diff.exp(), gc.exp(), (gc[..., -1:] - gc).exp()
+        self.log_last, self.sign_last = gc[..., -1], None  # [B, H, N]
         if sc is not None:
-            self.D = self.D * (sc.unsqueeze(-1) * sc.unsqueeze(-2))
-            self.dq = self.dq * sc
-            kw = kw * (sc[..., -1:] * sc).unsqueeze(-1)
-            last = last * sc[..., -1]
+            D0 = D0 * (sc.unsqueeze(-1) * sc.unsqueeze(-2))
+            dq, w0 = dq * sc, w0 * (sc[..., -1:] * sc)
+            self.sign_last = sc[..., -1]
+        self.last = self.log_last.exp() if sc is None else self.log_last.exp() * self.sign_last
         m = b * h * n
-        if states == "triton":  # forward only (no autograd): one Triton scan per statistic
+        w = w0 * bc
+        self.D0 = D0.reshape(m, c, c)
+        self.D = (D0 * bc.unsqueeze(-2)).reshape(m, c, c)
+        self.dq, self.w0, self.w, self.bc = dq.reshape(m, c), w0.reshape(m, c), w.reshape(m, c), bc.reshape(m, c)
+        self._z = None
+        self.triton = states == "triton"
+        if states == "triton":  # float32 CUDA: one Triton scan per statistic, k and v read in place
             from mixlab.ops.mesa_triton import chunk_states_triton
-            kwf, lastf = kw.reshape(b * h, n, c, dk), last.reshape(b * h, n)
+            wf, lastf = w.reshape(b * h, n, c), self.last.reshape(b * h, n)
+            k, v = (z if z.stride(-1) == 1 else z.contiguous() for z in (k, v))
             s0 = (None, None) if h0 is None else (h0[0].reshape(b * h, dk, dk), h0[1].reshape(b * h, dk, dv))
-            hk, fk = chunk_states_triton(kwf, kc.reshape(b * h, n, c, dk), lastf, s0[0])
-            hv, fv = chunk_states_triton(kwf, vc.reshape(b * h, n, c, dv), lastf, s0[1])
+            hk, fk = chunk_states_triton(k, k, lastf, s0[0], w=wf, chunk_size=c)
+            hv, fv = chunk_states_triton(k, v, lastf, s0[1], w=wf, chunk_size=c)
             self.final = (fk.view(b, h, dk, dk), fv.view(b, h, dk, dv))
-        else:
-            h_kk = k.new_zeros(b, h, dk, dk) if h0 is None else h0[0]
-            h_kv = k.new_zeros(b, h, dk, dv) if h0 is None else h0[1]
-            # every chunk's own contribution in one product, then the scan over chunks is elementwise
-            u_kk = kw.transpose(-1, -2) @ kc  # [B, H, N, K, K]
-            u_kv = kw.transpose(-1, -2) @ vc  # [B, H, N, K, V]
-            hk, hv = [], []
-            for i in range(n):
-                hk.append(h_kk)
-                hv.append(h_kv)
-                h_kk = torch.addcmul(u_kk[:, :, i], last[:, :, i, None, None], h_kk)
-                h_kv = torch.addcmul(u_kv[:, :, i], last[:, :, i, None, None], h_kv)
-            self.final = (h_kk, h_kv)
-            hk, hv = torch.stack(hk, 2), torch.stack(hv, 2)
+        else:  # every chunk's own contribution in one product, then the scan over chunks as one product
+            kw = kc * w.unsqueeze(-1)  # [B, H, N, C, K]
+            hk, fk = self.scan(kw.transpose(-1, -2) @ kc, None if h0 is None else h0[0])
+            hv, fv = self.scan(kw.transpose(-1, -2) @ vc, None if h0 is None else h0[1])
+            self.final = (fk, fv)
         self.H = hk.reshape(m, dk, dk)
         self.G = hv.reshape(m, dk, dv)
         self.k = kc.reshape(m, c, dk)
         self.v = vc.reshape(m, c, dv)
-        self.D = self.D.reshape(m, c, c)
-        self.dq = self.dq.reshape(m, c)
+
+    def decay(self) -> Tensor:
+        """``Z [B, H, N+1, N+1]``: ``Z[p, n]`` = the decay from state ``p`` to state ``n`` (``p <= n``;
+        the product of ``last`` over chunks ``p .. n-1``), 0 for ``p > n``. Exponents in float64."""
+        if self._z is None:
+            la = self.log_last.double()
+            a = torch.cat([la.new_zeros(*la.shape[:-1], 1), la.cumsum(-1)], -1)  # [B, H, N+1]
+            n1 = a.shape[-1]
+            up = torch.ones(n1, n1, dtype=torch.bool, device=la.device).triu()
+            z = (a.unsqueeze(-2) - a.unsqueeze(-1)).masked_fill(~up, float("-inf")).exp()
+            if self.sign_last is not None:
+                s = torch.cat([self.sign_last.new_ones(*la.shape[:-1], 1), self.sign_last.cumprod(-1)], -1)
+                z = z * (s.unsqueeze(-1) * s.unsqueeze(-2)).double()
+            self._z = z.to(self.log_last.dtype)
+        return self._z
+
+    def scan(self, u: Tensor, s0: Tensor | None) -> tuple[Tensor, Tensor]:
+        """States ``S_n = sum_{j<n} Z[j+1, n] u_j + Z[0, n] s0`` for ``u [B, H, N, X, Y]``: returns the
+        chunk-start states ``[B, H, N, X, Y]`` and the final state ``[B, H, X, Y]``."""
+        b, h, n = u.shape[:3]
+        z = self.decay()
+        s = z[:, :, 1:].transpose(-1, -2) @ u.reshape(b, h, n, -1)  # [B, H, N+1, X*Y]
+        if s0 is not None:
+            s = s + z[:, :, 0].unsqueeze(-1) * s0.reshape(b, h, 1, -1)
+        s = s.view(b, h, n + 1, *u.shape[3:])
+        return s[:, :, :n], s[:, :, n]
+
+    def scan_back(self, e: Tensor, e_final: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Adjoint of :meth:`scan`: given ``e [B, H, N, X, Y]`` (gradient on each chunk-start state) and
+        ``e_final`` (on the final state, or None), returns the gradient on each chunk's own
+        contribution ``u_n`` ``[B, H, N, X, Y]`` and on ``s0`` ``[B, H, X, Y]``."""
+        b, h, n = e.shape[:3]
+        z = self.decay()
+        tot = z[:, :, :, :n] @ e.reshape(b, h, n, -1)  # [B, H, N+1, X*Y]: sum_{m >= p} Z[p, m] e_m
+        if e_final is not None:
+            tot = tot + z[:, :, :, n].unsqueeze(-1) * e_final.reshape(b, h, 1, -1)
+        tot = tot.view(b, h, n + 1, *e.shape[3:])
+        return tot[:, :, 1:], tot[:, :, 0]
 
     def chunk_view(self, z: Tensor) -> Tensor:
-        """``[B, T, H, d]`` -> ``[M, C, d]`` (zero-padded)."""
+        """``[B, T, H, d]`` (any float dtype) -> ``[M, C, d]`` in the compute dtype, zero-padded (one copy)."""
         b, t, h, dk, dv, c, n, pad = self.shape
+        out = torch.empty(b, h, n * c, z.shape[-1], dtype=self.dtype, device=z.device)
+        out[:, :, :t].copy_(z.transpose(1, 2))
         if pad:
-            z = F.pad(z, (0, 0, 0, 0, 0, pad))
-        return z.view(b, n, c, h, -1).permute(0, 3, 1, 2, 4).reshape(b * h * n, c, -1)
+            out[:, :, t:].zero_()
+        return out.view(b * h * n, c, -1)
 
-    def token_view(self, z: Tensor) -> Tensor:
-        """``[M, C, ...]`` -> ``[B, T, H, ...]`` (padding dropped)."""
+    def token_view(self, z: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """``[M, C, ...]`` -> ``[B, T, H, ...]`` in ``dtype`` (default: z's), padding dropped (one copy)."""
         b, t, h, dk, dv, c, n, pad = self.shape
-        z = z.reshape(b, h, n, c, *z.shape[2:]).movedim(1, 3).reshape(b, n * c, h, *z.shape[2:])
-        return z[:, :t]
+        z = z.reshape(b, h, n * c, *z.shape[2:])[:, :, :t]
+        out = torch.empty(b, t, h, *z.shape[3:], dtype=dtype or z.dtype, device=z.device)
+        out.copy_(z.transpose(1, 2))
+        return out
 
 
 def _chunk_gates(g: Tensor, beta: Tensor, sign: Tensor | None, c: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -468,11 +503,12 @@ def _readout_kv(x: Tensor, G: Tensor, k: Tensor, v: Tensor, D: Tensor, dq: Tenso
 
 
 def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: float | None,
-              cg_impl: str = "torch") -> tuple[Tensor, Tensor]:
+              cg_impl: str = "torch", prec: str | None = None) -> tuple[Tensor, Tensor]:
     """CG on ``(H_t + Lambda) x_t = rhs_t`` for all tokens; adaptive mode shrinks the working
     set to the chunks that still have unconverged tokens once half of them are done.
-    ``cg_impl="triton"``: the Triton kernel (:mod:`mixlab.ops.mesa_triton`); ``"auto"``: the kernel,
-    or the torch CG with a warning where the kernel does not fit the GPU.
+    ``cg_impl="triton"``: the Triton kernel (:mod:`mixlab.ops.mesa_triton`, products of precision
+    ``prec``, :func:`_cg_prec`); ``"auto"``: the kernel, or the torch CG with a warning where the kernel
+    does not fit the GPU.
 
     Returns ``x [M, C, K]`` and iterations ``[M, C]`` int32.
     """
@@ -480,7 +516,7 @@ def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: f
     if cg_impl in ("triton", "auto"):
         from mixlab.ops.mesa_triton import TritonCGUnfit, mesa_cg_triton
         try:
-            return mesa_cg_triton(H, k, D, dq, lamb_m, rhs, cg_iters, cg_eps)
+            return mesa_cg_triton(H, k, D, dq, lamb_m, rhs, cg_iters, cg_eps, prec)
         except TritonCGUnfit as e:
             if cg_impl == "triton":
                 raise
@@ -517,6 +553,14 @@ def _chunk_cg(ch: _Chunks, lamb_m: Tensor, rhs: Tensor, cg_iters: int, cg_eps: f
     return x_out, it_out
 
 
+def _cg_prec(q: Tensor, inference: bool) -> str | None:
+    """Product precision of the Triton CG (:func:`mixlab.ops.mesa_triton.launch_config`): one float16
+    product per step (``"fp16"``, solves within ~3e-4 of float64) for an inference forward and for
+    half-precision inputs (their own rounding is coarser: bf16 2^-9, fp16 2^-11); float32-accurate
+    products (``"fp16x3"``) for float32 inputs that are differentiated."""
+    return "fp16" if inference or q.dtype in (torch.float16, torch.bfloat16) else None
+
+
 def _lamb_per_chunk(lamb: Tensor, ch: _Chunks) -> Tensor:
     b, t, h, dk, dv, c, n, pad = ch.shape
     return lamb.view(1, h, 1, 1, dk).expand(b, h, n, 1, dk).reshape(b * h * n, 1, dk)
@@ -528,7 +572,7 @@ class _MesaChunkFunction(torch.autograd.Function):
     Backward: ``u_t = (H_t + Lambda)^{-1} G_t do_t`` by the same CG; then
     ``dq_t = u_t``, ``dLambda = -sum_t u_t * x_t``, and gradients for (k, v, g, beta, h0)
     are those of the surrogate ``sum_t <do_t, G_t^T x_t> - <u_t, H_t x_t>`` (+ final-state
-    terms) with ``x, u`` held fixed, obtained by autograd through the chunked statistics.
+    terms) with ``x, u`` held fixed, written out in :func:`_chunk_backward`.
     """
 
     @staticmethod
@@ -538,12 +582,12 @@ class _MesaChunkFunction(torch.autograd.Function):
         ctx.cfg = (cg_iters, cg_eps, chunk_size, cg_impl)
         solve_impl = cg_impl
         if dt == torch.float32 and (cg_impl == "triton" or (cg_impl == "auto" and _triton_cg_serves(q, chunk_size))):
-            # inference: one float16 product per CG step (the fp32 output stays within ~3e-4 of the float64
-            # solve); a forward that will be differentiated keeps float32-accurate products (fp16x3)
+            # inference or half-precision inputs: one float16 product per CG step (the fp32 output stays within
+            # ~3e-4 of the float64 solve); float32 inputs that will be differentiated: float32-accurate products
             from mixlab.ops.mesa_triton import TritonCGUnfit
             try:
                 o, x, iters, final = _forward_triton(q, k, v, g, beta, lamb, h0, sign, chunk_size, cg_iters, cg_eps,
-                                                     "fp16" if inference else None)
+                                                     _cg_prec(q, inference))
             except TritonCGUnfit as e:
                 if cg_impl == "triton":
                     raise
@@ -553,49 +597,117 @@ class _MesaChunkFunction(torch.autograd.Function):
                 ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
                 ctx.mark_non_differentiable(iters)
                 return o.to(v.dtype), final[0], final[1], iters
-        ch = _Chunks(k.to(dt), v.to(dt), g.to(dt), beta.to(dt), h0, chunk_size, sign)
+        ch = _Chunks(k, v, g.to(dt), beta.to(dt), h0, chunk_size, sign)
         lam = _lamb_per_chunk(lamb.to(dt), ch)
-        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q.to(dt)), cg_iters, cg_eps, solve_impl)
+        x, iters = _chunk_cg(ch, lam, ch.chunk_view(q), cg_iters, cg_eps, solve_impl, _cg_prec(q, inference))
         o = _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)
         ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
         iters = ch.token_view(iters)
         ctx.mark_non_differentiable(iters)
-        return ch.token_view(o).to(v.dtype), ch.final[0], ch.final[1], iters
+        return ch.token_view(o, v.dtype), ch.final[0], ch.final[1], iters
 
     @staticmethod
     def backward(ctx, do, dh_kk, dh_kv, _diters):
         q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign = ctx.saved_tensors
         cg_iters, cg_eps, chunk_size, cg_impl = ctx.cfg
         dt = _compute_dtype(q)
-        with torch.enable_grad():
-            leaves = [z.detach().to(dt).requires_grad_(True) for z in (k, v, g, beta)]
-            h0 = None
-            if h_kk0 is not None:
-                h0 = tuple(z.detach().to(dt).requires_grad_(True) for z in (h_kk0, h_kv0))
-            ch = _Chunks(*leaves, h0, chunk_size, sign)
-            lam = _lamb_per_chunk(lamb.to(dt), ch)
-            do_c = ch.chunk_view(do.to(dt))
-            with torch.no_grad():  # adjoint right-hand side G_t do_t, then the adjoint solve
-                rhs = (ch.dq.unsqueeze(-1) * (do_c @ ch.G.transpose(-1, -2))
-                       + ((do_c @ ch.v.transpose(-1, -2)) * ch.D) @ ch.k)
-                u, _ = _chunk_cg(ch, lam, rhs, cg_iters, cg_eps, cg_impl)
-            surrogate = (do_c * _readout_kv(x, ch.G, ch.k, ch.v, ch.D, ch.dq)).sum() \
-                - (u * _matvec_kk(x, ch.H, ch.k, ch.D, ch.dq)).sum()
-            if dh_kk is not None:
-                surrogate = surrogate + (dh_kk.to(dt) * ch.final[0]).sum()
-            if dh_kv is not None:
-                surrogate = surrogate + (dh_kv.to(dt) * ch.final[1]).sum()
-            inputs = leaves + (list(h0) if h0 is not None else [])
-            grads = torch.autograd.grad(surrogate, inputs, allow_unused=True)
-        grads = [torch.zeros_like(z) if gz is None else gz for z, gz in zip(inputs, grads)]
-        dk, dv, dg, dbeta = grads[:4]
-        dh0 = grads[4:] if h0 is not None else [None, None]
-        dq = ch.token_view(u)
-        b, t, h, dk_, dv_, c, n, pad = ch.shape
-        dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
+        h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
+        triton = dt == torch.float32 and (cg_impl == "triton" or (cg_impl == "auto" and k.is_cuda))
+        ch = _Chunks(k, v, g.to(dt), beta.to(dt), h0, chunk_size, sign, "triton" if triton else "torch")
+        dq, dk, dv, dg, dbeta, dlamb, dh0 = _chunk_backward(ch, lamb.to(dt), x, ch.chunk_view(do),
+                                                             None if dh_kk is None else dh_kk.to(dt),
+                                                             None if dh_kv is None else dh_kv.to(dt),
+                                                             cg_iters, cg_eps, cg_impl, _cg_prec(q, False),
+                                                             (q.dtype, k.dtype, v.dtype))
         cast = lambda gz, ref: None if ref is None or gz is None else gz.to(ref.dtype)
-        return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
+        return (dq, dk, dv, cast(dg, g), cast(dbeta, beta), cast(dlamb, lamb),
                 cast(dh0[0], h_kk0), cast(dh0[1], h_kv0), None, None, None, None, None, None)
+
+
+def _chunk_backward(ch: _Chunks, lamb: Tensor, x: Tensor, do: Tensor, dh_kk: Tensor | None, dh_kv: Tensor | None,
+                    cg_iters: int, cg_eps: float | None, cg_impl: str, prec: str | None = None,
+                    dtypes: tuple[torch.dtype, ...] | None = None) -> tuple:
+    """Gradients of chunkwise Mesa by the adjoint solve (MesaNet Appendix D), written out.
+
+    With ``x_t = (H_t + Lambda)^{-1} q_t`` from the forward and the adjoint ``u_t = (H_t + Lambda)^{-1}
+    G_t do_t`` (same CG), the gradients on (k, v, gates, initial state) are those of the surrogate
+    ``L = sum_t <do_t, G_t^T x_t> - <u_t, H_t x_t> + <dh_kk, H_final> + <dh_kv, G_final>`` with x, u
+    held fixed; ``dq_t = u_t`` and ``dLambda = -sum_t u_t * x_t``. Per chunk, with
+    ``H_t = dq_t S^k + sum_{i<=t} D[t, i] k_i k_i^T`` (``G_t`` likewise with ``k_i v_i^T``), scores
+    ``Xk = x k^T``, ``Uk = u k^T``, ``Vd = do v^T`` ``[C, C]``:
+
+    * ``dL/dD = Xk * (Vd - Uk)``; ``dk += (D*(Vd - Uk))^T x - (D*Xk)^T u``; ``dv += (D*Xk)^T do``;
+    * ``dL/d dq_t = x_t^T S^v do_t - u_t^T S^k x_t``; ``dL/dS^k_n = -sum_t dq_t u_t x_t^T``,
+      ``dL/dS^v_n = sum_t dq_t x_t do_t^T``, carried back over chunks by :meth:`_Chunks.scan_back`
+      onto each chunk's contribution ``(k * w)^T (k | v)`` and the chunk decay ``last``;
+    * gate gradients by the chain rule through ``D = beta_i exp(gc_t - gc_i)``, ``dq``, ``w`` and
+      ``last``, then ``dg`` = the reverse within-chunk cumulative sum of ``dL/dgc``.
+
+    Args:
+        ch: the call's chunks (compute dtype); lamb: ``[H, K]``; x: ``[M, C, K]`` forward solves;
+        do: ``[M, C, V]`` output gradient (chunk view); dh_kk, dh_kv: final-state gradients or None.
+
+    Returns:
+        ``dq, dk [B, T, H, K]``, ``dv [B, T, H, V]``, ``dg, dbeta [B, T, H]``, ``dlamb [H, K]``,
+        ``(dh_kk0, dh_kv0)`` (``[B, H, K, K]``, ``[B, H, K, V]``), in the compute dtype (dq, dk, dv in
+        ``dtypes``, the dtypes of q, k, v, when given).
+    """
+    b, t, h, dk_, dv_, c, n, pad = ch.shape
+    k, v, D, D0, dq = ch.k, ch.v, ch.D, ch.D0, ch.dq
+    Vd = do @ v.transpose(-1, -2)  # [M, C, C]
+    DVd = D * Vd
+    # adjoint right-hand side G_t do_t, then the adjoint solve
+    rhs = torch.baddbmm(DVd @ k, dq.unsqueeze(-1) * do, ch.G.transpose(-1, -2))
+    u, _ = _chunk_cg(ch, _lamb_per_chunk(lamb, ch), rhs, cg_iters, cg_eps, cg_impl, prec)
+    # intra-chunk terms: dL/dD = Xk * (Vd - Uk)
+    Xk = x @ k.transpose(-1, -2)
+    VmU = torch.baddbmm(Vd, u, k.transpose(-1, -2), alpha=-1)  # Vd - Uk
+    DVmU, DXk = D * VmU, D * Xk
+    dD = Xk * VmU
+    dk = torch.baddbmm(DVmU.transpose(-1, -2) @ x, DXk.transpose(-1, -2), u, alpha=-1)
+    dv = DXk.transpose(-1, -2) @ do
+    dDD = Xk * DVmU  # dL/dD * D
+    dgc = dDD.sum(-1) - dDD.sum(-2)
+    dbc = (dD * D0).sum(-2)
+    # chunk-start states: dL/d dq_t = x_t^T S^v do_t - u_t^T S^k x_t
+    ddq = ((x @ ch.G) * do).sum(-1) - ((x @ ch.H) * u).sum(-1)
+    dgc = dgc + ddq * dq
+    # dL/dS^k_n = -sum_t dq_t u_t x_t^T, dL/dS^v_n = sum_t dq_t x_t do_t^T, carried back over the chunks:
+    # y_n = the gradient on chunk n's contribution (k * w)^T (k | v), da_n = dL/dlast_n = <y_n, S_n>
+    if ch.triton:  # one reverse Triton scan per statistic reads u, x, do in place
+        from mixlab.ops.mesa_triton import chunk_states_triton
+        bh = b * h
+        tv = lambda z: z.view(b, h, n * c, -1).transpose(1, 2)  # noqa: E731  [M, C, d] -> [B, N*C, H, d]
+        fl = lambda z, d: None if z is None else z.reshape(bh, dk_, d)  # noqa: E731
+        last, dqf = ch.last.reshape(bh, n), dq.view(bh, n, c)
+        y_k, dh0_k, da_k = chunk_states_triton(tv(u), tv(x), last, fl(dh_kk, dk_), w=-dqf, chunk_size=c, reverse=True,
+                                               dot=ch.H.view(bh, n, dk_, dk_))
+        y_v, dh0_v, da_v = chunk_states_triton(tv(x), tv(do), last, fl(dh_kv, dv_), w=dqf, chunk_size=c,
+                                               reverse=True, dot=ch.G.view(bh, n, dk_, dv_))
+        dh0_k, dh0_v, da = dh0_k.view(b, h, dk_, dk_), dh0_v.view(b, h, dk_, dv_), (da_k + da_v).view(-1)
+    else:
+        e_k = -((u * dq.unsqueeze(-1)).transpose(-1, -2) @ x)  # [M, K, K]
+        e_v = (x * dq.unsqueeze(-1)).transpose(-1, -2) @ do  # [M, K, V]
+        y_k, dh0_k = ch.scan_back(e_k.view(b, h, n, dk_, dk_), dh_kk)
+        y_v, dh0_v = ch.scan_back(e_v.view(b, h, n, dk_, dv_), dh_kv)
+        da = (y_k.reshape(-1, dk_, dk_) * ch.H).sum((-1, -2)) + (y_v.reshape(-1, dk_, dv_) * ch.G).sum((-1, -2))
+    y_k, y_v = y_k.reshape(-1, dk_, dk_), y_v.reshape(-1, dk_, dv_)
+    # chunk n's contributions (k * w)^T k and (k * w)^T v, with kw = k * w
+    w = ch.w.unsqueeze(-1)
+    dkw = torch.baddbmm(v @ y_v.transpose(-1, -2), k, y_k.transpose(-1, -2))  # dL/d kw
+    dk = dk + w * torch.baddbmm(dkw, k, y_k)
+    dv = dv + w * (k @ y_v)
+    dw = (dkw * k).sum(-1)  # [M, C]
+    ww = dw * ch.w
+    dgc = dgc - ww
+    dgc[:, -1] += ww.sum(-1) + da * ch.last.reshape(-1)
+    dbc = dbc + dw * ch.w0
+    dg = dgc.flip(-1).cumsum(-1).flip(-1)
+    dlamb = -(u * x).view(b, h, n * c, dk_).sum((0, 2))
+    tok = ch.token_view
+    dt_q, dt_k, dt_v = dtypes or (None, None, None)
+    return (tok(u, dt_q), tok(dk, dt_k), tok(dv, dt_v), tok(dg.unsqueeze(-1)).squeeze(-1),
+            tok(dbc.unsqueeze(-1)).squeeze(-1), dlamb, (dh0_k, dh0_v))
 
 
 def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, cg_iters: int = 30,

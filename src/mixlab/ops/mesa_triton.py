@@ -225,12 +225,13 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
 
 
 @triton.jit
-def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X, T, NH, skb, skt, skh, sxb, sxt,
-            sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr,
-            BX: tl.constexpr, PREC: tl.constexpr):
+def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, part_ptr, N, C, K, X, T, NH, skb,
+            skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr,
+            BX: tl.constexpr, PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr):
     # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
     # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n with kw = w * k
     # (HAS_W: w [BH, N, C]). k and x are [batch, T, head, dim] by their strides (last dim contiguous).
+    # REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n], dot[n]> over the tile.
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // NH
     hh = bh % NH
@@ -244,9 +245,18 @@ def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, N, C, K, X,
         s = tl.load(s0_ptr + bh * K * X + tile, mask=mkx, other=0.0)
     else:
         s = tl.zeros([BK, BX], dtype=tl.float32)
-    for n in range(N):
+    n_tiles = tl.num_programs(1) * tl.num_programs(2)
+    tile_no = tl.program_id(1) * tl.num_programs(2) + tl.program_id(2)
+    for j in range(N):
+        if REVERSE:
+            n = N - 1 - j
+        else:
+            n = j
         base = bh * N + n
         tl.store(out_ptr + base * K * X + tile, s, mask=mkx)
+        if DOT:
+            d = tl.load(dot_ptr + base * K * X + tile, mask=mkx, other=0.0)
+            tl.store(part_ptr + base * n_tiles + tile_no, tl.sum(tl.sum(s * d, axis=1), axis=0))
         mc = (oc < C) & (n * C + oc < T)
         kwt = tl.load(k_ptr + bb * skb + hh * skh + (n * C + oc[None, :]) * skt + ok[:, None],
                       mask=mk[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BK, C]
@@ -282,21 +292,25 @@ def solve_dense_triton(H: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int, eps:
 
 
 def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, w: Tensor | None = None,
-                        chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+                        chunk_size: int | None = None, reverse: bool = False, dot: Tensor | None = None
+                        ) -> tuple[Tensor, ...]:
     """Chunk-start states of Mesa's statistics (MesaNet Appendix D; fla's ``chunk_fwd_h`` in form):
     ``S_0 = s0``, ``S_{n+1} = last_n S_n + kw_n^T x_n`` (float32, products at float32 accuracy via
-    ``fp16x3``). Forward only: the chunked forward uses it outside autograd.
+    ``fp16x3``). Not differentiable. ``reverse=True`` runs the chunks backwards (the adjoint scan of
+    the backward: ``T_n = last_n T_{n+1} + kw_n^T x_n`` from ``T_N = s0``, returning ``T_{n+1}`` for
+    chunk ``n`` and ``T_0``).
 
     Args:
         kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta, or, with ``w``,
         the keys ``[B, T, H, K]`` (any strides, last dim contiguous) and ``w [BH, N, C]`` their weights;
         x: ``[BH, N, C, X]``, or ``[B, T, H, X]`` with ``w`` (keys for ``H``, values for ``G``);
         last: ``[BH, N]`` each chunk's total decay; s0: ``[BH, K, X]`` or None (zeros); chunk_size: C,
-        with ``w`` (tokens past T count as zeros). All float32 on one CUDA device (or CPU under
-        ``TRITON_INTERPRET=1``).
+        with ``w`` (tokens past T count as zeros); dot: ``[BH, N, K, X]`` or None. All float32 on one
+        CUDA device (or CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
-        ``states [BH, N, K, X]`` (the state before each chunk) and ``final [BH, K, X]``.
+        ``states [BH, N, K, X]`` (the state before each chunk, in scan order), ``final [BH, K, X]``,
+        and with ``dot``: ``[BH, N]`` the inner products ``<states[n], dot[n]>``.
     """
     has_w = w is not None
     if not has_w:
@@ -317,13 +331,14 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, 
             raise ValueError(f"MIXLAB_MESA_STATES: bad entry {item!r}; keys: bk, bx, warps, stages")
         cfg[key] = int(val)
     bk, bx = min(cfg["bk"], _next_pow2(dk)), min(cfg["bx"], _next_pow2(dx))
+    grid = (bh, -(-dk // bk), -(-dx // bx))
     s0c = s0.contiguous() if s0 is not None else fin
-    _states[(bh, -(-dk // bk), -(-dx // bx))](kw, w, x, last, s0c, out, fin, n, c, dk, dx, t, nh, kw.stride(0),
-                                               kw.stride(1), kw.stride(2), x.stride(0), x.stride(1), x.stride(2),
-                                               HAS_S0=s0 is not None, HAS_W=has_w, BCF=_next_pow2(c),
-                                               BK=bk, BX=bx, PREC="fp16x3", num_warps=cfg["warps"],
-                                               num_stages=cfg["stages"])
-    return out, fin
+    part = torch.empty(bh, n, grid[1] * grid[2], dtype=torch.float32, device=kw.device) if dot is not None else fin
+    _states[grid](kw, w, x, last, s0c, out, fin, fin if dot is None else dot.contiguous(), part, n, c, dk, dx, t, nh,
+                  kw.stride(0), kw.stride(1), kw.stride(2), x.stride(0), x.stride(1), x.stride(2),
+                  HAS_S0=s0 is not None, HAS_W=has_w, BCF=_next_pow2(c), BK=bk, BX=bx, PREC="fp16x3",
+                  REVERSE=reverse, DOT=dot is not None, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    return (out, fin) if dot is None else (out, fin, part.sum(-1))
 
 
 def _next_pow2(n: int) -> int:
