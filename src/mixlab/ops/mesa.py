@@ -464,12 +464,13 @@ def _chunk_gates(g: Tensor, beta: Tensor, sign: Tensor | None, c: int) -> tuple[
 def _forward_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor, h0: State | None,
                     sign: Tensor | None, chunk_size: int, cg_iters: int, cg_eps: float | None, prec: str | None
                     ) -> tuple[Tensor, Tensor, Tensor, State]:
-    """Chunkwise forward on the Triton kernels without chunked copies of q, k, v: the chunk-start
-    states (:func:`~mixlab.ops.mesa_triton.chunk_states_triton`), then CG and read-out in one program
+    """Chunkwise forward on the Triton kernels without chunked copies of q, k, v and with the gate
+    statistics built in the programs: the chunk-start states
+    (:func:`~mixlab.ops.mesa_triton.chunk_states_triton`), then CG and read-out in one program
     (:func:`~mixlab.ops.mesa_triton.mesa_chunk_cg_triton`). Float32 compute.
 
-    Returns ``o [B, T, H, V]`` float32, ``x [M, C, K]`` (the solves, for the backward), CG iterations
-    ``[B, T, H]`` int32 and the final state.
+    Returns ``o [B, T, H, V]`` in v's dtype, ``x [M, C, K]`` float32 (the solves, for the backward), CG
+    iterations ``[B, T, H]`` int32 and the final state.
     """
     from mixlab.ops.mesa_triton import chunk_states_triton, mesa_chunk_cg_triton
     b, t, h, dk = k.shape
@@ -477,17 +478,13 @@ def _forward_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, la
     c = max(1, min(chunk_size, t))
     n = -(-t // c)
     q, k, v = (z if z.stride(-1) == 1 else z.contiguous() for z in (q, k, v))  # the kernels load any float dtype
-    gc, bc, sc = _chunk_gates(g.float(), beta.float(), sign, c)
-    sc = torch.ones_like(gc) if sc is None else sc
-    w = ((gc[..., -1:] - gc).exp() * bc * (sc[..., -1:] * sc)).reshape(b * h, n, c)  # each key's weight at the end
-    last = (gc[..., -1].exp() * sc[..., -1]).reshape(b * h, n)
+    gates = (g, beta, sign)
     s0 = (None, None) if h0 is None else (h0[0].reshape(b * h, dk, dk), h0[1].reshape(b * h, dk, dv))
-    hk, fk = chunk_states_triton(k, k, last, s0[0], w=w, chunk_size=c)
-    hv, fv = chunk_states_triton(k, v, last, s0[1], w=w, chunk_size=c)
+    hk, fk = chunk_states_triton(k, k, None, s0[0], chunk_size=c, gates=gates)
+    hv, fv = chunk_states_triton(k, v, None, s0[1], chunk_size=c, gates=gates)
     m = b * h * n
-    lam = lamb.float().view(1, h, 1, dk).expand(b, h, n, dk).reshape(m, dk).contiguous()
-    x, iters, o = mesa_chunk_cg_triton(hk.view(m, dk, dk), k, gc.reshape(m, c), bc.reshape(m, c), sc.reshape(m, c),
-                                       lam, q, hv.view(m, dk, dv), v, c, cg_iters, cg_eps, prec)
+    x, iters, o = mesa_chunk_cg_triton(hk.view(m, dk, dk), k, g, beta, sign, lamb.float(), q, hv.view(m, dk, dv), v,
+                                       c, cg_iters, cg_eps, prec)
     iters = iters.view(b, h, n * c)[:, :, :t].transpose(1, 2)
     return o, x, iters, (fk.view(b, h, dk, dk), fv.view(b, h, dk, dv))
 
@@ -596,7 +593,7 @@ class _MesaChunkFunction(torch.autograd.Function):
             else:
                 ctx.save_for_backward(q, k, v, g, beta, lamb, h_kk0, h_kv0, x, sign)
                 ctx.mark_non_differentiable(iters)
-                return o.to(v.dtype), final[0], final[1], iters
+                return o, final[0], final[1], iters
         ch = _Chunks(k, v, g.to(dt), beta.to(dt), h0, chunk_size, sign)
         lam = _lamb_per_chunk(lamb.to(dt), ch)
         x, iters = _chunk_cg(ch, lam, ch.chunk_view(q), cg_iters, cg_eps, solve_impl, _cg_prec(q, inference))

@@ -101,14 +101,15 @@ def _halves(a, PREC: tl.constexpr):
 
 @triton.jit
 def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_ptr, v_ptr, o_ptr, C, K, V, T, NH, NC,
-        skb, skt, skh, sbb, sbt, sbh, svb, svt, svh, sob, sot, soh, max_iter, eps2, tiny, BC: tl.constexpr,
-        BCF: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, HOLD: tl.constexpr,
-        READOUT: tl.constexpr, DECAY: tl.constexpr):
+        skb, skt, skh, sbb, sbt, sbh, svb, svt, svh, sob, sot, soh, slm, slh, max_iter, eps2, tiny,
+        BC: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+        HOLD: tl.constexpr, READOUT: tl.constexpr, DECAY: tl.constexpr, HAS_SIGN: tl.constexpr):
     # program (m, j): tokens j*BC .. j*BC+BC-1 of chunk m = (batch * NH + head) * NC + chunk; their systems are
     # independent, but the intra-chunk term reads every key of the chunk (D is 0 above the diagonal). k, the
     # right-hand sides b, v and o are [batch, T, head, dim] by their strides (last dim contiguous): token
-    # chunk * C + i of the sequence, masked past T. DECAY: D and dq from the chunk's cumulative log gate
-    # (d_ptr), beta (dq_ptr) and gate-sign product (sg_ptr), all [M, C]; else D [M, C, C] and dq [M, C] given.
+    # chunk * C + i of the sequence, masked past T. DECAY: D and dq from the log forget gate (d_ptr), beta
+    # (dq_ptr) and, HAS_SIGN, the gate signs (sg_ptr), all [batch, T, head] contiguous (within-chunk
+    # cumulative sums in the program); else D [M, C, C] and dq [M, C] given. Lambda: lam_ptr + m * slm + head * slh.
     m = tl.program_id(0).to(tl.int64)
     n = m % NC
     hh = (m // NC) % NH
@@ -129,19 +130,26 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
     mkf = mk[:, None] & mf[None, :]
     mtk = mt[:, None] & mk[None, :]
     if DECAY:  # D[t, i] = beta_i exp(gc_t - gc_i) s_t s_i (i <= t), dq_t = exp(gc_t) s_t
-        gct = tl.load(d_ptr + m * C + ot, mask=ot < C, other=0.0)
-        gcf = tl.load(d_ptr + m * C + of, mask=of < C, other=0.0)
-        sgt = tl.load(sg_ptr + m * C + ot, mask=ot < C, other=0.0)
-        sgf = tl.load(sg_ptr + m * C + of, mask=of < C, other=0.0)
-        btf = tl.load(dq_ptr + m * C + of, mask=mf, other=0.0)
-        causal = (of[None, :] <= ot[:, None]) & mt[:, None] & mf[None, :]
-        dd = tl.exp(tl.where(causal, gct[:, None] - gcf[None, :], float("-inf"))) * (btf * sgf)[None, :]
-        dd = dd * sgt[:, None]
-        dq = tl.where(mt, tl.exp(gct) * sgt, 0.0)
+        g_offs = bb * T * NH + hh + (n * C + of) * NH
+        gf = tl.load(d_ptr + g_offs, mask=mf, other=0.0).to(tl.float32)  # padding: g = 0, beta = 0
+        btf = tl.load(dq_ptr + g_offs, mask=mf, other=0.0).to(tl.float32)
+        # within-chunk cumulative log gate, for the chunk's tokens (gcf) and this program's (gct), by one rule
+        gcf = tl.sum(tl.where(of[None, :] <= of[:, None], gf[None, :], 0.0), axis=1)
+        upto = of[None, :] <= ot[:, None]
+        gct = tl.sum(tl.where(upto, gf[None, :], 0.0), axis=1)
+        causal = upto & mt[:, None] & mf[None, :]
+        dd = tl.exp(tl.where(causal, gct[:, None] - gcf[None, :], float("-inf"))) * btf[None, :]
+        dq = tl.where(mt, tl.exp(gct), 0.0)
+        if HAS_SIGN:  # the sign products as the parity of the negative gates so far
+            negf = (tl.load(sg_ptr + g_offs, mask=mf, other=1.0) < 0).to(tl.int32)
+            sgf = 1.0 - 2.0 * (tl.sum(tl.where(of[None, :] <= of[:, None], negf[None, :], 0), axis=1) % 2)
+            sgt = 1.0 - 2.0 * (tl.sum(tl.where(upto, negf[None, :], 0), axis=1) % 2)
+            dd = dd * sgf[None, :] * sgt[:, None]
+            dq = dq * sgt
     else:
         dq = tl.load(dq_ptr + m * C + ot, mask=mt, other=0.0)
         dd = tl.load(d_ptr + m * C * C + ot[:, None] * C + of[None, :], mask=mt[:, None] & mf[None, :], other=0.0)
-    lam = tl.load(lam_ptr + m * K + ok, mask=mk, other=0.0)
+    lam = tl.load(lam_ptr + m * slm + hh * slh + ok, mask=mk, other=0.0)
     r = tl.load(b_ptr + bb * sbb + hh * sbh + (n * C + ot[:, None]) * sbt + ok[None, :], mask=mtk,
                 other=0.0).to(tl.float32)
     # float32 scalars: torch.compile hands Python floats to a user kernel as float64 (H200, torch 2.11), which
@@ -219,19 +227,23 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
         else:
             o = dq[:, None] * _mm(x, gm, g_hi, g_lo, PREC)
             o += _mm(_mm(x, kt, kt_hi, kt_lo, PREC) * dd, vc, v_hi, v_lo, PREC)
+        o = o.to(o_ptr.dtype.element_ty, fp_downcast_rounding="rtne")  # v's dtype, rounded to nearest
         tl.store(o_ptr + bb * sob + hh * soh + (n * C + ot[:, None]) * sot + ov[None, :], o,
                  mask=mt[:, None] & mv[None, :])
 
 
 
 @triton.jit
-def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, part_ptr, N, C, K, X, T, NH, skb,
-            skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr,
-            BX: tl.constexpr, PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr):
+def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, part_ptr, g_ptr, beta_ptr, sign_ptr,
+            N, C, K, X, T, NH, skb, skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr,
+            GATES: tl.constexpr, HAS_SIGN: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr,
+            PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr):
     # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
     # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n with kw = w * k
-    # (HAS_W: w [BH, N, C]). k and x are [batch, T, head, dim] by their strides (last dim contiguous).
-    # REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n], dot[n]> over the tile.
+    # (HAS_W: w [BH, N, C]; GATES: w_i = beta_i exp(gc_L - gc_i) s_L s_i and last = exp(gc_L) s_L from the log
+    # gates g, beta and signs, [batch, T, head] contiguous). k and x are [batch, T, head, dim] by their strides
+    # (last dim contiguous). REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n],
+    # dot[n]> over the tile.
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // NH
     hh = bh % NH
@@ -260,12 +272,25 @@ def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, pa
         mc = (oc < C) & (n * C + oc < T)
         kwt = tl.load(k_ptr + bb * skb + hh * skh + (n * C + oc[None, :]) * skt + ok[:, None],
                       mask=mk[:, None] & mc[None, :], other=0.0).to(tl.float32)  # [BK, C]
-        if HAS_W:
-            kwt = kwt * tl.load(w_ptr + base * C + oc, mask=mc, other=0.0)[None, :]
+        if GATES:
+            g_offs = bb * T * NH + hh + (n * C + oc) * NH
+            gch = tl.load(g_ptr + g_offs, mask=mc, other=0.0).to(tl.float32)
+            g_last = tl.sum(gch, axis=0)
+            wv = tl.exp(g_last - tl.cumsum(gch, axis=0)) * tl.load(beta_ptr + g_offs, mask=mc, other=0.0)
+            a = tl.exp(g_last)
+            if HAS_SIGN:  # s_L s_i = (-1)^(negative gates after i), s_L = (-1)^(negative gates in the chunk)
+                neg = (tl.load(sign_ptr + g_offs, mask=mc, other=1.0) < 0).to(tl.int32)
+                n_neg = tl.sum(neg, axis=0)
+                wv = wv * (1.0 - 2.0 * ((n_neg - tl.cumsum(neg, axis=0)) % 2))
+                a = a * (1.0 - 2.0 * (n_neg % 2))
+            kwt = kwt * wv[None, :]
+        else:
+            if HAS_W:
+                kwt = kwt * tl.load(w_ptr + base * C + oc, mask=mc, other=0.0)[None, :]
+            a = tl.load(last_ptr + base)
         xc = tl.load(x_ptr + bb * sxb + hh * sxh + (n * C + oc[:, None]) * sxt + ox[None, :],
                      mask=mc[:, None] & mx[None, :], other=0.0).to(tl.float32)  # [C, BX]
         x_hi, x_lo = _split16(xc)
-        a = tl.load(last_ptr + base)
         s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
     tl.store(fin_ptr + bh * K * X + tile, s, mask=mkx)
 
@@ -291,9 +316,9 @@ def solve_dense_triton(H: Tensor, lamb: Tensor, rhs: Tensor, max_iter: int, eps:
     return x.view(m, dk)
 
 
-def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, w: Tensor | None = None,
-                        chunk_size: int | None = None, reverse: bool = False, dot: Tensor | None = None
-                        ) -> tuple[Tensor, ...]:
+def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor | None, s0: Tensor | None, w: Tensor | None = None,
+                        chunk_size: int | None = None, reverse: bool = False, dot: Tensor | None = None,
+                        gates: tuple[Tensor, Tensor, Tensor | None] | None = None) -> tuple[Tensor, ...]:
     """Chunk-start states of Mesa's statistics (MesaNet Appendix D; fla's ``chunk_fwd_h`` in form):
     ``S_0 = s0``, ``S_{n+1} = last_n S_n + kw_n^T x_n`` (float32, products at float32 accuracy via
     ``fp16x3``). Not differentiable. ``reverse=True`` runs the chunks backwards (the adjoint scan of
@@ -301,27 +326,36 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, 
     chunk ``n`` and ``T_0``).
 
     Args:
-        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta, or, with ``w``,
-        the keys ``[B, T, H, K]`` (any strides, last dim contiguous) and ``w [BH, N, C]`` their weights;
-        x: ``[BH, N, C, X]``, or ``[B, T, H, X]`` with ``w`` (keys for ``H``, values for ``G``);
-        last: ``[BH, N]`` each chunk's total decay; s0: ``[BH, K, X]`` or None (zeros); chunk_size: C,
-        with ``w`` (tokens past T count as zeros); dot: ``[BH, N, K, X]`` or None. All float32 on one
-        CUDA device (or CPU under ``TRITON_INTERPRET=1``).
+        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta, or, with ``w`` or
+        ``gates``, the keys ``[B, T, H, K]`` (any strides, last dim contiguous); w: ``[BH, N, C]`` the
+        keys' weights; gates: ``(g, beta, sign)`` ``[B, T, H]`` (log forget gate, input gate, +-1 gate
+        signs or None), from which the program builds the weights ``beta_i exp(gc_L - gc_i) s_L s_i``
+        and ``last`` (pass ``last=None``); x: ``[BH, N, C, X]``, or ``[B, T, H, X]`` with ``w`` or
+        ``gates`` (keys for ``H``, values for ``G``); last: ``[BH, N]`` each chunk's total decay;
+        s0: ``[BH, K, X]`` or None (zeros); chunk_size: C, with ``w`` or ``gates`` (tokens past T
+        count as zeros); dot: ``[BH, N, K, X]`` or None. All float32 (k, x, g, beta: any float dtype
+        with ``w`` or ``gates``) on one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
         ``states [BH, N, K, X]`` (the state before each chunk, in scan order), ``final [BH, K, X]``,
         and with ``dot``: ``[BH, N]`` the inner products ``<states[n], dot[n]>``.
     """
     has_w = w is not None
-    if not has_w:
+    if gates is not None:
+        b_, t_, nh_, dk = kw.shape
+        bh, n, c = b_ * nh_, -(-t_ // chunk_size), chunk_size
+        g, beta, sign = (None if z is None else z.contiguous() for z in gates)
+        w = last = g  # unused (GATES=True)
+    elif not has_w:
         bh, n, c, dk = kw.shape
         kw, x = kw.contiguous().view(bh, n * c, 1, dk), x.contiguous().view(bh, n * c, 1, x.shape[-1])
         w = last  # unused (HAS_W=False)
     else:
         bh, n, c, dk = w.shape[0], w.shape[1], chunk_size, kw.shape[-1]
         w = w.contiguous()
+    if gates is None:
+        g = beta = sign = last = last.contiguous()  # unused (GATES=False)
     nh, t, dx = kw.shape[2], kw.shape[1], x.shape[-1]
-    last = last.contiguous()
     out = torch.empty(bh, n, dk, dx, dtype=torch.float32, device=kw.device)
     fin = torch.empty(bh, dk, dx, dtype=torch.float32, device=kw.device)
     cfg = {"bk": 64, "bx": 64, "warps": 4, "stages": 3}
@@ -334,10 +368,12 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor, s0: Tensor | None, 
     grid = (bh, -(-dk // bk), -(-dx // bx))
     s0c = s0.contiguous() if s0 is not None else fin
     part = torch.empty(bh, n, grid[1] * grid[2], dtype=torch.float32, device=kw.device) if dot is not None else fin
-    _states[grid](kw, w, x, last, s0c, out, fin, fin if dot is None else dot.contiguous(), part, n, c, dk, dx, t, nh,
-                  kw.stride(0), kw.stride(1), kw.stride(2), x.stride(0), x.stride(1), x.stride(2),
-                  HAS_S0=s0 is not None, HAS_W=has_w, BCF=_next_pow2(c), BK=bk, BX=bx, PREC="fp16x3",
-                  REVERSE=reverse, DOT=dot is not None, num_warps=cfg["warps"], num_stages=cfg["stages"])
+    _states[grid](kw, w, x, last, s0c, out, fin, fin if dot is None else dot.contiguous(), part, g, beta,
+                  g if sign is None else sign, n, c, dk, dx, t, nh, kw.stride(0), kw.stride(1), kw.stride(2),
+                  x.stride(0), x.stride(1), x.stride(2), HAS_S0=s0 is not None, HAS_W=has_w,
+                  GATES=gates is not None, HAS_SIGN=gates is not None and sign is not None, BCF=_next_pow2(c),
+                  BK=bk, BX=bx, PREC="fp16x3", REVERSE=reverse, DOT=dot is not None, num_warps=cfg["warps"],
+                  num_stages=cfg["stages"])
     return (out, fin) if dot is None else (out, fin, part.sum(-1))
 
 
@@ -415,34 +451,40 @@ def mesa_cg_triton(H: Tensor, k: Tensor, D: Tensor, dq: Tensor, lamb: Tensor, rh
     return x, iters
 
 
-def mesa_chunk_cg_triton(H: Tensor, k: Tensor, gc: Tensor, beta: Tensor, sign: Tensor, lamb: Tensor, q: Tensor,
-                         G: Tensor, v: Tensor, chunk_size: int, max_iter: int, eps: float | None,
+def mesa_chunk_cg_triton(H: Tensor, k: Tensor, g: Tensor, beta: Tensor, sign: Tensor | None, lamb: Tensor,
+                         q: Tensor, G: Tensor, v: Tensor, chunk_size: int, max_iter: int, eps: float | None,
                          prec: str | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Mesa's chunkwise forward solve and read-out straight from the ``[B, T, H, d]`` tensors (no
-    chunked copies): the decays are built in the program from per-chunk gate statistics
-    (MesaNet arXiv 2506.05233, Appendix C Algorithm 1 per token, Appendix D chunkwise products):
+    chunked copies): the decays are built in the program from the gates (within-chunk cumulative
+    sums) (MesaNet arXiv 2506.05233, Appendix C Algorithm 1 per token, Appendix D chunkwise products):
     ``(H_t + Lambda) x_t = q_t``, then ``o_t = G_t^T x_t``.
 
     Args:
         H: ``[M, K, K]`` and G: ``[M, K, V]`` chunk-start states (:func:`chunk_states_triton`),
-        ``M = B * H * N`` chunks of ``chunk_size`` tokens; k, q: ``[B, T, H, K]``, v: ``[B, T, H, V]``
-        (last dim contiguous, any other strides); gc: ``[M, C]`` within-chunk cumulative log forget
-        gate; beta: ``[M, C]`` input gate (0 on padding); sign: ``[M, C]`` within-chunk cumulative
-        product of the gate signs (ones without negative gates); lamb: ``[M, K]`` regulariser > 0;
-        max_iter, eps, prec: as :func:`mesa_cg_triton`. All float32 on one device.
+        ``M = B * H * N`` chunks of ``chunk_size`` tokens, float32; k, q: ``[B, T, H, K]``, v:
+        ``[B, T, H, V]`` (last dim contiguous, any other strides, any float dtype); g: ``[B, T, H]``
+        log forget gate; beta: ``[B, T, H]`` input gate; sign: ``[B, T, H]`` +-1 gate signs or None;
+        lamb: ``[H, K]`` float32 regulariser > 0; max_iter, eps, prec: as :func:`mesa_cg_triton`.
 
     Returns:
-        ``x [M, C, K]`` float32, iterations ``[M, C]`` int32, ``o [B, T, H, V]`` float32.
+        ``x [M, C, K]`` float32, iterations ``[M, C]`` int32, ``o [B, T, H, V]`` in v's dtype.
 
     Raises:
         TritonCGUnfit: as :func:`mesa_cg_triton`.
     """
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    return _launch_cg(H, k, (gc, beta, sign), lamb, q, G, v, chunk_size, max_iter, eps, prec, o)
+    # the program stores o in v's dtype (rounded to nearest); Triton's interpreter truncates float32 to bf16
+    # on a store, so under it o comes back float32 and torch rounds it
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    o = torch.empty(v.shape, dtype=torch.float32 if interpret else v.dtype, device=v.device)
+    gates = tuple(None if z is None else z.contiguous() for z in (g, beta, sign))
+    x, iters, o = _launch_cg(H, k, gates, lamb.contiguous(), q, G, v, chunk_size, max_iter, eps, prec, o,
+                             lam_per_head=True)
+    return x, iters, o.to(v.dtype)
 
 
-def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None):
-    """Launches :func:`_cg` on ``[B, T, H, d]`` views (``[M, C, 1, d]`` for pre-chunked tensors)."""
+def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None, lam_per_head=False):
+    """Launches :func:`_cg` on ``[B, T, H, d]`` views (``[M, C, 1, d]`` for pre-chunked tensors). ``decay``:
+    ``(D, dq, None)`` given, or ``(g, beta, sign)`` ``[B, T, H]`` (``lam_per_head``: lamb ``[H, K]``)."""
     b, t, nh, dk = rhs.shape
     n = -(-t // c)
     m = b * nh * n
@@ -458,16 +500,18 @@ def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None):
     if m == 0:
         return x, iters, o
     d_p, dq_p, sg_p = decay
+    has_decay = lam_per_head
     cfg = launch_config(c, dk, prec)
     eps2 = 0.0 if eps is None else float(eps) ** 2
     grid = (m, -(-c // cfg["bc"]))
+    slm, slh = (0, dk) if lam_per_head else (dk, 0)
     try:
         _cg[grid](H, k, d_p, dq_p, dq_p if sg_p is None else sg_p, lamb, rhs, x, iters, G, v, o, c, dk, dv, t, nh, n,
                   k.stride(0), k.stride(1), k.stride(2), rhs.stride(0), rhs.stride(1), rhs.stride(2), v.stride(0),
-                  v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), int(max_iter), eps2,
+                  v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), slm, slh, int(max_iter), eps2,
                   torch.finfo(torch.float32).tiny, BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk),
                   BV=_next_pow2(dv), PREC=cfg["prec"], HOLD=bool(cfg["hold"]), READOUT=readout,
-                  DECAY=sg_p is not None, num_warps=cfg["warps"], num_stages=1)
+                  DECAY=has_decay, HAS_SIGN=has_decay and sg_p is not None, num_warps=cfg["warps"], num_stages=1)
     except triton.runtime.errors.OutOfResources as e:
         raise TritonCGUnfit(f"mesa_cg_triton: the kernel does not fit this GPU at chunk {c}, head dim {dk}, "
                             f"config {cfg} ({e}); set MIXLAB_MESA_CG (e.g. 'hold=0,bc=16') or use impl='chunk'") from e
