@@ -237,13 +237,13 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
 def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, part_ptr, g_ptr, beta_ptr, sign_ptr,
             N, C, K, X, T, NH, skb, skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr,
             GATES: tl.constexpr, HAS_SIGN: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr,
-            PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr):
+            PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr, X_HALF: tl.constexpr):
     # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
     # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n with kw = w * k
     # (HAS_W: w [BH, N, C]; GATES: w_i = beta_i exp(gc_L - gc_i) s_L s_i and last = exp(gc_L) s_L from the log
     # gates g, beta and signs, [batch, T, head] contiguous). k and x are [batch, T, head, dim] by their strides
     # (last dim contiguous). REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n],
-    # dot[n]> over the tile.
+    # dot[n]> over the tile. X_HALF: x is bf16/fp16, so two float16 products (kw's halves times x) are exact.
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // NH
     hh = bh % NH
@@ -290,8 +290,15 @@ def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, pa
             a = tl.load(last_ptr + base)
         xc = tl.load(x_ptr + bb * sxb + hh * sxh + (n * C + oc[:, None]) * sxt + ox[None, :],
                      mask=mc[:, None] & mx[None, :], other=0.0).to(tl.float32)  # [C, BX]
-        x_hi, x_lo = _split16(xc)
-        s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
+        if X_HALF:  # x came in bf16/fp16: its float16 low half is 0 (below fp16's normal range, < 3e-8)
+            sc = tl.maximum(tl.max(tl.abs(kwt), axis=1), 1e-30)
+            a_hi, a_lo = _split16(kwt / sc[:, None])
+            x_hi = xc.to(tl.float16)
+            s = a * s + (tl.dot(a_lo, x_hi, tl.dot(a_hi, x_hi, out_dtype=tl.float32), out_dtype=tl.float32)
+                         * sc[:, None])
+        else:
+            x_hi, x_lo = _split16(xc)
+            s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
     tl.store(fin_ptr + bh * K * X + tile, s, mask=mkx)
 
 
@@ -372,7 +379,9 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor | None, s0: Tensor |
                   g if sign is None else sign, n, c, dk, dx, t, nh, kw.stride(0), kw.stride(1), kw.stride(2),
                   x.stride(0), x.stride(1), x.stride(2), HAS_S0=s0 is not None, HAS_W=has_w,
                   GATES=gates is not None, HAS_SIGN=gates is not None and sign is not None, BCF=_next_pow2(c),
-                  BK=bk, BX=bx, PREC="fp16x3", REVERSE=reverse, DOT=dot is not None, num_warps=cfg["warps"],
+                  BK=bk, BX=bx, PREC="fp16x3", REVERSE=reverse, DOT=dot is not None,
+                  X_HALF=x.dtype in (torch.bfloat16, torch.float16),
+                  num_warps=cfg["warps"],
                   num_stages=cfg["stages"])
     return (out, fin) if dot is None else (out, fin, part.sum(-1))
 
