@@ -243,7 +243,8 @@ def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, pa
     # (HAS_W: w [BH, N, C]; GATES: w_i = beta_i exp(gc_L - gc_i) s_L s_i and last = exp(gc_L) s_L from the log
     # gates g, beta and signs, [batch, T, head] contiguous). k and x are [batch, T, head, dim] by their strides
     # (last dim contiguous). REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n],
-    # dot[n]> over the tile. X_HALF: x is bf16/fp16, so two float16 products (kw's halves times x) keep float32 accuracy.
+    # dot[n]> over the tile. X_HALF: x is bf16/fp16, so two float16 products (kw's halves times x) keep
+    # float32 accuracy.
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // NH
     hh = bh % NH
