@@ -194,6 +194,20 @@ def test_bad_solver_arguments_raise():
         mesa_fla(*big)
     with pytest.raises(ValueError, match="fixed CG count"):
         mesa_net(*big, cg_eps=1e-4, impl="fla")
+    # found by a user test: these reached NaN outputs or torch errors that named nothing
+    with pytest.raises(ValueError, match=r"lamb \(the regulariser diagonal Lambda\) must be > 0; got min -0.5"):
+        mesa_chunk(*args[:5], torch.full((2, 6), -0.5, dtype=F64))
+    with pytest.raises(ValueError, match="lamb .* must be > 0; got min 0.0"):
+        mesa_net(*args[:5], torch.zeros(2, 6, dtype=F64), impl="chunk")
+    with pytest.raises(ValueError, match="chunk_size must be an integer >= 1; got 2.5"):
+        mesa_chunk(*args, chunk_size=2.5)
+    with pytest.raises(ValueError, match=r"T = 0"):
+        mesa_chunk(*_inputs(t=0))
+    *args_s, h0 = _inputs(t=3, state=True)
+    with pytest.raises(ValueError, match="initial_state must be a pair .* got tuple of length 1"):
+        mesa_chunk(*args_s, initial_state=(h0[0],))
+    with pytest.raises(ValueError, match="cg_impl='torch' \\(mesa_chunk\\)"):
+        mesa_chunk(*args, cg_impl="triton")
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -93,10 +93,12 @@ def check_solver_args(cg_iters: int, cg_eps: float | None, eps_name: str = "cg_e
 
 def check_mesa_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: Tensor,
                       initial_state: State | None = None) -> None:
-    """Shape checks shared by every Mesa implementation.
+    """Shape checks shared by every Mesa implementation, and ``lamb > 0`` where that costs no host sync
+    (CPU tensors, outside ``torch.compile``; on CUDA a non-positive Lambda gives NaN, unchecked).
 
     Raises:
-        ValueError: naming the argument whose shape does not match q ``[B, T, H, K]``.
+        ValueError: naming the argument whose shape does not match q ``[B, T, H, K]``, an
+            ``initial_state`` that is not a pair, or a non-positive ``lamb`` on the CPU.
     """
     if q.dim() != 4:
         raise ValueError(f"mesa: q must be [B, T, H, K]; got shape {tuple(q.shape)}")
@@ -110,7 +112,14 @@ def check_mesa_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, 
             raise ValueError(f"mesa: {name} must be [B, T, H] = [{b}, {t}, {h}]; got {tuple(z.shape)}")
     if lamb.shape != (h, dk):
         raise ValueError(f"mesa: lamb must be [H, K] = [{h}, {dk}]; got {tuple(lamb.shape)}")
+    if lamb.device.type == "cpu" and not torch.compiler.is_compiling() and not bool((lamb > 0).all()):
+        raise ValueError(f"mesa: lamb (the regulariser diagonal Lambda) must be > 0; got min {float(lamb.min())}")
     if initial_state is not None:
+        if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+            raise ValueError("mesa: initial_state must be a pair (h_kk [B, H, K, K], h_kv [B, H, K, V]); got "
+                             f"{type(initial_state).__name__} of length {len(initial_state)}"
+                             if isinstance(initial_state, (tuple, list)) else
+                             f"mesa: initial_state must be a pair (h_kk, h_kv); got {type(initial_state).__name__}")
         h_kk, h_kv = initial_state
         if h_kk.shape != (b, h, dk, dk) or h_kv.shape != (b, h, dk, v.shape[-1]):
             raise ValueError(f"mesa: initial_state must be (h_kk [B, H, K, K], h_kv [B, H, K, V]); got "
@@ -731,13 +740,15 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
         through the adjoint solve.
 
     Raises:
-        ValueError: bad shapes, ``cg_iters < 1``, ``cg_eps <= 0``, ``chunk_size < 1``, an
-            unknown ``cg_impl`` or inputs the Triton kernel does not take.
+        ValueError: bad shapes, ``cg_iters < 1``, ``cg_eps <= 0``, ``chunk_size`` not an integer >= 1,
+            ``T = 0``, a non-positive ``lamb`` (CPU), an unknown ``cg_impl`` or inputs the Triton kernel does not take.
     """
     check_mesa_inputs(q, k, v, g, beta, lamb, initial_state)
     check_solver_args(cg_iters, cg_eps)
-    if chunk_size < 1:
-        raise ValueError(f"mesa: chunk_size must be >= 1; got {chunk_size}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"mesa: chunk_size must be an integer >= 1; got {chunk_size!r}")
+    if q.shape[1] == 0:
+        raise ValueError("mesa: the sequence is empty (T = 0); the chunkwise path needs T >= 1")
     _check_cg_impl(cg_impl, q, chunk_size)
     _check_sign(gate_sign, g)
     h_kk0, h_kv0 = initial_state if initial_state is not None else (None, None)
@@ -777,7 +788,7 @@ def _check_cg_impl(cg_impl: str, q: Tensor, chunk_size: int) -> None:
                else None)
         if why is not None:
             raise ValueError(f"mesa: impl='triton' (Triton CG kernel) cannot take these inputs: {why}; "
-                             "use impl='chunk'")
+                             "use impl='chunk' (mesa_net, the mixer) or cg_impl='torch' (mesa_chunk)")
 
 
 # ---------------------------------------------------------------------------- dispatch
