@@ -15,7 +15,6 @@ already are refused (a glob would read old and new together); ``--overwrite`` re
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 from mixlab.datamodules.imagenet import write_imagefolder_shards
@@ -58,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         mapping = {c: i for i, c in enumerate(names)}
         missing = sorted(d.name for d in Path(a.root).iterdir() if d.is_dir() and d.name not in mapping)
         if missing:
-            sys.exit(f"--classes-from {a.classes_from}: classes {missing[:5]} of {a.root} are not in the mapping")
+            p.error(f"--classes-from {a.classes_from!r}: {len(missing)} class folder(s) of {a.root!r} are not in its "
+                    f"mapping (first: {', '.join(missing[:5])}); use the training root or its classes.txt")
     old = existing_shards(a.pattern)
     if old and not a.overwrite:
         p.error(f"pattern {a.pattern!r}: {len(old)} shards exist already ({old[0]} ..): a glob would read them with "

@@ -164,6 +164,11 @@ def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(monkeypatch, 
     (out / "train-old.tar").write_bytes(b"x")  # not a file of the pattern: kept
     assert run(tmp_path / "imgs", pattern, "--maxcount", 4, "--overwrite")[0] == 0
     assert sorted(p.name for p in out.glob("train-*.tar")) == ["train-0000.tar", "train-0001.tar", "train-old.tar"]
+    (tmp_path / "map").mkdir()
+    (tmp_path / "map" / "classes.txt").write_text("cat\n")  # no "dog": one argparse line, nothing written
+    code, err = run(tmp_path / "imgs", tmp_path / "mapped-%04d.tar", "--classes-from", tmp_path / "map" / "classes.txt")
+    assert code == 2 and "1 class folder(s)" in err.strip().splitlines()[-1] and "first: dog" in err
+    assert not list(tmp_path.glob("mapped-*"))
     code, err = run(tmp_path / "imgs" / "cat", tmp_path / "flat-%04d.tar")
     assert code == 2
     assert ("has no class sub-folders (3 images directly in it): the layout is <root>/<class>/<image>"
