@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers.interpreter import run_interpreter_check
+from helpers.interpreter import interpreter_cannot_loop, run_interpreter_check
 
 from mixlab.ops.mesa import mesa_chunk, mesa_net
 
@@ -13,6 +13,9 @@ triton = pytest.importorskip("triton")
 
 
 def test_triton_cg_equals_torch_cg_and_exact_solve_under_interpreter():
+    why = interpreter_cannot_loop()  # the chunk-state scan loops over the chunks (torch 2.11's Triton 3.6)
+    if why:
+        pytest.skip(why)
     res = run_interpreter_check("mesa_triton_check.py")
     assert len(res) == 13
     for name, r in res.items():
