@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.failures import fail_on_call, tree
 
 from mixlab.backbone import BackboneConfig
 from mixlab.datamodules.text import TextDataModule
@@ -90,11 +91,6 @@ def test_bad_arguments_and_non_text_runs_are_one_line_errors(tmp_path, capsys):
         next(chunked_logits(tiny_lm("rope"), torch.zeros(1, 4).long(), -1))
 
 
-def _tree(root: Path) -> dict[str, bytes | None]:
-    """Every file (its bytes) and folder (None) under ``root``, by relative path."""
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
-
-
 def test_a_failed_length_extrapolation_leaves_the_run_folder_as_it_was(tmp_path, capsys, monkeypatch):
     """A user test: a failed command (a length the data is too short for, an error during the evaluation, a
     second checkpoint that is no text LM) left a new event file in the run's length_extrapolation/tb. Now a
@@ -117,7 +113,7 @@ def test_a_failed_length_extrapolation_leaves_the_run_folder_as_it_was(tmp_path,
     (le / "keep").mkdir()
     (le / "tb" / "events.out.tfevents.1.host.1.0").write_bytes(b"earlier events")
     (le / "length_extrapolation.md").write_text("earlier table")
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     args = ["--max-windows", "1", "--device", "cpu", "--ckpt", str(ckpt)]
     # a multiple the val split is too short for: one line naming --lengths, before any writer
     n_val = sum(len(a) for a in dm.token_splits()["val"])
@@ -129,33 +125,26 @@ def test_a_failed_length_extrapolation_leaves_the_run_folder_as_it_was(tmp_path,
     assert capsys.readouterr().err.splitlines()[0] == (
         f"error: --lengths 100000 (1600000 tokens): text val split has {n_val} tokens; too short for one window "
         f"of 1600001 tokens (lower data.init_args.context_length or add data)")
-    assert _tree(tmp_path) == before
+    assert tree(tmp_path) == before
     # an error during the evaluation of the second length: the first one's scalars were written by then
-    real, calls = L.position_nll, []
-
-    def fail_second(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("evaluation failed")
-        return real(*a, **k)
-
-    monkeypatch.setattr(L, "position_nll", fail_second)
+    real = L.position_nll
+    calls = fail_on_call(monkeypatch, L, "position_nll")
     with pytest.raises(RuntimeError, match="^evaluation failed$"):
         L.main([*args, "--lengths", "1", "2"])
-    assert len(calls) == 2 and _tree(tmp_path) == before
+    assert len(calls) == 2 and tree(tmp_path) == before
     monkeypatch.setattr(L, "position_nll", real)
     # a second checkpoint that is no text LM: the first one's evaluation was written by then
     genome = Path(__file__).parent / "fixtures" / "genome_fg2gdn_goat.ckpt"
     with pytest.raises(ValueError, match="a GenomeDataModule run; length extrapolation evaluates decoder LMs"):
         L.main([*args, str(genome), "--lengths", "1"])
-    assert _tree(tmp_path) == before
+    assert tree(tmp_path) == before
     # in a run without length_extrapolation/ and with a new --out: both folders go again
     shutil.rmtree(le)
-    before = _tree(tmp_path)
+    before = tree(tmp_path)
     for extra in ([], ["--out", str(tmp_path / "new" / "le")]):
         with pytest.raises(ValueError, match="a GenomeDataModule run"):
             L.main([*args, str(genome), "--lengths", "1", *extra])
-        assert _tree(tmp_path) == before, extra
+        assert tree(tmp_path) == before, extra
     res = L.main([*args, "--lengths", "1", "--labels", "tiny"])  # the same command without the error writes
     assert sorted(res["tiny"]) == [16]
     assert sorted(p.name for p in le.iterdir()) == ["length_extrapolation.csv", "length_extrapolation.md",

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers.failures import fail_on_call, tree
 
 from mixlab import cli
 from mixlab.backbone import BackboneConfig
@@ -48,10 +49,6 @@ def ckpts(tmp_path_factory):
     return {"passkey": passkey, "text": text}
 
 
-def _tree(root: Path) -> dict[str, bytes | None]:
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
-
-
 def _one_line_error(capsys, monkeypatch, argv: list[str]) -> str:
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     capsys.readouterr()
@@ -67,7 +64,7 @@ def test_a_checkpoint_that_is_no_retrieval_lm_is_refused_before_anything_is_writ
                                                                                      monkeypatch):
     """A user test: a genome LM gave an IndexError traceback and left tb/passkey_noise/events...; a byte-level
     text LM silently wrote a table of zeros."""
-    before = _tree(ckpts["text"].parents[1])
+    before = tree(ckpts["text"].parents[1])
     for task in ("passkey", "niah"):
         for ckpt, what in ((GENOME, "a GenomeDataModule run"), (ckpts["text"], "a TextDataModule run")):
             out = tmp_path / "out"
@@ -79,7 +76,7 @@ def test_a_checkpoint_that_is_no_retrieval_lm_is_refused_before_anything_is_writ
             assert not out.exists()
     err = _one_line_error(capsys, monkeypatch, ["passkey", "--ckpt", str(ckpts["text"]), "--device", "cpu"])
     assert "a TextDataModule run; passkey needs a decoder LM trained on" in err
-    assert _tree(ckpts["text"].parents[1]) == before  # no <run>/retrieval
+    assert tree(ckpts["text"].parents[1]) == before  # no <run>/retrieval
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -94,11 +91,11 @@ def test_a_checkpoint_that_is_no_retrieval_lm_is_refused_before_anything_is_writ
 ])
 def test_bad_option_values_are_one_line_errors_that_write_nothing(ckpts, capsys, monkeypatch, argv, message):
     run = ckpts["passkey"].parents[1]
-    before = _tree(run)
+    before = tree(run)
     err = _one_line_error(capsys, monkeypatch, ["passkey", "--ckpt", str(ckpts["passkey"]), "--lengths", "64",
                                                 "--device", "cpu", *argv])
     assert err == f"error: {message}"
-    assert _tree(run) == before and not (run / "retrieval").exists()
+    assert tree(run) == before and not (run / "retrieval").exists()
     with pytest.raises(ValueError, match="^" + message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         E.passkey_main(["--ckpt", str(ckpts["passkey"]), "--lengths", "64", "--device", "cpu", *argv])
 
@@ -109,20 +106,13 @@ def test_a_failed_evaluation_leaves_the_output_folder_as_it_was(ckpts, capsys, m
     (out / "tb" / "passkey_noise").mkdir(parents=True)
     (out / "tb" / "passkey_noise" / "events.out.tfevents.1.host.1.0").write_bytes(b"earlier events")
     (out / "passkey_noise.md").write_text("earlier table")
-    before = _tree(run)
-    real, calls = E.evaluate_cell, []
-
-    def fail_second(*a, **k):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("evaluation failed")
-        return real(*a, **k)
-
-    monkeypatch.setattr(E, "evaluate_cell", fail_second)
+    before = tree(run)
+    real = E.evaluate_cell
+    calls = fail_on_call(monkeypatch, E, "evaluate_cell")
     with pytest.raises(RuntimeError, match="^evaluation failed$"):
         E.passkey_main(["--ckpt", str(ckpts["passkey"]), "--lengths", "64", "--depths", "0.2", "0.8",
                         "--samples", "1", "--device", "cpu"])
-    assert len(calls) == 2 and _tree(run) == before
+    assert len(calls) == 2 and tree(run) == before
     monkeypatch.setattr(E, "evaluate_cell", real)
     res = E.passkey_main(["--ckpt", str(ckpts["passkey"]), "--lengths", "64", "--depths", "0", "1",
                           "--samples", "1", "--device", "cpu"])  # the ends of [0, 1] are valid depths

@@ -377,7 +377,7 @@ class _Chunks:
         w = w0 * bc
         self.D0 = D0.reshape(m, c, c)
         self.D = (D0 * bc.unsqueeze(-2)).reshape(m, c, c)
-        self.dq, self.w0, self.w, self.bc = dq.reshape(m, c), w0.reshape(m, c), w.reshape(m, c), bc.reshape(m, c)
+        self.dq, self.w0, self.w = dq.reshape(m, c), w0.reshape(m, c), w.reshape(m, c)
         self._z = None
         self.triton = states == "triton"
         if states == "triton":  # float32 CUDA: one Triton scan per statistic, k and v read in place
@@ -587,7 +587,7 @@ class _MesaChunkFunction(torch.autograd.Function):
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
         ctx.cfg = (cg_iters, cg_eps, chunk_size, cg_impl)
         solve_impl = cg_impl
-        if dt == torch.float32 and (cg_impl == "triton" or (cg_impl == "auto" and _triton_cg_serves(q, chunk_size))):
+        if _takes_triton(cg_impl, q, chunk_size):
             # inference or half-precision inputs: one float16 product per CG step (the fp32 output stays within
             # ~3e-4 of the float64 solve); float32 inputs that will be differentiated: float32-accurate products
             from mixlab.ops.mesa_triton import TritonCGUnfit
@@ -618,8 +618,8 @@ class _MesaChunkFunction(torch.autograd.Function):
         cg_iters, cg_eps, chunk_size, cg_impl = ctx.cfg
         dt = _compute_dtype(q)
         h0 = None if h_kk0 is None else (h_kk0.to(dt), h_kv0.to(dt))
-        triton = dt == torch.float32 and (cg_impl == "triton" or (cg_impl == "auto" and k.is_cuda))
-        ch = _Chunks(k, v, g.to(dt), beta.to(dt), h0, chunk_size, sign, "triton" if triton else "torch")
+        states = "triton" if _takes_triton(cg_impl, q, chunk_size) else "torch"
+        ch = _Chunks(k, v, g.to(dt), beta.to(dt), h0, chunk_size, sign, states)
         dq, dk, dv, dg, dbeta, dlamb, dh0 = _chunk_backward(ch, lamb.to(dt), x, ch.chunk_view(do),
                                                              None if dh_kk is None else dh_kk.to(dt),
                                                              None if dh_kv is None else dh_kv.to(dt),
@@ -758,6 +758,12 @@ def mesa_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, lamb: T
     o, h_kk, h_kv, iters = _MesaChunkFunction.apply(q, k, v, g, beta, lamb, h_kk0, h_kv0, cg_iters, cg_eps, chunk_size,
                                                     sign, cg_impl, inference)
     return o, ((h_kk, h_kv) if output_final_state else None), iters
+
+
+def _takes_triton(cg_impl: str, q: Tensor, chunk_size: int) -> bool:
+    """Whether the forward and the backward of :class:`_MesaChunkFunction` run on the Triton kernels."""
+    return _compute_dtype(q) == torch.float32 and (
+        cg_impl == "triton" or (cg_impl == "auto" and _triton_cg_serves(q, chunk_size)))
 
 
 def _triton_cg_serves(q: Tensor, chunk_size: int) -> bool:

@@ -54,22 +54,25 @@ def _split16(a):
 @triton.jit
 def _mm(a, b, b_hi, b_lo, PREC: tl.constexpr):
     """``a @ b`` at float32 accuracy. ``fp16x3``: ``a`` scaled per row into float16's range and
-    split, three float16 tensor-core products with the pre-split ``b_hi + b_lo``; else
+    split, three float16 tensor-core products with the pre-split ``b_hi + b_lo``; ``fp16x2``: the
+    same for a ``b`` that float16 holds exactly (``b_lo = 0``: bf16/fp16 inputs), two products; else
     ``tl.dot(a, b)`` with ``input_precision=PREC`` (``tf32x3`` or ``ieee``)."""
-    if PREC == "fp16x3" or PREC == "fp16":
+    if PREC == "fp16x3" or PREC == "fp16" or PREC == "fp16x2":
         s = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-30)
         a_hi, a_lo = _split16(a / s[:, None])
-        return _mm_split(a_hi, a_lo, b_hi, b_lo, "fp16x3") * s[:, None]  # the read-out: three products
+        # the read-out (fp16 and fp16x3 alike): three products
+        return _mm_split(a_hi, a_lo, b_hi, b_lo, "fp16x2" if PREC == "fp16x2" else "fp16x3") * s[:, None]
     else:
         return tl.dot(a, b, input_precision=PREC)
 
 @triton.jit
 def _mm_split(a_hi, a_lo, b_hi, b_lo, PREC: tl.constexpr):
     """``(a_hi + a_lo) @ (b_hi + b_lo)`` on float16 halves: three products (``fp16x3``, ``a_lo @ b_lo``
-    dropped) or one (``fp16``: ``a_hi @ b_hi``)."""
+    dropped), two (``fp16x2``, ``b_lo = 0``) or one (``fp16``: ``a_hi @ b_hi``)."""
     acc = tl.dot(a_hi, b_hi, out_dtype=tl.float32)
-    if PREC != "fp16":
+    if PREC == "fp16x3":
         acc = tl.dot(a_hi, b_lo, acc, out_dtype=tl.float32)
+    if PREC != "fp16":
         acc = tl.dot(a_lo, b_hi, acc, out_dtype=tl.float32)
     return acc
 
@@ -235,16 +238,16 @@ def _cg(h_ptr, k_ptr, d_ptr, dq_ptr, sg_ptr, lam_ptr, b_ptr, x_ptr, it_ptr, g_pt
 
 @triton.jit
 def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, part_ptr, g_ptr, beta_ptr, sign_ptr,
-            N, C, K, X, T, NH, skb, skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, HAS_W: tl.constexpr,
-            GATES: tl.constexpr, HAS_SIGN: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr,
-            PREC: tl.constexpr, REVERSE: tl.constexpr, DOT: tl.constexpr, X_HALF: tl.constexpr):
+            N, C, K, X, T, NH, skb, skt, skh, sxb, sxt, sxh, HAS_S0: tl.constexpr, GATES: tl.constexpr,
+            HAS_SIGN: tl.constexpr, BCF: tl.constexpr, BK: tl.constexpr, BX: tl.constexpr, PREC: tl.constexpr,
+            REVERSE: tl.constexpr, DOT: tl.constexpr):
     # program (bh, i, j): tile [i*BK : i*BK+BK, j*BX : j*BX+BX] of the [K, X] state of one (batch, head),
     # carried through the N chunks: out[n] = S before chunk n; S <- last_n S + kw_n^T x_n with kw = w * k
-    # (HAS_W: w [BH, N, C]; GATES: w_i = beta_i exp(gc_L - gc_i) s_L s_i and last = exp(gc_L) s_L from the log
-    # gates g, beta and signs, [batch, T, head] contiguous). k and x are [batch, T, head, dim] by their strides
-    # (last dim contiguous). REVERSE: chunks N-1 .. 0 (the adjoint scan). DOT: part[bh, n, tile] = <out[n],
-    # dot[n]> over the tile. X_HALF: x is bf16/fp16, so two float16 products (kw's halves times x) keep
-    # float32 accuracy.
+    # (w [BH, N, C] and last [BH, N] given, or GATES: w_i = beta_i exp(gc_L - gc_i) s_L s_i and
+    # last = exp(gc_L) s_L from the log gates g, beta and signs, [batch, T, head] contiguous). k and x are
+    # [batch, T, head, dim] by their strides (last dim contiguous). REVERSE: chunks N-1 .. 0 (the adjoint
+    # scan). DOT: part[bh, n, tile] = <out[n], dot[n]> over the tile. PREC: fp16x3, or fp16x2 for a
+    # bf16/fp16 x (float16 holds it exactly).
     bh = tl.program_id(0).to(tl.int64)
     bb = bh // NH
     hh = bh % NH
@@ -286,20 +289,12 @@ def _states(k_ptr, w_ptr, x_ptr, last_ptr, s0_ptr, out_ptr, fin_ptr, dot_ptr, pa
                 a = a * (1.0 - 2.0 * (n_neg % 2))
             kwt = kwt * wv[None, :]
         else:
-            if HAS_W:
-                kwt = kwt * tl.load(w_ptr + base * C + oc, mask=mc, other=0.0)[None, :]
+            kwt = kwt * tl.load(w_ptr + base * C + oc, mask=mc, other=0.0)[None, :]
             a = tl.load(last_ptr + base)
         xc = tl.load(x_ptr + bb * sxb + hh * sxh + (n * C + oc[:, None]) * sxt + ox[None, :],
                      mask=mc[:, None] & mx[None, :], other=0.0).to(tl.float32)  # [C, BX]
-        if X_HALF:  # x came in bf16/fp16: its float16 low half is 0 (below fp16's normal range, < 3e-8)
-            sc = tl.maximum(tl.max(tl.abs(kwt), axis=1), 1e-30)
-            a_hi, a_lo = _split16(kwt / sc[:, None])
-            x_hi = xc.to(tl.float16)
-            s = a * s + (tl.dot(a_lo, x_hi, tl.dot(a_hi, x_hi, out_dtype=tl.float32), out_dtype=tl.float32)
-                         * sc[:, None])
-        else:
-            x_hi, x_lo = _split16(xc)
-            s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
+        x_hi, x_lo = _split16(xc)
+        s = a * s + _mm(kwt, xc, x_hi, x_lo, PREC)
     tl.store(fin_ptr + bh * K * X + tile, s, mask=mkx)
 
 
@@ -328,40 +323,36 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor | None, s0: Tensor |
                         chunk_size: int | None = None, reverse: bool = False, dot: Tensor | None = None,
                         gates: tuple[Tensor, Tensor, Tensor | None] | None = None) -> tuple[Tensor, ...]:
     """Chunk-start states of Mesa's statistics (MesaNet Appendix D; fla's ``chunk_fwd_h`` in form):
-    ``S_0 = s0``, ``S_{n+1} = last_n S_n + kw_n^T x_n`` (float32, products at float32 accuracy via
-    ``fp16x3``). Not differentiable. ``reverse=True`` runs the chunks backwards (the adjoint scan of
-    the backward: ``T_n = last_n T_{n+1} + kw_n^T x_n`` from ``T_N = s0``, returning ``T_{n+1}`` for
-    chunk ``n`` and ``T_0``).
+    ``S_0 = s0``, ``S_{n+1} = last_n S_n + (w_n * k_n)^T x_n`` (float32, products at float32 accuracy
+    via ``fp16x3``, or ``fp16x2`` for a bf16/fp16 ``x``). Not differentiable. ``reverse=True`` runs the
+    chunks backwards (the adjoint scan of the backward: ``T_n = last_n T_{n+1} + (w_n * k_n)^T x_n``
+    from ``T_N = s0``, returning ``T_{n+1}`` for chunk ``n`` and ``T_0``).
 
     Args:
-        kw: ``[BH, N, C, K]`` keys weighted by their decay to the chunk end and beta, or, with ``w`` or
-        ``gates``, the keys ``[B, T, H, K]`` (any strides, last dim contiguous); w: ``[BH, N, C]`` the
-        keys' weights; gates: ``(g, beta, sign)`` ``[B, T, H]`` (log forget gate, input gate, +-1 gate
-        signs or None), from which the program builds the weights ``beta_i exp(gc_L - gc_i) s_L s_i``
-        and ``last`` (pass ``last=None``); x: ``[BH, N, C, X]``, or ``[B, T, H, X]`` with ``w`` or
-        ``gates`` (keys for ``H``, values for ``G``); last: ``[BH, N]`` each chunk's total decay;
-        s0: ``[BH, K, X]`` or None (zeros); chunk_size: C, with ``w`` or ``gates`` (tokens past T
-        count as zeros); dot: ``[BH, N, K, X]`` or None. All float32 (k, x, g, beta: any float dtype
-        with ``w`` or ``gates``) on one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
+        kw: the keys ``[B, T, H, K]`` (any strides, last dim contiguous, any float dtype); x: ``[B, T, H, X]``
+        likewise (keys for ``H``, values for ``G``); w: ``[BH, N, C]`` the keys' weights and last:
+        ``[BH, N]`` each chunk's total decay, or gates: ``(g, beta, sign)`` ``[B, T, H]`` (log forget gate,
+        input gate, +-1 gate signs or None), from which the program builds the weights
+        ``beta_i exp(gc_L - gc_i) s_L s_i`` and ``last`` (pass ``last=None``, ``w=None``); s0: ``[BH, K, X]``
+        or None (zeros); chunk_size: C (tokens past T count as zeros); dot: ``[BH, N, K, X]`` float32 or
+        None. On one CUDA device (or CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
         ``states [BH, N, K, X]`` (the state before each chunk, in scan order), ``final [BH, K, X]``,
         and with ``dot``: ``[BH, N]`` the inner products ``<states[n], dot[n]>``.
+
+    Raises:
+        ValueError: neither ``w`` and ``last`` nor ``gates`` given.
     """
-    has_w = w is not None
+    b_, t_, nh_, dk = kw.shape
+    bh, n, c = b_ * nh_, -(-t_ // chunk_size), chunk_size
     if gates is not None:
-        b_, t_, nh_, dk = kw.shape
-        bh, n, c = b_ * nh_, -(-t_ // chunk_size), chunk_size
         g, beta, sign = (None if z is None else z.contiguous() for z in gates)
         w = last = g  # unused (GATES=True)
-    elif not has_w:
-        bh, n, c, dk = kw.shape
-        kw, x = kw.contiguous().view(bh, n * c, 1, dk), x.contiguous().view(bh, n * c, 1, x.shape[-1])
-        w = last  # unused (HAS_W=False)
+    elif w is None or last is None:
+        raise ValueError("chunk_states_triton: pass the key weights w and the chunk decays last, or gates")
     else:
-        bh, n, c, dk = w.shape[0], w.shape[1], chunk_size, kw.shape[-1]
         w = w.contiguous()
-    if gates is None:
         g = beta = sign = last = last.contiguous()  # unused (GATES=False)
     nh, t, dx = kw.shape[2], kw.shape[1], x.shape[-1]
     out = torch.empty(bh, n, dk, dx, dtype=torch.float32, device=kw.device)
@@ -378,12 +369,10 @@ def chunk_states_triton(kw: Tensor, x: Tensor, last: Tensor | None, s0: Tensor |
     part = torch.empty(bh, n, grid[1] * grid[2], dtype=torch.float32, device=kw.device) if dot is not None else fin
     _states[grid](kw, w, x, last, s0c, out, fin, fin if dot is None else dot.contiguous(), part, g, beta,
                   g if sign is None else sign, n, c, dk, dx, t, nh, kw.stride(0), kw.stride(1), kw.stride(2),
-                  x.stride(0), x.stride(1), x.stride(2), HAS_S0=s0 is not None, HAS_W=has_w,
-                  GATES=gates is not None, HAS_SIGN=gates is not None and sign is not None, BCF=_next_pow2(c),
-                  BK=bk, BX=bx, PREC="fp16x3", REVERSE=reverse, DOT=dot is not None,
-                  X_HALF=x.dtype in (torch.bfloat16, torch.float16),
-                  num_warps=cfg["warps"],
-                  num_stages=cfg["stages"])
+                  x.stride(0), x.stride(1), x.stride(2), HAS_S0=s0 is not None, GATES=gates is not None,
+                  HAS_SIGN=gates is not None and sign is not None, BCF=_next_pow2(c), BK=bk, BX=bx,
+                  PREC="fp16x2" if x.dtype in (torch.bfloat16, torch.float16) else "fp16x3", REVERSE=reverse,
+                  DOT=dot is not None, num_warps=cfg["warps"], num_stages=cfg["stages"])
     return (out, fin) if dot is None else (out, fin, part.sum(-1))
 
 
@@ -488,13 +477,14 @@ def mesa_chunk_cg_triton(H: Tensor, k: Tensor, g: Tensor, beta: Tensor, sign: Te
     o = torch.empty(v.shape, dtype=torch.float32 if interpret else v.dtype, device=v.device)
     gates = tuple(None if z is None else z.contiguous() for z in (g, beta, sign))
     x, iters, o = _launch_cg(H, k, gates, lamb.contiguous(), q, G, v, chunk_size, max_iter, eps, prec, o,
-                             lam_per_head=True)
+                             in_place=True)
     return x, iters, o.to(v.dtype)
 
 
-def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None, lam_per_head=False):
+def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None, in_place=False):
     """Launches :func:`_cg` on ``[B, T, H, d]`` views (``[M, C, 1, d]`` for pre-chunked tensors). ``decay``:
-    ``(D, dq, None)`` given, or ``(g, beta, sign)`` ``[B, T, H]`` (``lam_per_head``: lamb ``[H, K]``)."""
+    ``(D, dq, None)`` and lamb ``[M, K]`` given, or, ``in_place``, the gates ``(g, beta, sign)`` ``[B, T, H]``
+    and lamb ``[H, K]`` as the layer hands them over."""
     b, t, nh, dk = rhs.shape
     n = -(-t // c)
     m = b * nh * n
@@ -510,18 +500,17 @@ def _launch_cg(H, k, decay, lamb, rhs, G, v, c, max_iter, eps, prec, o=None, lam
     if m == 0:
         return x, iters, o
     d_p, dq_p, sg_p = decay
-    has_decay = lam_per_head
     cfg = launch_config(c, dk, prec)
     eps2 = 0.0 if eps is None else float(eps) ** 2
     grid = (m, -(-c // cfg["bc"]))
-    slm, slh = (0, dk) if lam_per_head else (dk, 0)
+    slm, slh = (0, dk) if in_place else (dk, 0)
     try:
         _cg[grid](H, k, d_p, dq_p, dq_p if sg_p is None else sg_p, lamb, rhs, x, iters, G, v, o, c, dk, dv, t, nh, n,
                   k.stride(0), k.stride(1), k.stride(2), rhs.stride(0), rhs.stride(1), rhs.stride(2), v.stride(0),
                   v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2), slm, slh, int(max_iter), eps2,
                   torch.finfo(torch.float32).tiny, BC=cfg["bc"], BCF=_next_pow2(c), BK=_next_pow2(dk),
                   BV=_next_pow2(dv), PREC=cfg["prec"], HOLD=bool(cfg["hold"]), READOUT=readout,
-                  DECAY=has_decay, HAS_SIGN=has_decay and sg_p is not None, num_warps=cfg["warps"], num_stages=1)
+                  DECAY=in_place, HAS_SIGN=in_place and sg_p is not None, num_warps=cfg["warps"], num_stages=1)
     except triton.runtime.errors.OutOfResources as e:
         raise TritonCGUnfit(f"mesa_cg_triton: the kernel does not fit this GPU at chunk {c}, head dim {dk}, "
                             f"config {cfg} ({e}); set MIXLAB_MESA_CG (e.g. 'hold=0,bc=16') or use impl='chunk'") from e
