@@ -459,7 +459,7 @@ def _check_ranges(**values: Any) -> None:
     rules = {  # name: (test, allowed range in words); None values are "not set"
         "batch_size": (lambda v: v >= 1, ">= 1"), "eval_batch_size": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_workers": (lambda v: v >= 0, ">= 0"), "shuffle_buffer": (lambda v: v >= 0, ">= 0"),
-        "prefetch_batches": (lambda v: v >= 0, ">= 0"),
+        "prefetch_batches": (lambda v: v >= 0, ">= 0"), "cpu_decode_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "shard_shuffle": (lambda v: v >= 0, ">= 0"), "train_samples": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_classes": (lambda v: v >= 1, ">= 1"),
         "image_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel"),
@@ -519,6 +519,13 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
             SMs the model leaves idle rather than delaying its kernels
             (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`'s ``priority_consumer``).
+        cpu_decode_fraction: with ``decode: gpu``, the share of each training batch that the DataLoader workers
+            decode, crop, resize and flip themselves (libjpeg-turbo through ``torchvision.io.decode_jpeg``, then
+            ``resized_crop``: :func:`~mixlab.datamodules.imagenet_gpu.decode_crop_cpu`); the accelerator decodes
+            the rest and augments all. Worker cores are mostly idle in the ``gpu`` mode, and every image they
+            decode takes its decode and resize off the accelerator, whose stage time otherwise adds to the
+            training step's. ``0``: the accelerator decodes everything; ``1``: the workers do (they need about
+            1.5-3 ms of a core per ImageNet-sized image).
     """
 
     task_name = "imagenet"
@@ -555,6 +562,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         prefetch_batches: int = 2,
         cuda_graphs: bool = True,
         priority_training: bool = True,
+        cpu_decode_fraction: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -569,9 +577,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       num_workers=num_workers, shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle,
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
-                      scale=scale)
+                      scale=scale, cpu_decode_fraction=cpu_decode_fraction)
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
-        self.priority_training = priority_training
+        self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
         self._gpu_pipelines: dict[bool, Any] = {}
         if batch_size % 2:
             warnings.warn(f"ImageNetDataModule: batch_size={batch_size} is odd; timm Mixup needs even batches")
@@ -730,7 +738,12 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.format == "wds" and self.decode_mode() == "gpu":
             from mixlab.datamodules.imagenet_gpu import collate_encoded
 
-            kw.update(collate_fn=collate_encoded, pin_memory=False)
+            collate = collate_encoded
+            if train and self.cpu_decode_fraction > 0:  # the first share of each batch decoded in the workers
+                stage = self.gpu_pipeline(True)
+                collate = functools.partial(collate_encoded, cpu_fraction=self.cpu_decode_fraction,
+                                            size=tuple(stage.size), interpolation=stage.interp.value)
+            kw.update(collate_fn=collate)
         if self.format == "folder":  # map-style: rank split + resumable train position
             return self.resumable_loader(ds, bs, train, seed=self.seed, **kw)
         if isinstance(ds, ShardStream):  # wds training: seeded per epoch, resumable
@@ -760,7 +773,12 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
-        return f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
+        share = ""
+        if self.cpu_decode_fraction > 0:
+            share = (f"; {self.cpu_decode_fraction:.0%} of each training batch decoded and cropped in the "
+                     f"{self.num_workers} DataLoader worker(s)")
+        return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
+                f"{share}")
 
     def prefetched(self, loader: Any, train: bool) -> Any:
         """``loader`` behind a :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher` running the device

@@ -23,6 +23,10 @@ module splits the same recipe in two:
   drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), the per-batch
   parameters reach the device in two transfers (the augmentation plan, the erasing boxes), and nothing in
   the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs (:class:`_AugmentGraphs`).
+* **optionally, a share of the decoding in the workers** (``cpu_decode_fraction`` of the datamodule,
+  ``cpu_fraction`` of :func:`collate_encoded`): the first images of each training batch are decoded, cropped,
+  resized and flipped in the worker (:func:`decode_crop_cpu`) and reach the accelerator as uint8 pixels (pinned by
+  the DataLoader), which then decodes only the rest; the augmentation runs on the accelerator for all.
 
 Why not ``torchvision.transforms.v2.RandAugment`` / ``ColorJitter`` / ``RandomErasing`` on the batch: a
 v2 transform draws one parameter set per call, so on a ``[B, 3, H, W]`` batch every image would get the
@@ -39,7 +43,8 @@ Differences to the CPU path (measured in ``tests/test_imagenet_gpu.py``):
 
 * JPEG decoder: nvJPEG (or libjpeg-turbo through torchvision on CPU) vs PIL's libjpeg: +-1-2 levels;
 * the crop + resize's matrix products run in TF32 on CUDA (:func:`resized_crops`): a few percent of pixels
-  (2.8% measured) 1 level off torchvision's float32 ``resized_crop``;
+  (2.8% measured) 1 level off torchvision's float32 ``resized_crop``; worker-decoded images use torchvision's
+  uint8 resize (fixed-point weights): about a fifth of pixels 1 level off the float32 result, never more;
 * geometric RandAugment ops (Rotate, ShearX/Y, TranslateX/YRel) use ``grid_sample`` (bicubic a=-0.75)
   where PIL uses a=-0.5; fill, centre convention and out-of-image test follow PIL;
 * RandomErasing noise comes from a generator seeded per batch (the boxes are timm's draws).
@@ -259,8 +264,10 @@ class EncodedBatch:
     """A batch of encoded images and their sampled parameters (CPU tensors; see :func:`collate_encoded`).
 
     Attributes:
-        data: uint8 ``[N]``, the JPEG files one after another; offsets: int64 ``[B + 1]`` (image ``b`` is
-            ``data[offsets[b]:offsets[b + 1]]``).
+        data: uint8 ``[N]``, the JPEG files of the images the accelerator decodes, one after another;
+            offsets: int64 ``[B - P + 1]`` (that image ``b`` is ``data[offsets[b]:offsets[b + 1]]``).
+        pixels: uint8 ``[P, 3, H, W]``: the batch's first ``P`` images, already decoded, cropped, resized and
+            flipped in the DataLoader worker (``cpu_fraction`` of :func:`collate_encoded`), or None (``P = 0``).
         labels: int64 ``[B]``. keys: ``B`` names (``'key' in shard``) for warnings.
         params: name -> ``[B, ...]`` tensor (:meth:`TrainParams.__call__`); empty for evaluation.
         train: whether ``params`` hold training augmentation.
@@ -271,32 +278,88 @@ class EncodedBatch:
     """
 
     def __init__(self, data: Tensor, offsets: Tensor, labels: Tensor, keys: list[str], params: dict[str, Tensor],
-                 train: bool) -> None:
+                 train: bool, pixels: Tensor | None = None) -> None:
         self.data, self.offsets, self.labels, self.keys, self.params, self.train = (data, offsets, labels, keys,
                                                                                       params, train)
+        self.pixels = pixels
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
-    def pin_memory(self) -> EncodedBatch:  # the DataLoader's pin_memory thread calls this
+    @property
+    def num_decoded(self) -> int:
+        """``P``: images decoded in the worker (the first ``P`` of the batch)."""
+        return 0 if self.pixels is None else int(self.pixels.shape[0])
+
+    def pin_memory(self) -> EncodedBatch:
+        """The DataLoader's pin-memory thread calls this: the worker-decoded ``pixels`` go to page-locked memory
+        (their copy to the device is then asynchronous); the bytes stay (``decode_jpeg`` reads them on the host)."""
+        if self.pixels is not None and not self.pixels.is_pinned():
+            self.pixels = self.pixels.pin_memory()
         return self
 
     def to(self, device: torch.device | str) -> EncodedBatch:
-        """The batch with ``labels`` on ``device`` (bytes and parameters stay on the CPU)."""
+        """The batch with ``labels`` on ``device`` (bytes, pixels and parameters stay on the CPU)."""
         return EncodedBatch(self.data, self.offsets, self.labels.to(device, non_blocking=True), self.keys,
-                            self.params, self.train)
+                            self.params, self.train, self.pixels)
 
 
-def collate_encoded(samples: list[dict]) -> EncodedBatch:
+def decode_crop_cpu(jpeg: Tensor, crop: Tensor, flip: Tensor, size: tuple[int, int],
+                    interpolation: str = "bicubic") -> Tensor:
+    """One training image decoded and cropped on the CPU, as the accelerator does it for a batch: libjpeg-turbo
+    (``torchvision.io.decode_jpeg``, RGB), crop ``crop`` (top, left, height, width), resize to ``size`` with
+    antialiasing (``interpolation``: a ``torchvision.transforms.InterpolationMode`` value, e.g. ``"bicubic"``) and flip
+    when ``flip``.
+
+    Returns uint8 ``[3, size[0], size[1]]`` (:func:`resized_crops` computes the same resize in float32 and rounds).
+
+    Raises:
+        RuntimeError: data libjpeg-turbo cannot decode.
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2.functional import horizontal_flip, resized_crop
+
+    t, le, h, w = crop.tolist()
+    x = resized_crop(decode_jpeg(jpeg, mode=ImageReadMode.RGB), t, le, h, w, list(size),
+                     interpolation=InterpolationMode(interpolation), antialias=True)
+    return horizontal_flip(x) if bool(flip) else x
+
+
+def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[int, int] | None = None,
+                    interpolation: str = "bicubic") -> EncodedBatch:
     """DataLoader ``collate_fn`` for :func:`encode_sample` outputs: bytes concatenated (one tensor per batch
-    through the worker queue instead of ``B``), parameters stacked."""
-    jpegs = [s["jpeg"] for s in samples]
+    through the worker queue instead of ``B``), parameters stacked.
+
+    With ``cpu_fraction > 0`` (training batches; ``size``: the crop's output size), the first
+    ``round(cpu_fraction * B)`` images are decoded, cropped, resized and flipped here, in the worker
+    (:func:`decode_crop_cpu`), and travel as ``pixels``; the accelerator decodes the rest. This moves decode work
+    from the accelerator to idle worker cores: a share that the workers keep up with shortens the device stage
+    without slowing the loader. The batch is reordered so that the worker-decoded images come first (an image
+    libjpeg-turbo refuses goes to the accelerator's decode, which retries it and skips it with a count).
+    """
+    n_cpu = round(cpu_fraction * len(samples)) if cpu_fraction > 0 and "crop" in samples[0] else 0
+    pixels: Tensor | None = None
+    if n_cpu:
+        if size is None:
+            raise ValueError("collate_encoded: cpu_fraction > 0 needs the crop's output size")
+        done, failed = [], []
+        for s in samples[:n_cpu]:
+            try:
+                done.append((s, decode_crop_cpu(s["jpeg"], s["crop"], s["flip"], tuple(size), interpolation)))
+            except RuntimeError:  # left to the accelerator's decode (retried, else skipped and counted there)
+                failed.append(s)
+        samples = [s for s, _ in done] + failed + samples[n_cpu:]
+        pixels = torch.stack([x for _, x in done]) if done else None
+        n_cpu = len(done)
+    jpegs = [s["jpeg"] for s in samples[n_cpu:]]
     offsets = torch.zeros(len(jpegs) + 1, dtype=torch.int64)
-    offsets[1:] = torch.tensor([len(j) for j in jpegs]).cumsum(0)
+    offsets[1:] = torch.tensor([len(j) for j in jpegs], dtype=torch.int64).cumsum(0)
     names = [k for k in samples[0] if k not in ("jpeg", "label", "key") and not k.startswith("__")]  # wds adds __key__
     params = {k: torch.stack([s[k] for s in samples]) for k in names}
-    return EncodedBatch(torch.cat(jpegs), offsets, torch.tensor([s["label"] for s in samples], dtype=torch.int64),
-                        [s["key"] for s in samples], params, train=bool(names))
+    data = torch.cat(jpegs) if jpegs else torch.zeros(0, dtype=torch.uint8)
+    return EncodedBatch(data, offsets, torch.tensor([s["label"] for s in samples], dtype=torch.int64),
+                        [s["key"] for s in samples], params, train=bool(names), pixels=pixels)
 
 
 # ---------------------------------------------------------------------- accelerator side
@@ -1121,21 +1184,22 @@ class GpuPipeline:
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device  # phases named for profiles (scripts/bench_input.py --profile)
+        p_n = batch.num_decoded  # the first p_n images arrive decoded (batch.pixels)
         with record_function("stage/decode"):
-            imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys)
-        keep = [k for k, im in enumerate(imgs) if im is not None]
+            imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys[p_n:]) if len(batch) > p_n else []
+        keep = list(range(p_n)) + [p_n + k for k, im in enumerate(imgs) if im is not None]
         labels = batch.labels
         params = batch.params
-        if len(keep) < len(imgs):
+        if len(keep) < len(batch):
             labels = labels[torch.tensor(keep, device=dev)]
             params = {k: v[keep] for k, v in params.items()}
-            imgs = [imgs[k] for k in keep]
-        graphs = self._graphs_for(len(imgs), dev)
+            imgs = [im for im in imgs if im is not None]
+        graphs = self._graphs_for(len(keep), dev)
         if graphs is not None:
             graphs.begin()
         with record_function("stage/crop_resize"):
-            out = None if graphs is None else graphs.x[:len(imgs)]
-            x = self._train(imgs, params, dev, out) if self.train else self._eval(imgs)
+            out = None if graphs is None else graphs.x[:len(keep)]
+            x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
         with record_function("stage/augment"):
             x = self._augment(x, params if self.train else {}, graphs)
         if graphs is not None:
@@ -1178,10 +1242,21 @@ class GpuPipeline:
                                dtype=torch.int64)
         return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets)
 
-    def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device, out: Tensor | None = None) -> Tensor:
-        """Crop + resize + flip (batched for bicubic, the recipe's; per image otherwise), into ``out`` if given."""
+    def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device, out: Tensor | None = None,
+               pixels: Tensor | None = None) -> Tensor:
+        """Crop + resize + flip (batched for bicubic, the recipe's; per image otherwise), into ``out`` if given.
+        ``pixels`` (uint8 ``[P, 3, H, W]``, host): the batch's first ``P`` images, already cropped in the worker;
+        they are copied in (``imgs`` and the rows of ``p`` after them are the rest)."""
         from torchvision.transforms import InterpolationMode
 
+        if pixels is not None:
+            n_p = len(pixels)
+            if out is None:
+                out = torch.empty(n_p + len(imgs), 3, *self.size, device=dev, dtype=torch.float32)
+            out[:n_p].copy_(pixels.to(dev, non_blocking=True))
+            if imgs:
+                self._train(imgs, {k: p[k][n_p:] for k in ("crop", "flip")}, dev, out[n_p:])
+            return out
         if self.interp == InterpolationMode.BICUBIC:
             return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"], out=out)
         from torchvision.transforms.functional import resized_crop

@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--shard-size", type=int, default=128, help="synthetic images per shard")
     p.add_argument("--decode", nargs="+", default=["cpu", "gpu"], choices=["cpu", "gpu"])
     p.add_argument("--workers", type=int, default=15, help="DataLoader workers")
+    p.add_argument("--cpu-decode-fraction", type=float, nargs="+", default=[0.0], metavar="F",
+                   help="decode gpu: share of each training batch decoded in the workers (one set of gpu rows per F)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--warmup", type=int, default=5, help="batches before timing")
@@ -405,6 +407,8 @@ def main(argv: list[str] | None = None) -> str:
             p.error(f"--model {a.model!r} is not a timm model name (nor 'tiny' or mixlab-<preset>)")
     if a.no_train and a.no_eval:  # before any shard is written
         p.error("--no-train and --no-eval leave nothing to measure")
+    if any(not 0 <= f <= 1 for f in a.cpu_decode_fraction):
+        p.error(f"--cpu-decode-fraction values must be in [0, 1]; got {a.cpu_decode_fraction}")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.profile_end_to_end < 0:
@@ -439,11 +443,12 @@ def main(argv: list[str] | None = None) -> str:
 
     num_classes = a.classes if a.shards is None else 1000
 
-    def dm_for(mode: str) -> ImageNetDataModule:
+    def dm_for(mode: str, fraction: float = 0.0) -> ImageNetDataModule:
         return ImageNetDataModule(format="wds", train_path=train_pattern, val_path=val_pattern, num_classes=num_classes,
                                   image_size=a.image_size, batch_size=a.batch_size, num_workers=a.workers,
                                   train_samples=10**9, shuffle_buffer=min(5000, 4 * a.batch_size),
-                                  persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs)
+                                  persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs,
+                                  cpu_decode_fraction=fraction)
 
     rows: list[tuple[str, ...]] = []
 
@@ -469,8 +474,10 @@ def main(argv: list[str] | None = None) -> str:
     stage_ops: list[str] = []
     profiles: list[str] = []
     for split in splits:
-        for mode in a.decode:
-            dm = dm_for(mode)
+        fractions = a.cpu_decode_fraction if split == "train" else [0.0]
+        for mode, fraction in [(m, f) for m in a.decode for f in (fractions if m == "gpu" else [0.0])]:
+            dm = dm_for(mode, fraction)
+            mode = f"gpu, {fraction:.0%} in workers" if fraction else mode
             if mode == "cpu":
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
                 row(split, mode, "loader (decoded, augmented)", ips, note=f"{n} images")
@@ -494,12 +501,12 @@ def main(argv: list[str] | None = None) -> str:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
                 row(split, mode, "end to end (loader + device stage + model step)", ips,
                     f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
-                if mode == "gpu" and a.prefetch:
+                if mode.startswith("gpu") and a.prefetch:
                     ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step,
                                          prefetch=a.prefetch)
                     row(split, mode, f"end to end, device stage prefetched ({a.prefetch} ahead)", ips,
                         f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
-                if mode == "gpu" and a.profile_end_to_end:
+                if mode.startswith("gpu") and a.profile_end_to_end:
                     profiles += [""] + profile_end_to_end(dm, device, step, a.prefetch, a.warmup,
                                                           a.profile_end_to_end)
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)

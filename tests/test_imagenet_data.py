@@ -348,22 +348,24 @@ def test_wds_resume_under_lightning_mid_epoch_and_at_the_last_batch(shards, tmp_
             assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref)
 
 
-@pytest.mark.parametrize("workers,reload,decode", [(0, 0, "cpu"), (2, 0, "cpu"), (0, 1, "cpu"), (2, 0, "gpu")])
-def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, reload, decode):
+@pytest.mark.parametrize("workers,reload,decode,fraction",
+                         [(0, 0, "cpu", 0), (2, 0, "cpu", 0), (0, 1, "cpu", 0), (2, 0, "gpu", 0), (2, 0, "gpu", 0.5)])
+def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, reload, decode, fraction):
     """Real Trainer, 3 epochs x 4 steps; the module asks for ``trainer.estimated_stepping_batches`` in
     ``configure_optimizers`` (as mixlab's heads do), so Lightning builds and iterates the train loader
     before it restores the loops (the trainer's epoch still reads 0 then). Resuming mid epoch 1 (step 6),
     at the last batch of epoch 1 (step 8) and mid epoch 2 (step 10) trains on exactly the uninterrupted
     run's remaining batches, in the same epochs; also when Lightning rebuilds the loader every epoch
     (``reload_dataloaders_every_n_epochs=1``: again after restoring its loops). ``decode='gpu'`` (run on the
-    CPU device: JPEG bytes from the workers, decoded and augmented in ``on_after_batch_transfer``) too."""
+    CPU device: JPEG bytes from the workers, decoded and augmented in ``on_after_batch_transfer``) too, also with
+    half of each batch decoded in the workers (``cpu_decode_fraction=0.5``)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     def fit(ckpt=None):
         pl.seed_everything(5)
         dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
                                 num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=workers,
-                                train_samples=8, shuffle_buffer=4, decode=decode)
+                                train_samples=8, shuffle_buffer=4, decode=decode, cpu_decode_fraction=fraction)
         model = _BatchRecorder(expect_total_steps=12)
         cbs = [] if ckpt else [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1,
                                                filename="{step}")]

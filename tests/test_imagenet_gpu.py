@@ -190,6 +190,66 @@ def test_corrupt_images_are_skipped_and_counted_in_workers_and_at_decode(samples
     assert x.shape == (3, 3, 32, 32) and y.tolist() == [batch.labels[k].item() for k in (0, 2, 3)]
 
 
+def _encoded(samples, tf, seed0=1000) -> list[dict]:
+    params = TrainParams(tf)
+    out = []
+    for i, s in enumerate(samples):
+        with seeded_rngs(seed0 + i):
+            out.append(encode_sample(s, 3, params))
+    return out
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_worker_decoded_share_equals_the_accelerator_decode(samples, fraction):
+    """``cpu_fraction``: the first share of the batch is decoded, cropped, resized and flipped in the worker
+    (torchvision's uint8 resize: fixed-point weights) and equals the accelerator path's float32 resize of the
+    same crop to within one level; labels and draws stay with their images; the rest equals the all-bytes batch
+    exactly (the same code); the whole recipe on top agrees to under half a level on average."""
+    plain = train_transform(40, auto_augment=None, re_prob=0.0, color_jitter=0.0)
+    enc = _encoded(samples, plain)
+    ref, y_ref = GpuPipeline(plain, train=True)(collate_encoded(enc))
+    batch = collate_encoded(enc, cpu_fraction=fraction, size=(40, 40))
+    p = round(fraction * 24)
+    assert batch.num_decoded == p and batch.pixels.dtype == torch.uint8 and batch.pixels.shape == (p, 3, 40, 40)
+    assert len(batch.offsets) == 24 - p + 1 and batch.keys == [e["key"] for e in enc]
+    assert torch.equal(batch.params["crop"], torch.stack([e["crop"] for e in enc]))
+    x, y = GpuPipeline(plain, train=True)(batch)
+    assert torch.equal(y, y_ref)
+    d = (_levels(x) - _levels(ref)).abs()
+    assert d[:p].max() < 1.01 and d[:p].mean() < 0.3, (d[:p].max(), d[:p].mean())
+    assert d[p:].numel() == 0 or d[p:].max() < 1e-3
+    assert (batch.params["flip"][:p]).any()  # flips were applied in the worker (else the maximum would be large)
+    tf = train_transform(40)  # the DeiT recipe: the same draws, augmentation on the accelerator for all images
+    enc = _encoded(samples, tf)
+    full, _ = GpuPipeline(tf, train=True)(collate_encoded(enc))
+    x, _ = GpuPipeline(tf, train=True)(collate_encoded(enc, cpu_fraction=fraction, size=(40, 40)))
+    assert (_levels(x) - _levels(full)).abs().mean() < 0.5
+
+
+def test_worker_decode_failure_goes_to_the_accelerator_decode_and_is_counted(samples):
+    """An image libjpeg-turbo refuses in the worker's share moves behind the worker-decoded images (label and
+    draws with it), reaches the accelerator's decode, and is skipped and counted there; a share of 0 rounds to
+    no worker decoding; a share without the output size is an error."""
+    tf = train_transform(32, auto_augment=None, re_prob=0.0, color_jitter=0.0)
+    enc = _encoded(samples[:6], tf)
+    good = samples[0]["jpg"]
+    enc[1]["jpeg"] = torch.frombuffer(bytearray(good[:200]) + bytes(range(256)) * 8 + b"\xff\xd9", dtype=torch.uint8)
+    batch = collate_encoded(enc, cpu_fraction=0.5, size=(32, 32))
+    assert batch.num_decoded == 2 and batch.keys == [enc[k]["key"] for k in (0, 2, 1, 3, 4, 5)]
+    assert batch.labels.tolist() == [enc[k]["label"] for k in (0, 2, 1, 3, 4, 5)]
+    before = SKIPPED["corrupt"]
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        x, y = GpuPipeline(tf, train=True)(batch)
+    assert SKIPPED["corrupt"] - before == 1 and any("'k1' in s.tar" in str(w.message) for w in rec)
+    assert x.shape == (5, 3, 32, 32) and y.tolist() == [enc[k]["label"] for k in (0, 2, 3, 4, 5)]
+    ref, _ = GpuPipeline(tf, train=True)(collate_encoded([enc[k] for k in (0, 2, 3, 4, 5)]))
+    assert (_levels(x) - _levels(ref)).abs().max() < 1.01
+    assert collate_encoded(enc, cpu_fraction=0.01, size=(32, 32)).pixels is None
+    with pytest.raises(ValueError, match="output size"):
+        collate_encoded(enc, cpu_fraction=0.5)
+
+
 def test_datamodule_gpu_mode_loaders_and_rank_split(shards, monkeypatch):
     """``decode='gpu'`` loaders yield EncodedBatch; the datamodule hooks turn them into images; under 2
     simulated ranks x 2 workers every validation image is read exactly once; ``auto`` is ``cpu`` here."""
@@ -202,6 +262,16 @@ def test_datamodule_gpu_mode_loaders_and_rank_split(shards, monkeypatch):
     assert len(batches) == 4 and all(isinstance(b, EncodedBatch) and b.train for b in batches)
     x, y = dm.on_after_batch_transfer(dm.transfer_batch_to_device(batches[0], torch.device("cpu"), 0), 0)
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and y.dtype == torch.int64
+    with pytest.raises(ValueError, match="cpu_decode_fraction must be in"):
+        ImageNetDataModule(train_path=shards, decode="gpu", cpu_decode_fraction=1.5)
+    dm = ImageNetDataModule(train_path=shards, val_path=shards, num_classes=3, image_size=32, batch_size=4,
+                            num_workers=2, train_samples=16, decode="gpu", persistent_workers=False,
+                            cpu_decode_fraction=0.5)
+    b = next(iter(dm.train_dataloader()))
+    assert b.num_decoded == 2 and "50% of each training batch decoded" in dm.pipeline_summary()
+    x, y = dm.on_after_batch_transfer(dm.transfer_batch_to_device(b, torch.device("cpu"), 0), 0)
+    assert x.shape == (4, 3, 32, 32) and torch.equal(y, b.labels)
+    assert all(v.num_decoded == 0 for v in dm.val_dataloader())  # evaluation: the accelerator decodes all
     keys = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     for rank in range(2):
@@ -751,6 +821,23 @@ def test_augment_cuda_graphs_equal_eager_on_cuda(samples):
     small = collate_encoded([encode_sample(s, 3, graphed.params) for s in samples[:5]]).to(dev)
     assert graphed._graphs_for(5, dev) is None
     assert torch.equal(graphed(small)[0], eager(small)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_worker_decoded_share_on_cuda(samples):
+    """On CUDA, with the worker-decoded share pinned (the DataLoader's pin-memory thread) and the augmentation in
+    CUDA graphs: the same images as the stage on the CPU device to within the decoders' and TF32's differences,
+    and the graphed stage equals the eager one exactly (no random erasing: its noise generator is per device)."""
+    tf = train_transform(48, re_prob=0.0)
+    batch = collate_encoded(_encoded(samples, tf), cpu_fraction=0.5, size=(48, 48)).pin_memory()
+    assert batch.pixels.is_pinned()
+    ref, _ = GpuPipeline(tf, train=True)(batch)
+    dev = torch.device("cuda")
+    x, y = GpuPipeline(tf, train=True)(batch.to(dev))
+    eager, _ = GpuPipeline(tf, train=True, cuda_graphs=False)(batch.to(dev))
+    assert torch.equal(x, eager) and torch.equal(y.cpu(), batch.labels)
+    d = (_levels(x.cpu()) - _levels(ref)).abs()
+    assert d.mean() < 1.0, d.mean()
 
 
 def test_device_stage_op_count_does_not_depend_on_the_ops_drawn(samples):
