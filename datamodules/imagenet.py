@@ -525,7 +525,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             the rest and augments all. Worker cores are mostly idle in the ``gpu`` mode, and every image they
             decode takes its decode and resize off the accelerator, whose stage time otherwise adds to the
             training step's. ``0``: the accelerator decodes everything; ``1``: the workers do (they need about
-            1.5-3 ms of a core per ImageNet-sized image).
+            2 ms of a core per ImageNet-sized image, so a share larger than the idle cores can carry starves the
+            step; on the H200 hosts measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
     """
 
     task_name = "imagenet"
