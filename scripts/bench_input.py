@@ -30,6 +30,12 @@ Writes a Markdown table with date, device and command to ``--out`` and prints it
 device stage's time goes (phases, top kernels); ``--profile-end-to-end N`` profiles N prefetched training steps
 and reports each CUDA stream's busy time and how much of the stage's work ran concurrently with the model's
 (is the stage's device time hidden, or added to the step?).
+
+``--cli-steps N`` adds the issue's measure: ``python -m mixlab fit --config configs/vit/goat_imagenet.yaml``
+(``--cli-config``) for ``N`` steps on the same shards (every ``--decode`` mode and ``--cpu-decode-fraction``), next
+to the same command on random tensors (``--config configs/data/random_images.yaml``: the model's own speed under
+the same Lightning loop), each the median ``perf/images_per_s`` of the logged windows from step ``min(40, N/2)``,
+in subprocesses, ``--cli-repeats`` times in alternating order (the first run of a machine is often the faster).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -243,6 +250,29 @@ def of_model(ips: float, model_ips: float) -> str:
     return note
 
 
+ROOT = Path(__file__).resolve().parents[1]
+RANDOM_IMAGES = ROOT / "configs" / "data" / "random_images.yaml"
+
+
+def cli_images_per_s(args: list[str], run_root: Path, from_step: int) -> tuple[float, float, float]:
+    """(median, min, max) of ``perf/images_per_s`` from step ``from_step`` on of one ``python -m mixlab fit ARGS``
+    run logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches).
+
+    Raises:
+        RuntimeError: the run failed (its command and the end of its stderr) or logged no ``perf/images_per_s``.
+    """
+    from mixlab.eval.compare import load_scalars
+
+    cmd = [sys.executable, "-m", "mixlab", "fit", *args, "--run_root", str(run_root)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    values = [v for _, step, v in load_scalars(run_root).get("perf/images_per_s", []) if step >= from_step]
+    if not values:
+        raise RuntimeError(f"{shlex.join(cmd)} logged no perf/images_per_s from step {from_step} on")
+    return statistics.median(values), min(values), max(values)
+
+
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
     import timm
 
@@ -341,6 +371,44 @@ def draft_fractions(pattern: str, image_size: int, crop_pct: float, limit: int) 
     return train / max(n, 1), evals / max(n, 1), n
 
 
+def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[tuple[str, ...]]:
+    """Table rows of ``--cli-steps``: the CLI on random tensors (the anchor), then on the shards for every decode
+    mode and worker share, ``--cli-repeats`` rounds in alternating order; each row the median over its runs."""
+    n, b, size = a.cli_steps, a.batch_size, a.image_size
+    common = ["--model.init_args.img_size", str(size), "--data.init_args.image_size", str(size),
+              "--data.init_args.batch_size", str(b), "--trainer.max_steps", str(n), "--trainer.limit_val_batches", "0",
+              "--trainer.log_every_n_steps", str(min(10, max(1, n // 10))), "--trainer.enable_progress_bar", "false",
+              *shlex.split(a.cli_args)]
+    kinds: list[tuple[str, float | None]] = [("random", None)] + [
+        (m, f) for m in a.decode for f in (a.cpu_decode_fraction if m == "gpu" else [0.0])]
+    runs: dict[tuple[str, float | None], list[tuple[float, float, float]]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="bench_input_cli_") as tmp:
+        for r in range(a.cli_repeats):
+            for k, (mode, frac) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
+                if mode == "random":
+                    args = ["--config", a.cli_config, "--config", str(RANDOM_IMAGES), *common]
+                else:
+                    args = ["--config", a.cli_config, *common, "--data.init_args.train_path", train_pattern,
+                            "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
+                            "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
+                            "--data.init_args.cpu_decode_fraction", str(frac)]
+                runs[mode, frac].append(cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2)))
+    anchor = statistics.median(m for m, _, _ in runs["random", None])
+    out = []
+    for (mode, frac), got in runs.items():
+        ips = statistics.median(m for m, _, _ in got)
+        each = ", ".join(f"{m:,.0f} [{lo:,.0f}, {hi:,.0f}]" for m, lo, hi in got)
+        if mode == "random":
+            out.append(("train", "-", "-", f"through the CLI, random tensors ({n} steps)", f"{ips:,.0f}", "",
+                        f"{ips / model_ips:.3f}x the model row; runs: {each}"))
+            continue
+        label = f"gpu, {frac:.0%} in workers" if frac else mode
+        out.append(("train", label, str(a.workers), f"through the CLI, shards ({n} steps)", f"{ips:,.0f}", "",
+                    f"**{ips / model_ips:.3f}x the model row**, {ips / anchor:.3f}x the CLI on random tensors; "
+                    f"runs: {each}"))
+    return out
+
+
 def device_name(device: torch.device) -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     if device.type == "cuda":
@@ -382,6 +450,12 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    p.add_argument("--cli-steps", type=int, default=0, metavar="N",
+                   help="also train N steps through `python -m mixlab fit` on the shards and on random tensors")
+    p.add_argument("--cli-config", default=str(ROOT / "configs" / "vit" / "goat_imagenet.yaml"),
+                   help="the ViT config of the --cli-steps runs")
+    p.add_argument("--cli-repeats", type=int, default=1, help="--cli-steps runs of each kind, in alternating order")
+    p.add_argument("--cli-args", default="", help="more CLI arguments for every --cli-steps run (one string)")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
@@ -409,6 +483,10 @@ def main(argv: list[str] | None = None) -> str:
         p.error("--no-train and --no-eval leave nothing to measure")
     if any(not 0 <= f <= 1 for f in a.cpu_decode_fraction):
         p.error(f"--cpu-decode-fraction values must be in [0, 1]; got {a.cpu_decode_fraction}")
+    if a.cli_steps < 0 or a.cli_repeats < 1:
+        p.error(f"--cli-steps must be >= 0 and --cli-repeats >= 1; got {a.cli_steps}, {a.cli_repeats}")
+    if a.cli_steps and not Path(a.cli_config).is_file():
+        p.error(f"--cli-config {a.cli_config!r}: no such file")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.profile_end_to_end < 0:
@@ -509,6 +587,8 @@ def main(argv: list[str] | None = None) -> str:
                 if mode.startswith("gpu") and a.profile_end_to_end:
                     profiles += [""] + profile_end_to_end(dm, device, step, a.prefetch, a.warmup,
                                                           a.profile_end_to_end)
+    if a.cli_steps and not a.no_train:
+        rows += cli_rows(a, train_pattern, val_pattern, model_ips)
     f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])

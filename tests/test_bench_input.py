@@ -80,6 +80,25 @@ def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
     assert bench_input.kernel_overlap([]) == {"union": 0.0, "overlap": 0.0}
 
 
+def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path, monkeypatch):
+    """``--cli-steps``: ``python -m mixlab fit`` of the ViT ImageNet config on the shards (here with half of each
+    batch decoded in the workers) and on random tensors, each a row with its images/s and the ratios."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    tiny = ("--model.init_args.backbone.d_model=64 --model.init_args.backbone.n_layers=1 "
+            "--model.init_args.backbone.n_heads=1 --trainer.precision=32")
+    text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
+                             "--no-end-to-end", "--cpu-decode-fraction", "0.5", "--cli-steps", "4", "--cli-args", tiny])
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")) for line in text.splitlines()
+            if "through the CLI" in line}
+    assert {r[:4] for r in rows} == {("train", "-", "-", "through the CLI, random tensors (4 steps)"),
+                                     ("train", "gpu, 50% in workers", "2", "through the CLI, shards (4 steps)")}
+    for r in rows:
+        assert float(r[4].replace(",", "")) > 0 and "x the model row" in r[6], r
+    assert any("x the CLI on random tensors" in r[6] for r in rows)
+
+
 def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
     """Counts, sizes, the image shape, the model name and --quick's own settings are checked before any shard is
     written: one argparse line naming the option, exit 2 (they were tracebacks, a division by zero, or --quick
@@ -97,7 +116,10 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
              ("--model", "nosuchmodel"): "--model 'nosuchmodel' is not a timm model name",
              ("--quick", "--batch-size", "4", "--model=tiny"): "--quick sets --batch-size, --model itself; drop them",
              ("--quick", "--shards", "/nonexist/x-{0000..0003}.tar"):  # a traceback before (user test)
-             "--shards: 4 of 4 shards from pattern '/nonexist/x-{0000..0003}.tar' do not exist"}
+             "--shards: 4 of 4 shards from pattern '/nonexist/x-{0000..0003}.tar' do not exist",
+             ("--cpu-decode-fraction", "0", "2"): "--cpu-decode-fraction values must be in [0, 1]; got [0.0, 2.0]",
+             ("--cli-steps", "-1"): "--cli-steps must be >= 0 and --cli-repeats >= 1; got -1, 1",
+             ("--cli-steps", "4", "--cli-config", "/nonexist.yaml"): "--cli-config '/nonexist.yaml': no such file"}
     if not torch.cuda.is_available():
         cases[("--device", "cuda")] = "--device cuda: no CUDA device is available here"
     for argv, message in cases.items():
