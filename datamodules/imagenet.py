@@ -456,7 +456,7 @@ def _check_ranges(**values: Any) -> None:
     def sizes(v: Any) -> list:
         return list(v) if isinstance(v, (list, tuple)) else [v]
 
-    rules = {  # name: (test, allowed range in words); None values are "not set"
+    rules = {  # name: (test, allowed range in words); None is "not set" where the words say "or null"
         "batch_size": (lambda v: v >= 1, ">= 1"), "eval_batch_size": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_workers": (lambda v: v >= 0, ">= 0"), "shuffle_buffer": (lambda v: v >= 0, ">= 0"),
         "prefetch_batches": (lambda v: v >= 0, ">= 0"), "cpu_decode_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -465,12 +465,12 @@ def _check_ranges(**values: Any) -> None:
         "image_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel"),
         "eval_size": (lambda v: all(x >= 1 for x in sizes(v)), ">= 1 pixel (or null)"),
         "crop_pct": (lambda v: 0 < v <= 1, "in (0, 1]"), "re_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-        "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0"),
+        "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0 (or null)"),
         "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
     }
     for name, value in values.items():
         test, allowed = rules[name]
-        if value is not None and not test(value):
+        if ("or null" not in allowed) if value is None else not test(value):
             raise ValueError(f"ImageNetDataModule: {name} must be {allowed}; got {value!r}")
 
 
@@ -519,14 +519,15 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
             SMs the model leaves idle rather than delaying its kernels
             (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`'s ``priority_consumer``).
-        cpu_decode_fraction: with ``decode: gpu``, the share of each training batch that the DataLoader workers
-            decode, crop, resize and flip themselves (libjpeg-turbo through ``torchvision.io.decode_jpeg``, then
-            ``resized_crop``: :func:`~mixlab.datamodules.imagenet_gpu.decode_crop_cpu`); the accelerator decodes
-            the rest and augments all. Worker cores are mostly idle in the ``gpu`` mode, and every image they
-            decode takes its decode and resize off the accelerator, whose stage time otherwise adds to the
-            training step's. ``0``: the accelerator decodes everything; ``1``: the workers do (they need about
-            2 ms of a core per ImageNet-sized image, so a share larger than the idle cores can carry starves the
-            step; on the H200 hosts measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
+        cpu_decode_fraction: with ``decode: gpu``, the share of each training batch (``round(F * batch_size)`` images,
+            the first of the batch) that the DataLoader workers decode, crop, resize and flip themselves (libjpeg-turbo
+            through ``torchvision.io.decode_jpeg``, then ``resized_crop``:
+            :func:`~mixlab.datamodules.imagenet_gpu.decode_crop_cpu`); the accelerator decodes the rest and augments
+            all. Worker cores have spare time in the ``gpu`` mode (bytes and draws only), and every image they decode
+            takes its decode and resize off the accelerator, whose stage time otherwise adds to the training step's.
+            ``0``: the accelerator decodes everything; ``1``: the workers do (they need about 2 ms of a core per
+            ImageNet-sized image, so a share larger than the idle cores can carry starves the step; on the H200 hosts
+            measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
     """
 
     task_name = "imagenet"
@@ -571,6 +572,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             raise ValueError(f"ImageNetDataModule: format must be 'wds' or 'folder'; got {format!r}")
         if decode not in ("auto", "cpu", "gpu"):
             raise ValueError(f"ImageNetDataModule: decode must be 'auto', 'cpu' or 'gpu'; got {decode!r}")
+        if cpu_decode_fraction and (decode == "cpu" or format == "folder"):
+            warnings.warn(f"ImageNetDataModule: cpu_decode_fraction={cpu_decode_fraction} has no effect with "
+                          f"{'format=folder' if format == 'folder' else 'decode=cpu'}: the workers decode every image")
         if decode == "gpu" and format != "wds":
             raise ValueError("ImageNetDataModule: decode='gpu' reads WebDataset shards; use format='wds' "
                              "or decode='cpu'")
@@ -762,7 +766,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     def pipeline_summary(self) -> str:
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
         if self.decode_mode() == "cpu":
-            return f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s)"
+            unused = (f" (cpu_decode_fraction={self.cpu_decode_fraction} has no effect here)"
+                      if self.cpu_decode_fraction else "")
+            return f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){unused}"
         device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
@@ -774,10 +780,13 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
-        share = ""
+        share, n = "", round(self.cpu_decode_fraction * self.batch_size)
         if self.cpu_decode_fraction > 0:
-            share = (f"; {self.cpu_decode_fraction:.0%} of each training batch decoded and cropped in the "
-                     f"{self.num_workers} DataLoader worker(s)")
+            where = (f"in the {self.num_workers} DataLoader worker(s)" if self.num_workers
+                     else "by the DataLoader in the training process (num_workers 0)")
+            share = (f"; {n} of {self.batch_size} images of each training batch decoded, cropped, resized and flipped "
+                     f"{where}" if n else f"; cpu_decode_fraction={self.cpu_decode_fraction} is no image of a batch "
+                     f"of {self.batch_size}: the accelerator decodes all")
         return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
                 f"{share}")
 

@@ -47,7 +47,7 @@ class RandomImageDataModule(L.LightningDataModule):
         sides = list(image_size) if isinstance(image_size, (list, tuple)) else [image_size, image_size]
         for name, value in (("num_classes", num_classes), ("batch_size", batch_size),
                             ("steps_per_epoch", steps_per_epoch), *(("image_size", v) for v in sides)):
-            if value < 1:
+            if value is None or value < 1:
                 raise ValueError(f"RandomImageDataModule: {name} must be >= 1; got {value!r}")
         if len(sides) != 2:
             raise ValueError(f"RandomImageDataModule: image_size must be an int or [H, W]; got {image_size!r}")

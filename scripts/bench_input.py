@@ -561,7 +561,8 @@ def main(argv: list[str] | None = None) -> str:
                 row(split, mode, "loader (decoded, augmented)", ips, note=f"{n} images")
             else:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
-                row(split, mode, "loader (bytes + parameters)", ips, note=f"{n} images")
+                row(split, mode, "loader (bytes + parameters" + (", the share decoded)" if fraction else ")"), ips,
+                    note=f"{n} images")
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True)
                 row(split, mode, "loader + device stage", ips, note=f"{n} images")
                 if a.prefetch:
@@ -571,13 +572,15 @@ def main(argv: list[str] | None = None) -> str:
                 ips, ms, ops = time_stage(dm, split, device, max(3, a.batches // 3))
                 row(split, mode, "device stage alone", ips, f"{ms:.1f}",
                     f"on {device.type}; {ops['ops']:,} ops ({ops['compute']:,} compute)")
-                stage_ops.append(f"{split} {ops['ops']:,} ({ops['compute']:,} compute, {ops['decode']} decoder calls, "
+                stage_ops.append(f"{split} ({mode}) {ops['ops']:,} ({ops['compute']:,} compute, "
+                                 f"{ops['decode']} decoder calls, "
                                  f"{ops['syncs']} syncing)")
                 if a.profile:
                     profiles += [""] + profile_stage(dm, split, device, a.profile)
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
-                row(split, mode, "end to end (loader + device stage + model step)", ips,
+                row(split, mode, "end to end (loader + model step)" if mode == "cpu" else
+                    "end to end (loader + device stage + model step)", ips,
                     f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
                 if mode.startswith("gpu") and a.prefetch:
                     ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step,

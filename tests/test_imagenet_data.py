@@ -114,8 +114,11 @@ def test_training_pipeline_has_fixed_epoch_and_even_batches(shards):
     ("batch_size", 0, ">= 1"), ("eval_batch_size", 0, ">= 1 (or null)"), ("num_workers", -1, ">= 0"),
     ("shuffle_buffer", -5, ">= 0"), ("train_samples", 0, ">= 1 (or null)"), ("image_size", 0, ">= 1 pixel"),
     ("image_size", [224, 0], ">= 1 pixel"), ("eval_size", -3, ">= 1 pixel (or null)"), ("re_prob", 2.0, "in [0, 1]"),
-    ("hflip", -0.1, "in [0, 1]"), ("crop_pct", 0.0, "in (0, 1]"), ("color_jitter", -0.3, ">= 0"),
+    ("hflip", -0.1, "in [0, 1]"), ("crop_pct", 0.0, "in (0, 1]"), ("color_jitter", -0.3, ">= 0 (or null)"),
     ("scale", (1.0, 0.1), "(min, max) with 0 < min <= max <= 1"), ("num_classes", 0, ">= 1"),
+    ("cpu_decode_fraction", 1.5, "in [0, 1]"),
+    # null where the argument has no "not set" meaning (a TypeError deep in fit before; user test)
+    ("cpu_decode_fraction", None, "in [0, 1]"), ("batch_size", None, ">= 1"), ("prefetch_batches", None, ">= 0"),
 ])
 def test_out_of_range_arguments_are_refused_at_construction(name, value, allowed):
     """Each size, count and probability is checked when the datamodule is built, with the argument's name, its

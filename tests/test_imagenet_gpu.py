@@ -268,7 +268,12 @@ def test_datamodule_gpu_mode_loaders_and_rank_split(shards, monkeypatch):
                             num_workers=2, train_samples=16, decode="gpu", persistent_workers=False,
                             cpu_decode_fraction=0.5)
     b = next(iter(dm.train_dataloader()))
-    assert b.num_decoded == 2 and "50% of each training batch decoded" in dm.pipeline_summary()
+    assert b.num_decoded == 2 and "2 of 4 images of each training batch decoded, cropped, resized and flipped in " \
+        "the 2 DataLoader worker(s)" in dm.pipeline_summary()
+    dm.cpu_decode_fraction = 0.1  # rounds to no image of 4: said so
+    assert "cpu_decode_fraction=0.1 is no image of a batch of 4" in dm.pipeline_summary()
+    with pytest.warns(UserWarning, match="cpu_decode_fraction=0.5 has no effect with decode=cpu"):
+        ImageNetDataModule(train_path=shards, decode="cpu", cpu_decode_fraction=0.5)
     x, y = dm.on_after_batch_transfer(dm.transfer_batch_to_device(b, torch.device("cpu"), 0), 0)
     assert x.shape == (4, 3, 32, 32) and torch.equal(y, b.labels)
     assert all(v.num_decoded == 0 for v in dm.val_dataloader())  # evaluation: the accelerator decodes all

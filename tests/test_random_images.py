@@ -53,3 +53,20 @@ def test_overlay_on_the_imagenet_config_trains_through_the_cli(tmp_path, monkeyp
     ea = EventAccumulator(str(run))
     ea.Reload()
     assert "train/loss" in ea.Tags()["scalars"] and len(ea.Scalars("train/loss")) == 3
+
+
+def test_mixup_with_batches_of_one_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    """A batch of one image under Mixup/CutMix (the ImageNet configs' recipe) is one error line naming the batch
+    size (it was a warning, then a reshape error deep in attention on an empty batch; user test)."""
+    monkeypatch.setattr("sys.argv", ["mixlab"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--config", str(CONFIGS / "vit" / "goat_imagenet.yaml"), "--config",
+                  str(CONFIGS / "data" / "random_images.yaml"), "--model.init_args.img_size=32",
+                  "--model.init_args.backbone.d_model=64", "--model.init_args.backbone.n_layers=1",
+                  "--model.init_args.backbone.n_heads=1", "--data.init_args.image_size=32",
+                  "--data.init_args.batch_size=1", "--trainer.max_steps=1", "--trainer.precision=32",
+                  "--run_root", str(tmp_path)])
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "data.init_args.batch_size=1: Mixup/CutMix mixes the images of a batch in pairs" in err, err[-800:]
+    assert "Traceback" not in err

@@ -432,6 +432,10 @@ class ImageClassifier(Head):
             self.model.patch_coords = "index"
 
     def setup(self, stage: str) -> None:
+        bs = self.data_attr("batch_size")
+        if stage == "fit" and self.mixup_fn is not None and isinstance(bs, int) and bs < 2:
+            raise ValueError(f"data.init_args.batch_size={bs}: Mixup/CutMix mixes the images of a batch in pairs, so "
+                             "training needs batches of at least 2; raise it or set model.init_args.mixup: null")
         n = self.data_attr("num_classes")
         if n is not None and n != self.num_classes:
             raise ValueError(f"model.init_args.num_classes={self.num_classes} but the datamodule "
