@@ -470,7 +470,8 @@ def _check_ranges(**values: Any) -> None:
     }
     for name, value in values.items():
         test, allowed = rules[name]
-        if ("or null" not in allowed) if value is None else not test(value):
+        unset_allowed = "or null" in allowed
+        if (value is None and not unset_allowed) or (value is not None and not test(value)):
             raise ValueError(f"ImageNetDataModule: {name} must be {allowed}; got {value!r}")
 
 
@@ -780,15 +781,22 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
-        share, n = "", round(self.cpu_decode_fraction * self.batch_size)
-        if self.cpu_decode_fraction > 0:
-            where = (f"in the {self.num_workers} DataLoader worker(s)" if self.num_workers
-                     else "by the DataLoader in the training process (num_workers 0)")
-            share = (f"; {n} of {self.batch_size} images of each training batch decoded, cropped, resized and flipped "
-                     f"{where}" if n else f"; cpu_decode_fraction={self.cpu_decode_fraction} is no image of a batch "
-                     f"of {self.batch_size}: the accelerator decodes all")
         return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
-                f"{share}")
+                f"{self._worker_share_summary()}")
+
+    def _worker_share_summary(self) -> str:
+        """The ``cpu_decode_fraction`` part of :meth:`pipeline_summary` (empty when 0)."""
+        from mixlab.datamodules.imagenet_gpu import worker_decoded
+
+        if not self.cpu_decode_fraction:
+            return ""
+        n, b = worker_decoded(self.cpu_decode_fraction, self.batch_size), self.batch_size
+        if not n:
+            return (f"; cpu_decode_fraction={self.cpu_decode_fraction} is no image of a batch of {b}: the accelerator "
+                    "decodes all")
+        workers = (f"in the {self.num_workers} DataLoader worker(s)" if self.num_workers
+                   else "by the DataLoader in the training process (num_workers 0)")
+        return f"; {n} of {b} images of each training batch decoded, cropped, resized and flipped {workers}"
 
     def prefetched(self, loader: Any, train: bool) -> Any:
         """``loader`` behind a :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher` running the device

@@ -77,9 +77,9 @@ from PIL import Image
 from torch import Tensor
 from torch.profiler import record_function
 
-__all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "GpuPipeline", "RA_OPS",
-           "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops", "DevicePrefetcher",
-           "quiet_profiler_without_cuda", "stage_op_counts"]
+__all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "decode_crop_cpu", "worker_decoded",
+           "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops",
+           "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -326,19 +326,24 @@ def decode_crop_cpu(jpeg: Tensor, crop: Tensor, flip: Tensor, size: tuple[int, i
     return horizontal_flip(x) if bool(flip) else x
 
 
+def worker_decoded(cpu_fraction: float, batch_size: int) -> int:
+    """Images of a training batch of ``batch_size`` that the workers decode: ``round(cpu_fraction * batch_size)``."""
+    return round(cpu_fraction * batch_size) if cpu_fraction > 0 else 0
+
+
 def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[int, int] | None = None,
                     interpolation: str = "bicubic") -> EncodedBatch:
     """DataLoader ``collate_fn`` for :func:`encode_sample` outputs: bytes concatenated (one tensor per batch
     through the worker queue instead of ``B``), parameters stacked.
 
     With ``cpu_fraction > 0`` (training batches; ``size``: the crop's output size), the first
-    ``round(cpu_fraction * B)`` images are decoded, cropped, resized and flipped here, in the worker
-    (:func:`decode_crop_cpu`), and travel as ``pixels``; the accelerator decodes the rest. This moves decode work
-    from the accelerator to idle worker cores: a share that the workers keep up with shortens the device stage
-    without slowing the loader. The batch is reordered so that the worker-decoded images come first (an image
+    ``round(cpu_fraction * B)`` (:func:`worker_decoded`) images are decoded, cropped, resized and flipped here, in
+    the worker (:func:`decode_crop_cpu`), and travel as ``pixels``; the accelerator decodes the rest. This moves
+    decode work from the accelerator to idle worker cores: a share that the workers keep up with shortens the device
+    stage without slowing the loader. The batch is reordered so that the worker-decoded images come first (an image
     libjpeg-turbo refuses goes to the accelerator's decode, which retries it and skips it with a count).
     """
-    n_cpu = round(cpu_fraction * len(samples)) if cpu_fraction > 0 and "crop" in samples[0] else 0
+    n_cpu = worker_decoded(cpu_fraction, len(samples)) if "crop" in samples[0] else 0
     pixels: Tensor | None = None
     if n_cpu:
         if size is None:

@@ -371,6 +371,11 @@ def draft_fractions(pattern: str, image_size: int, crop_pct: float, limit: int) 
     return train / max(n, 1), evals / max(n, 1), n
 
 
+def decode_runs(modes: list[str], fractions: list[float]) -> list[tuple[str, float, str]]:
+    """``(decode mode, worker share, table label)`` of every pipeline measured: each mode, ``gpu`` once per share."""
+    return [(m, f, f"gpu, {f:.0%} in workers" if f else m) for m in modes for f in (fractions if m == "gpu" else [0.0])]
+
+
 def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[tuple[str, ...]]:
     """Table rows of ``--cli-steps``: the CLI on random tensors (the anchor), then on the shards for every decode
     mode and worker share, ``--cli-repeats`` rounds in alternating order; each row the median over its runs."""
@@ -379,12 +384,11 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[
               "--data.init_args.batch_size", str(b), "--trainer.max_steps", str(n), "--trainer.limit_val_batches", "0",
               "--trainer.log_every_n_steps", str(min(10, max(1, n // 10))), "--trainer.enable_progress_bar", "false",
               *shlex.split(a.cli_args)]
-    kinds: list[tuple[str, float | None]] = [("random", None)] + [
-        (m, f) for m in a.decode for f in (a.cpu_decode_fraction if m == "gpu" else [0.0])]
-    runs: dict[tuple[str, float | None], list[tuple[float, float, float]]] = {k: [] for k in kinds}
+    kinds = [("random", 0.0, "-")] + decode_runs(a.decode, a.cpu_decode_fraction)
+    runs: dict[tuple[str, float, str], list[tuple[float, float, float]]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench_input_cli_") as tmp:
         for r in range(a.cli_repeats):
-            for k, (mode, frac) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
+            for k, (mode, frac, label) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
                 if mode == "random":
                     args = ["--config", a.cli_config, "--config", str(RANDOM_IMAGES), *common]
                 else:
@@ -392,17 +396,16 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[
                             "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
                             "--data.init_args.cpu_decode_fraction", str(frac)]
-                runs[mode, frac].append(cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2)))
-    anchor = statistics.median(m for m, _, _ in runs["random", None])
+                runs[mode, frac, label].append(cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2)))
+    anchor = statistics.median(m for m, _, _ in runs[kinds[0]])
     out = []
-    for (mode, frac), got in runs.items():
+    for (mode, frac, label), got in runs.items():
         ips = statistics.median(m for m, _, _ in got)
         each = ", ".join(f"{m:,.0f} [{lo:,.0f}, {hi:,.0f}]" for m, lo, hi in got)
         if mode == "random":
             out.append(("train", "-", "-", f"through the CLI, random tensors ({n} steps)", f"{ips:,.0f}", "",
                         f"{ips / model_ips:.3f}x the model row; runs: {each}"))
             continue
-        label = f"gpu, {frac:.0%} in workers" if frac else mode
         out.append(("train", label, str(a.workers), f"through the CLI, shards ({n} steps)", f"{ips:,.0f}", "",
                     f"**{ips / model_ips:.3f}x the model row**, {ips / anchor:.3f}x the CLI on random tensors; "
                     f"runs: {each}"))
@@ -553,10 +556,9 @@ def main(argv: list[str] | None = None) -> str:
     profiles: list[str] = []
     for split in splits:
         fractions = a.cpu_decode_fraction if split == "train" else [0.0]
-        for mode, fraction in [(m, f) for m in a.decode for f in (fractions if m == "gpu" else [0.0])]:
-            dm = dm_for(mode, fraction)
-            mode = f"gpu, {fraction:.0%} in workers" if fraction else mode
-            if mode == "cpu":
+        for decode, fraction, mode in decode_runs(a.decode, fractions):  # mode: the table's label
+            dm = dm_for(decode, fraction)
+            if decode == "cpu":
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
                 row(split, mode, "loader (decoded, augmented)", ips, note=f"{n} images")
             else:
@@ -579,15 +581,15 @@ def main(argv: list[str] | None = None) -> str:
                     profiles += [""] + profile_stage(dm, split, device, a.profile)
             if split == "train" and not a.no_end_to_end:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step)
-                row(split, mode, "end to end (loader + model step)" if mode == "cpu" else
+                row(split, mode, "end to end (loader + model step)" if decode == "cpu" else
                     "end to end (loader + device stage + model step)", ips,
                     f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
-                if mode.startswith("gpu") and a.prefetch:
+                if decode == "gpu" and a.prefetch:
                     ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=True, step=step,
                                          prefetch=a.prefetch)
                     row(split, mode, f"end to end, device stage prefetched ({a.prefetch} ahead)", ips,
                         f"{1000 * a.batch_size / ips:.1f}", of_model(ips, model_ips))
-                if mode.startswith("gpu") and a.profile_end_to_end:
+                if decode == "gpu" and a.profile_end_to_end:
                     profiles += [""] + profile_end_to_end(dm, device, step, a.prefetch, a.warmup,
                                                           a.profile_end_to_end)
     if a.cli_steps and not a.no_train:
