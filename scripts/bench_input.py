@@ -36,6 +36,11 @@ and reports each CUDA stream's busy time and how much of the stage's work ran co
 to the same command on random tensors (``--config configs/data/random_images.yaml``: the model's own speed under
 the same Lightning loop), each the median ``perf/images_per_s`` of the logged windows from step ``min(40, N/2)``,
 in subprocesses, ``--cli-repeats`` times in alternating order (the first run of a machine is often the faster).
+Each such fit takes about 100 s on the H200 hosts (mostly start-up), so ``--no-loader`` (skip the loader and
+device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call.
+
+Every row is also printed to stderr when it is measured, and ``--out`` holds the rows measured so far while the
+run goes on (a run cut short keeps them).
 """
 
 from __future__ import annotations
@@ -252,6 +257,34 @@ def of_model(ips: float, model_ips: float) -> str:
 
 ROOT = Path(__file__).resolve().parents[1]
 RANDOM_IMAGES = ROOT / "configs" / "data" / "random_images.yaml"
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr (the table itself goes to stdout and ``--out`` at the end)."""
+    print(f"[bench_input {time.perf_counter() - _T0:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _write_part(job: tuple) -> str:
+    out_dir, n, wh, classes, shard_size, seed = job
+    from mixlab.datamodules.imagenet import write_synthetic_shards
+
+    return write_synthetic_shards(out_dir, n, wh, classes, shard_size, seed=seed, prefix=f"synthetic{seed}")
+
+
+def write_shards_parallel(out_dir: str | Path, n_images: int, wh: tuple[int, int], classes: int, shard_size: int,
+                          procs: int) -> str:
+    """``write_synthetic_shards`` split over ``procs`` processes (part ``k`` in ``out_dir/part{k}``, seed ``k``):
+    the shard patterns joined by ``::`` (what ``ImageNetDataModule`` reads as one list). 4 processes write 4096
+    500x375 images in ~25 s on the H200 hosts, one in ~90 s."""
+    sizes = [n_images // procs + (k < n_images % procs) for k in range(procs)]
+    jobs = [(str(Path(out_dir) / f"part{k}"), n, wh, classes, shard_size, k) for k, n in enumerate(sizes) if n]
+    if len(jobs) == 1:
+        return _write_part(jobs[0])
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        return "::".join(pool.map(_write_part, jobs))
 
 
 def cli_images_per_s(args: list[str], run_root: Path, from_step: int) -> tuple[float, float, float]:
@@ -396,7 +429,10 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[
                             "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
                             "--data.init_args.cpu_decode_fraction", str(frac)]
-                runs[mode, frac, label].append(cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2)))
+                got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2))
+                runs[mode, frac, label].append(got)
+                log(f"CLI fit on {'random tensors' if mode == 'random' else label}, run {r + 1}/{a.cli_repeats}: "
+                    f"{got[0]:,.0f} images/s ({got[0] / model_ips:.3f}x the model row)")
     anchor = statistics.median(m for m, _, _ in runs[kinds[0]])
     out = []
     for (mode, frac, label), got in runs.items():
@@ -451,6 +487,9 @@ def main(argv: list[str] | None = None) -> str:
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
+    p.add_argument("--no-loader", action="store_true",
+                   help="skip the loader and device-stage rows (and end to end): the model row and the --cli-steps "
+                        "rows only")
     p.add_argument("--no-train", action="store_true", help="skip the training pipeline (and the training model row)")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     p.add_argument("--cli-steps", type=int, default=0, metavar="N",
@@ -492,6 +531,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--cli-config {a.cli_config!r}: no such file")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
+    if a.no_loader and (a.profile or a.profile_end_to_end):
+        p.error("--no-loader skips the device stage that --profile / --profile-end-to-end look at; drop one of them")
     if a.profile_end_to_end < 0:
         p.error(f"--profile-end-to-end must be >= 0 steps; got {a.profile_end_to_end}")
     if a.quick:
@@ -500,7 +541,7 @@ def main(argv: list[str] | None = None) -> str:
         a.device = a.device or "cpu"
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     from mixlab.datamodules.files import expand_pattern
-    from mixlab.datamodules.imagenet import ImageNetDataModule, write_synthetic_shards
+    from mixlab.datamodules.imagenet import ImageNetDataModule
 
     for option, pattern in (("--shards", a.shards), ("--val-shards", a.val_shards)):
         if pattern is not None:
@@ -515,8 +556,9 @@ def main(argv: list[str] | None = None) -> str:
         wdir = a.workdir or (tmp := tempfile.TemporaryDirectory(prefix="bench_input_")).name
         w, h = (int(v) for v in a.image_wh.lower().split("x"))
         t0 = time.perf_counter()
-        train_pattern = write_synthetic_shards(wdir, a.images, (w, h), a.classes, a.shard_size)
-        files = sorted((Path(wdir) / "folder").rglob("*.jpg"))
+        train_pattern = write_shards_parallel(wdir, a.images, (w, h), a.classes, a.shard_size,
+                                              min(4, os.cpu_count() or 1, -(-a.images // 512)))
+        files = sorted(Path(wdir).rglob("folder/**/*.jpg"))
         kb = sum(f.stat().st_size for f in files) / len(files) / 1000
         what = f"synthetic: {a.images} JPEGs {w}x{h}, {kb:.0f} kB mean, {a.classes} classes " \
                f"(written in {time.perf_counter() - t0:.0f} s)"
@@ -531,11 +573,32 @@ def main(argv: list[str] | None = None) -> str:
                                   persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs,
                                   cpu_decode_fraction=fraction)
 
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, ...]] = []
+    cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
+                                                         *(sys.argv[1:] if argv is None else argv)])
+    graphs_mode = ("launched op by op (--no-cuda-graphs)" if a.no_cuda_graphs else "in CUDA graphs"
+                   if device.type == "cuda" else "launched op by op (CUDA graphs need a CUDA device)")
+
+    def render() -> list[str]:
+        """The report's header and table of the rows measured so far."""
+        return [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
+                f"- device: {device_name(device)}; torch {torch.__version__}",
+                f"- data: {what if a.shards is None else train_pattern}",
+                f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"
+                + (f"; training augmentation (decode gpu) {graphs_mode}" if "gpu" in a.decode else
+                   "; training augmentation by timm's transforms in the loader workers (decode cpu)"),
+                f"- command: `{cmd}`", "",
+                "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
+                "|---|---|---|---|---:|---:|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
 
     def row(pipeline, decode, stage, ips, ms="", note=""):
         rows.append((pipeline, decode, str(a.workers) if stage != "device stage alone" and decode != "-" else "-",
                      stage, f"{ips:,.0f}", ms, note))
+        log(" | ".join(rows[-1]))
+        if a.out:  # a run cut short keeps what it measured
+            Path(a.out).write_text("\n".join(render() + ["", "(partial: the run has not finished)", ""]))
 
     model = build_model(a.model, a.image_size, num_classes, device)
     step = make_step(model, device, num_classes)
@@ -551,7 +614,7 @@ def main(argv: list[str] | None = None) -> str:
         model.train()
         row("model", "-", f"{a.model} evaluation forward (random tensors)", eval_ips,
             f"{1000 * a.batch_size / eval_ips:.1f}", "bf16 autocast, no grad" if device.type == "cuda" else "fp32")
-    splits = ([] if a.no_train else ["train"]) + ([] if a.no_eval else ["val"])
+    splits = [] if a.no_loader else ([] if a.no_train else ["train"]) + ([] if a.no_eval else ["val"])
     stage_ops: list[str] = []
     profiles: list[str] = []
     for split in splits:
@@ -594,32 +657,19 @@ def main(argv: list[str] | None = None) -> str:
                                                           a.profile_end_to_end)
     if a.cli_steps and not a.no_train:
         rows += cli_rows(a, train_pattern, val_pattern, model_ips)
-    f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
-    cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
-                                                         *(sys.argv[1:] if argv is None else argv)])
-    graphs_mode = ("launched op by op (--no-cuda-graphs)" if a.no_cuda_graphs else "in CUDA graphs"
-                   if device.type == "cuda" else "launched op by op (CUDA graphs need a CUDA device)")
-    lines = [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
-             f"- device: {device_name(device)}; torch {torch.__version__}",
-             f"- data: {what if a.shards is None else train_pattern}",
-             f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"
-             + (f"; training augmentation (decode gpu) {graphs_mode}" if "gpu" in a.decode else
-                "; training augmentation by timm's transforms in the loader workers (decode cpu)"),
-             f"- command: `{cmd}`", "",
-             "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
-             "|---|---|---|---|---:|---:|---|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines = render()
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
                   "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]
     lines += profiles
-    applies = {"train": f"{f_train:.1%} of training crops", "val": f"{f_eval:.1%} of evaluation images"}
-    lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to {' and '.join(applies[s] for s in splits)} "
-              f"({n_draft} images looked at).", ""]
-    text = "\n".join(lines)
+    if splits:
+        f_train, f_eval, n_draft = draft_fractions(train_pattern, a.image_size, 224 / 256, 2000)
+        applies = {"train": f"{f_train:.1%} of training crops", "val": f"{f_eval:.1%} of evaluation images"}
+        lines += ["", f"PIL `draft` (reduced-size JPEG decoding) could apply to "
+                  f"{' and '.join(applies[s] for s in splits)} ({n_draft} images looked at)."]
+    text = "\n".join(lines + [""])
     print(text)
     if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(text)
     if tmp is not None:
         tmp.cleanup()

@@ -81,23 +81,55 @@ def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
     assert bench_input.kernel_overlap([]) == {"union": 0.0, "overlap": 0.0}
 
 
-def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path, monkeypatch):
+def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path, monkeypatch, capsys):
     """``--cli-steps``: ``python -m mixlab fit`` of the ViT ImageNet config on the shards (here with half of each
-    batch decoded in the workers) and on random tensors, each a row with its images/s and the ratios."""
+    batch decoded in the workers) and on random tensors, each a row with its images/s and the ratios. With
+    ``--no-loader`` only the model row and the CLI rows are measured (a device call fits them), each run is
+    reported on stderr as it ends, and ``--out`` holds the final table."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     import bench_input
 
     tiny = ("--model.init_args.backbone.d_model=64 --model.init_args.backbone.n_layers=1 "
             "--model.init_args.backbone.n_heads=1 --trainer.precision=32")
+    out = tmp_path / "report" / "bench_input.md"
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
-                             "--no-end-to-end", "--cpu-decode-fraction", "0.5", "--cli-steps", "4", "--cli-args", tiny])
-    rows = {tuple(c.strip() for c in line.strip("|").split("|")) for line in text.splitlines()
-            if "through the CLI" in line}
+                             "--no-loader", "--cpu-decode-fraction", "0.5", "--cli-steps", "4", "--cli-args", tiny,
+                             "--out", str(out)])
+    table = [tuple(c.strip() for c in line.strip("|").split("|")) for line in text.splitlines()
+             if line.startswith("| train") or line.startswith("| model")]
+    assert [r[0] for r in table] == ["model", "train", "train"], table  # no loader or device-stage rows
+    rows = {r for r in table if "through the CLI" in r[3]}
     assert {r[:4] for r in rows} == {("train", "-", "-", "through the CLI, random tensors (4 steps)"),
                                      ("train", "gpu, 50% in workers", "2", "through the CLI, shards (4 steps)")}
     for r in rows:
         assert float(r[4].replace(",", "")) > 0 and "x the model row" in r[6], r
     assert any("x the CLI on random tensors" in r[6] for r in rows)
+    err = capsys.readouterr().err
+    assert "CLI fit on random tensors, run 1/1:" in err and "CLI fit on gpu, 50% in workers, run 1/1:" in err
+    assert "model | - | - | tiny fwd+bwd+AdamW" in err  # rows on stderr as they are measured
+    assert out.read_text() == text and "partial" not in text
+
+
+def test_bench_input_writes_synthetic_shards_in_parallel(tmp_path, monkeypatch):
+    """``write_shards_parallel``: the images split over processes (seed k in part k), one ``::``-joined pattern
+    that the datamodule expands to every shard; every image written once, labels ``i % classes`` per part."""
+    import webdataset as wds
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    from mixlab.datamodules.imagenet import expand_shards
+
+    pattern = bench_input.write_shards_parallel(tmp_path, 11, (40, 30), 3, 4, procs=2)
+    parts = pattern.split("::")
+    assert len(parts) == 2 and all(f"part{k}" in p for k, p in enumerate(parts)), pattern
+    urls = expand_shards(pattern)
+    samples = list(wds.tarfile_samples([{"url": u} for u in urls]))
+    assert len(urls) == 4 and len(samples) == 11  # parts of 6 and 5 images, shards of up to 4
+    labels = sorted(int(s["cls"]) for s in samples)
+    assert labels == sorted([i % 3 for i in range(6)] + [i % 3 for i in range(5)])
+    first = {p.split("/part")[1][0]: next(wds.tarfile_samples([{"url": expand_shards(p)[0]}]))["jpg"] for p in parts}
+    assert first["0"] != first["1"]  # different seeds, different pictures
 
 
 def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
@@ -120,7 +152,8 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
              "--shards: 4 of 4 shards from pattern '/nonexist/x-{0000..0003}.tar' do not exist",
              ("--cpu-decode-fraction", "0", "2"): "--cpu-decode-fraction values must be in [0, 1]; got [0.0, 2.0]",
              ("--cli-steps", "-1"): "--cli-steps must be >= 0 and --cli-repeats >= 1; got -1, 1",
-             ("--cli-steps", "4", "--cli-config", "/nonexist.yaml"): "--cli-config '/nonexist.yaml': no such file"}
+             ("--cli-steps", "4", "--cli-config", "/nonexist.yaml"): "--cli-config '/nonexist.yaml': no such file",
+             ("--no-loader", "--profile", "3"): "--no-loader skips the device stage that --profile"}
     if not torch.cuda.is_available():
         cases[("--device", "cuda")] = "--device cuda: no CUDA device is available here"
     for argv, message in cases.items():
