@@ -258,16 +258,40 @@ class SkipCorrupt(torch.utils.data.Dataset):
         raise ValueError(f"{getattr(self, 'root', 'image dataset')!r}: none of its {n} images is readable")
 
 
+def posterize(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's RandAugment ``posterize`` (keep the ``bits_to_keep`` most significant bits of every channel) for
+    every argument: 8 or more returns ``img``, 0 or fewer keeps no bit, a black image. That is what Pillow did
+    before it began to refuse bits outside 1-8 (Pillow 13 raises ``ValueError``), what TensorFlow's RandAugment
+    does, and what the accelerator path does (:mod:`mixlab.datamodules.imagenet_gpu`). timm passes 0 bits:
+    ``PosterizeIncreasing`` at level 10, which the DeiT recipe's magnitude noise (``mstd0.5`` around 9) reaches
+    for about 0.3% of images, so with timm's own op the first few hundred images end a run."""
+    from PIL import ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, int(bits_to_keep))
+
+
 def train_transform(size, auto_augment: str | None = "rand-m9-mstd0.5-inc1", re_prob: float = 0.25,
                     color_jitter: float = 0.3, hflip: float = 0.5, scale=(0.08, 1.0),
                     interpolation: str = "bicubic", mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """DeiT/timm training transform (RandomResizedCrop, flip, colour jitter, RandAugment, RandomErasing)."""
+    """DeiT/timm training transform (RandomResizedCrop, flip, colour jitter, RandAugment, RandomErasing), with
+    RandAugment's Posterize ops through :func:`posterize` (0 bits: a black image instead of Pillow's error)."""
     from timm.data import create_transform
+    from timm.data.auto_augment import RandAugment
 
     h, w = (size, size) if isinstance(size, int) else tuple(size)
-    return create_transform((3, h, w), is_training=True, auto_augment=auto_augment, re_prob=re_prob,
-                            re_mode="pixel", re_count=1, color_jitter=color_jitter, hflip=hflip,
-                            scale=tuple(scale), interpolation=interpolation, mean=mean, std=std)
+    transform = create_transform((3, h, w), is_training=True, auto_augment=auto_augment, re_prob=re_prob,
+                                 re_mode="pixel", re_count=1, color_jitter=color_jitter, hflip=hflip,
+                                 scale=tuple(scale), interpolation=interpolation, mean=mean, std=std)
+    for step in transform.transforms:
+        if isinstance(step, RandAugment):
+            for op in step.ops:
+                if op.name.startswith("Posterize"):
+                    op.aug_fn = posterize
+    return transform
 
 
 def eval_transform(size, crop_pct: float = 224 / 256, interpolation: str = "bicubic", mean=IMAGENET_MEAN,

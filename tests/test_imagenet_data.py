@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import random
 import tarfile
 import warnings
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from helpers.training import fit_two_epochs
@@ -442,3 +444,36 @@ def test_shard_writer_skips_an_unreadable_image_with_a_warning_naming_it(tmp_pat
     keys = sorted(x["__key__"] for x in wds.WebDataset(shards, shardshuffle=False))
     assert keys == ["a_ok", "b_ok"]
     assert (tmp_path / "out" / "classes.txt").read_text() == "a\nb\n"
+
+
+def test_randaugment_posterize_of_zero_bits_is_a_black_image_not_an_error():
+    """timm's PosterizeIncreasing keeps 0 bits at level 10, which the DeiT recipe's magnitude noise reaches (about
+    0.3% of images); Pillow 13 refuses 0 bits, which ended a CPU-path fit of the ImageNet config within a few
+    hundred images (found through the CLI). The training transform's Posterize ops now give a black image there,
+    as the accelerator path does, and Pillow's result for 1-7 bits."""
+    import copy
+
+    from PIL import ImageOps
+    from timm.data.auto_augment import RandAugment
+
+    from mixlab.datamodules.imagenet import train_transform
+    from mixlab.datamodules.imagenet_gpu import apply_ra_op
+
+    t = train_transform(32)
+    ra = next(s for s in t.transforms if isinstance(s, RandAugment))
+    op = copy.copy(next(o for o in ra.ops if o.name == "PosterizeIncreasing"))
+    op.prob, op.magnitude_std = 1.0, 0.0
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 30, 3), dtype=np.uint8))
+    op.magnitude = 10.0  # 4 - int(10 / 10 * 4) = 0 bits
+    black = np.asarray(op(img))
+    assert black.shape == (40, 30, 3) and black.max() == 0
+    x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)[None].float()
+    assert apply_ra_op("PosterizeIncreasing", x, torch.zeros(1, dtype=torch.float64)).max() == 0  # accelerator path
+    op.magnitude = 5.0  # 2 bits
+    assert np.array_equal(np.asarray(op(img)), np.asarray(ImageOps.posterize(img, 2)))
+    # the whole recipe at level 10 (every image posterized to 0 bits whenever the op is drawn) runs through
+    t10 = train_transform(32, auto_augment="rand-m10-mstd0-inc1")
+    random.seed(0)
+    for _ in range(60):
+        out = t10(img)
+        assert out.shape == (3, 32, 32) and torch.isfinite(out).all()
