@@ -36,11 +36,11 @@ and reports each CUDA stream's busy time and how much of the stage's work ran co
 to the same command on random tensors (``--config configs/data/random_images.yaml``: the model's own speed under
 the same Lightning loop), each the median ``perf/images_per_s`` of the logged windows from step ``min(40, N/2)``,
 in subprocesses, ``--cli-repeats`` times in alternating order (the first run of a machine is often the faster).
-Each such fit takes about 100 s on the H200 hosts (mostly start-up), so ``--no-loader`` (skip the loader and
-device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call.
+A fit on the shards takes about 100 s on the H200 hosts (10 s of it training), so ``--no-loader`` (skip the loader
+and device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call.
 
-Every row is also printed to stderr when it is measured, and ``--out`` holds the rows measured so far while the
-run goes on (a run cut short keeps them).
+Every row, and every CLI fit as it ends, is also printed to stderr, and ``--out`` holds what was measured so far
+while the run goes on (a run cut short keeps it).
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -261,7 +262,7 @@ _T0 = time.perf_counter()
 
 
 def log(msg: str) -> None:
-    """A progress line on stderr (the table itself goes to stdout and ``--out`` at the end)."""
+    """A progress line on stderr (the whole table goes to stdout at the end)."""
     print(f"[bench_input {time.perf_counter() - _T0:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
 
@@ -409,9 +410,11 @@ def decode_runs(modes: list[str], fractions: list[float]) -> list[tuple[str, flo
     return [(m, f, f"gpu, {f:.0%} in workers" if f else m) for m in modes for f in (fractions if m == "gpu" else [0.0])]
 
 
-def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[tuple[str, ...]]:
+def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
+             progress: Callable[[str], None] = log) -> list[tuple[str, ...]]:
     """Table rows of ``--cli-steps``: the CLI on random tensors (the anchor), then on the shards for every decode
-    mode and worker share, ``--cli-repeats`` rounds in alternating order; each row the median over its runs."""
+    mode and worker share, ``--cli-repeats`` rounds in alternating order; each row the median over its runs.
+    ``progress`` gets a line for each fit as it ends."""
     n, b, size = a.cli_steps, a.batch_size, a.image_size
     common = ["--model.init_args.img_size", str(size), "--data.init_args.image_size", str(size),
               "--data.init_args.batch_size", str(b), "--trainer.max_steps", str(n), "--trainer.limit_val_batches", "0",
@@ -431,8 +434,8 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float) -> list[
                             "--data.init_args.cpu_decode_fraction", str(frac)]
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2))
                 runs[mode, frac, label].append(got)
-                log(f"CLI fit on {'random tensors' if mode == 'random' else label}, run {r + 1}/{a.cli_repeats}: "
-                    f"{got[0]:,.0f} images/s ({got[0] / model_ips:.3f}x the model row)")
+                progress(f"CLI fit on {'random tensors' if mode == 'random' else label}, run {r + 1}/{a.cli_repeats}: "
+                         f"{got[0]:,.0f} images/s ({got[0] / model_ips:.3f}x the model row)")
     anchor = statistics.median(m for m, _, _ in runs[kinds[0]])
     out = []
     for (mode, frac, label), got in runs.items():
@@ -593,12 +596,23 @@ def main(argv: list[str] | None = None) -> str:
                 "| pipeline | decode | workers | measured | img/s | ms/batch | note |",
                 "|---|---|---|---|---:|---:|---|"] + ["| " + " | ".join(r) + " |" for r in rows]
 
+    fits: list[str] = []  # CLI fits ended so far (their rows come when all have run)
+
+    def progress(line: str) -> None:
+        """``line`` to stderr, and ``--out`` rewritten with everything so far (a run cut short keeps it)."""
+        log(line)
+        if a.out:
+            Path(a.out).write_text("\n".join(render() + [""] + [f"- {f}" for f in fits]
+                                             + ["", "(partial: the run has not finished)", ""]))
+
+    def fit_ended(line: str) -> None:
+        fits.append(line)
+        progress(line)
+
     def row(pipeline, decode, stage, ips, ms="", note=""):
         rows.append((pipeline, decode, str(a.workers) if stage != "device stage alone" and decode != "-" else "-",
                      stage, f"{ips:,.0f}", ms, note))
-        log(" | ".join(rows[-1]))
-        if a.out:  # a run cut short keeps what it measured
-            Path(a.out).write_text("\n".join(render() + ["", "(partial: the run has not finished)", ""]))
+        progress(" | ".join(rows[-1]))
 
     model = build_model(a.model, a.image_size, num_classes, device)
     step = make_step(model, device, num_classes)
@@ -656,7 +670,7 @@ def main(argv: list[str] | None = None) -> str:
                     profiles += [""] + profile_end_to_end(dm, device, step, a.prefetch, a.warmup,
                                                           a.profile_end_to_end)
     if a.cli_steps and not a.no_train:
-        rows += cli_rows(a, train_pattern, val_pattern, model_ips)
+        rows += cli_rows(a, train_pattern, val_pattern, model_ips, progress=fit_ended)
     lines = render()
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "

@@ -110,6 +110,33 @@ def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path
     assert out.read_text() == text and "partial" not in text
 
 
+def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypatch):
+    """``--out`` is rewritten as rows and CLI fits end, so a run stopped during its second fit (a device call's
+    time limit, Ctrl-C) leaves the model row and the first fit's images/s there, marked partial."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    calls = []
+
+    def fake_fit(args, run_root, from_step):
+        calls.append(args)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return 1234.0, 1200.0, 1300.0
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    out = tmp_path / "b.md"
+    with pytest.raises(KeyboardInterrupt):
+        bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval", "--no-loader",
+                          "--cli-steps", "4", "--out", str(out)])
+    text = out.read_text()
+    assert "| model | - | - | tiny fwd+bwd+AdamW (random tensors) |" in text
+    assert "- CLI fit on random tensors, run 1/1: 1,234 images/s" in text
+    assert "(partial: the run has not finished)" in text and len(calls) == 2
+
+
 def test_bench_input_writes_synthetic_shards_in_parallel(tmp_path, monkeypatch):
     """``write_shards_parallel``: the images split over processes (seed k in part k), one ``::``-joined pattern
     that the datamodule expands to every shard; every image written once, labels ``i % classes`` per part."""
