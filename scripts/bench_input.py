@@ -414,8 +414,18 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
              progress: Callable[[str], None] = log) -> list[tuple[str, ...]]:
     """Table rows of ``--cli-steps``: the CLI on random tensors (the anchor), then on the shards for every decode
     mode and worker share, ``--cli-repeats`` rounds in alternating order; each row the median over its runs.
-    ``progress`` gets a line for each fit as it ends."""
+    ``progress`` gets a line for each fit as it ends. The ratio to the model row is given only when that row is
+    mixlab's ViT (``--model mixlab-<preset>``; the preset should be the one of ``--cli-config``): the CLI trains
+    the config's model, and a timm or tiny model row would make the ratio meaningless."""
     n, b, size = a.cli_steps, a.batch_size, a.image_size
+    same_model = a.model.startswith("mixlab-")
+    if not same_model:
+        progress(f"the model row is {a.model}, the CLI fits train {Path(a.cli_config).name}'s model: no ratio between "
+                 "them (--model mixlab-goat2d is the default config's)")
+
+    def vs_model(ips: float) -> str:
+        return f"{ips / model_ips:.3f}x the model row" if same_model else "the model row is another model"
+
     common = ["--model.init_args.img_size", str(size), "--data.init_args.image_size", str(size),
               "--data.init_args.batch_size", str(b), "--trainer.max_steps", str(n), "--trainer.limit_val_batches", "0",
               "--trainer.log_every_n_steps", str(min(10, max(1, n // 10))), "--trainer.enable_progress_bar", "false",
@@ -435,7 +445,7 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2))
                 runs[mode, frac, label].append(got)
                 progress(f"CLI fit on {'random tensors' if mode == 'random' else label}, run {r + 1}/{a.cli_repeats}: "
-                         f"{got[0]:,.0f} images/s ({got[0] / model_ips:.3f}x the model row)")
+                         f"{got[0]:,.0f} images/s ({vs_model(got[0])})")
     anchor = statistics.median(m for m, _, _ in runs[kinds[0]])
     out = []
     for (mode, frac, label), got in runs.items():
@@ -443,11 +453,11 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
         each = ", ".join(f"{m:,.0f} [{lo:,.0f}, {hi:,.0f}]" for m, lo, hi in got)
         if mode == "random":
             out.append(("train", "-", "-", f"through the CLI, random tensors ({n} steps)", f"{ips:,.0f}", "",
-                        f"{ips / model_ips:.3f}x the model row; runs: {each}"))
+                        f"{vs_model(ips)}; runs (median [min, max] of each fit's logged windows): {each}"))
             continue
         out.append(("train", label, str(a.workers), f"through the CLI, shards ({n} steps)", f"{ips:,.0f}", "",
-                    f"**{ips / model_ips:.3f}x the model row**, {ips / anchor:.3f}x the CLI on random tensors; "
-                    f"runs: {each}"))
+                    f"**{vs_model(ips)}**, {ips / anchor:.3f}x the CLI on random tensors; "
+                    f"runs (median [min, max] of each fit's logged windows): {each}"))
     return out
 
 
@@ -691,4 +701,11 @@ def main(argv: list[str] | None = None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout`: exit normally, so temporary shards go
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("bench_input: interrupted (--out keeps what was measured)", file=sys.stderr)
+        sys.exit(130)
