@@ -144,7 +144,7 @@ def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, 
     return len(y) / t, 1000 * t, ops
 
 
-def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 15) -> list[str]:
+def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 30) -> list[str]:
     """Markdown lines: where the device stage's time goes on one held batch over ``reps`` calls
     (``torch.profiler``, CPU and CUDA): host and device milliseconds per batch of each phase
     (``stage/decode``, ``stage/crop_resize``, ``stage/augment``) and the ``top`` kernels by device time."""

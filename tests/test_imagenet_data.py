@@ -72,6 +72,40 @@ def test_written_shards_follow_timm_convention(shards, folder):
         assert key.startswith(f"class_{y}_")
 
 
+def test_written_shards_have_no_pax_headers(shards):
+    """Members carry a whole-second mtime and no pax extended header (webdataset's default float mtime puts one
+    before every member, which doubles the tar parsing of every reader)."""
+    _, paths = shards
+    with tarfile.open(paths[0]) as tf:
+        members = tf.getmembers()
+    assert len(members) == 6 and all(m.pax_headers == {} and isinstance(m.mtime, int) for m in members)
+    with open(paths[0], "rb") as f:
+        assert b"PaxHeader" not in f.read()
+
+
+def test_seeded_rngs_without_restore_draws_the_same_and_leaves_the_seeded_streams():
+    """``restore=False`` (DataLoader workers) draws exactly what ``restore=True`` draws; afterwards the RNGs
+    continue the seeded streams instead of returning to the caller's states."""
+    from mixlab.datamodules.imagenet import seeded_rngs
+
+    def draw():
+        return random.random(), float(np.random.rand()), float(torch.rand(()))
+
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    before = draw()
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    with seeded_rngs(7):
+        a = draw()
+    assert draw() == before  # restored
+    with seeded_rngs(7, restore=False):
+        b = draw()
+    after = draw()
+    assert a == b and after != before
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)  # the seeded streams' second draws
+    draw()
+    assert draw() == after
+
+
 def _read_all(dm, split="val"):
     """All (images, labels) of a split through a DataLoader with ``dm.num_workers`` workers."""
     xs, ys = [], []
