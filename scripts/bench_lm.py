@@ -11,9 +11,9 @@ fused qkv, causal SDPA, SwiGLU, tied output layer, full-logits cross entropy) an
 :class:`mixlab.heads.CausalLM` with mixers ``goat``, ``rope``, ``nope``, ``kda``, ``fg2gdn``, ``mesa``,
 the hybrid ``--hybrid`` (default ``kda*3,goat``), ``rope_triton`` (RoPE with ``rotary_impl: triton``) and, on
 request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss),
-``goat_torch_loss`` / ``rope_torch_loss`` (``loss_kernel: torch``: the float32 torch kernel in the chunked loss)
-and ``goat_full_loss`` / ``rope_full_loss`` / ``nope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the
-anchor),
+``goat_torch_loss`` / ``rope_torch_loss`` (``loss_kernel: torch``: the float32 torch kernel in the chunked loss),
+``goat_full_loss`` / ``rope_full_loss`` / ``nope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the
+anchor) and ``goat_where`` / ``goat_where_full_loss`` (GOAT with ``lane_impl: where``),
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
@@ -25,7 +25,10 @@ Each model runs eagerly and under ``torch.compile`` (``--modes``; ``compile-cuda
 ``torch.compile(mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs,
 which removes the host's launch cost that the compiled mixlab models pay beyond the plain one;
 ``compile-blocks`` is mixlab's own route, ``backbone.compile: true``: each block compiled, the embedding and
-the fused loss eager, against the plain anchor compiled whole, the strongest anchor). Every
+the fused loss eager, against the plain anchor compiled whole, the strongest anchor; ``compile-max-autotune`` is
+``torch.compile(mode="max-autotune-no-cudagraphs")`` for every model and the anchor alike: Inductor benchmarks its
+Triton GEMM templates against cuBLAS and can fuse pointwise epilogues into them, e.g. ``goat_where``'s lane
+``torch.where`` into the qkv GEMM; its compilation takes minutes per model). Every
 (model, mode) is built, warmed up and its peak memory measured first (``torch.cuda.max_memory_allocated``
 during one training step after the warm-up, above what was allocated before the model was built: its
 parameters, gradients, optimizer state and activations, as if alone, without the compiler's warm-up
@@ -66,9 +69,12 @@ MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_trito
 #: cross-entropy kernels inside the chunked training loss; CUDA), and ``<mixer>_full_loss``, the model with
 #: ``loss_chunk_tokens=0`` (whole logits, as the anchor: what Inductor can fuse when compiled)
 FLA_LOSS = ["goat_fla_loss", "rope_fla_loss"]
-FULL_LOSS = ["goat_full_loss", "rope_full_loss", "nope_full_loss"]
+FULL_LOSS = ["goat_full_loss", "rope_full_loss", "nope_full_loss", "goat_where_full_loss"]
+#: also measurable: ``goat_where`` (GOAT with ``lane_impl: where``: the lanes put into the qkv projection's output
+#: by one ``torch.where``, which ``--modes compile-max-autotune`` can fuse into the GEMM's epilogue)
+WHERE = ["goat_where"]
 TORCH_LOSS = ["goat_torch_loss", "rope_torch_loss"]
-MODES = ["eager", "compile", "compile-cudagraphs", "compile-blocks"]
+MODES = ["eager", "compile", "compile-cudagraphs", "compile-blocks", "compile-max-autotune"]
 _T0 = time.perf_counter()
 
 
@@ -144,6 +150,8 @@ def build(name: str, args, compile_blocks: bool = False) -> nn.Module:
     mixer, mixer_args = (args.hybrid if name == "hybrid" else name), {}
     if name == "rope_triton":  # RoPE rotated in place in the packed qkv (position_args.rotary_impl)
         mixer, mixer_args = "rope", {"rope": {"position_args": {"rotary_impl": "triton"}}}
+    if name == "goat_where":  # GOAT's lanes by one torch.where into the projection's output (position_args.lane_impl)
+        mixer, mixer_args = "goat", {"goat": {"position_args": {"lane_impl": "where"}}}
     cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, mixer=mixer,
                          mixer_args=mixer_args, compile=compile_blocks)
     return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=chunk,
@@ -161,7 +169,8 @@ class Case:
         self.n_params = sum(p.numel() for p in self.module.parameters())  # tied weights counted once
         fused = dev.type == "cuda"
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4, weight_decay=0.1, fused=fused)
-        whole = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}, "compile-blocks": {}}
+        whole = {"compile": {}, "compile-cudagraphs": {"mode": "reduce-overhead"}, "compile-blocks": {},
+                 "compile-max-autotune": {"mode": "max-autotune-no-cudagraphs"}}
         self.fn = self.module if mode == "eager" or blocks else torch.compile(self.module, **whole[mode])
         g = torch.Generator().manual_seed(1)
         batch = torch.randint(0, args.vocab, (args.batch, args.seq_len + 1), generator=g).to(dev)
@@ -230,7 +239,7 @@ def _need(names: list[str]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS + TORCH_LOSS,
+    p.add_argument("--models", nargs="+", default=MIXERS, choices=MIXERS + FLA_LOSS + FULL_LOSS + TORCH_LOSS + WHERE,
                    help="mixlab models besides the plain anchor (always measured)")
     p.add_argument("--hybrid", default="kda*3,goat", help="mixer pattern of the 'hybrid' model")
     p.add_argument("--modes", nargs="+", default=None, choices=MODES,
@@ -311,7 +320,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes compile-cudagraphs needs CUDA: there are no CUDA graphs on {args.device} "
                 "(use --modes compile)")
     if not args.device.startswith("cuda"):  # say what a CPU run costs before it starts (user test: silent minutes)
-        if "compile" in args.modes:
+        if {"compile", "compile-max-autotune"} & set(args.modes):
             print("bench_lm: --modes compile on the CPU: Inductor compiles each model for the CPU first (minutes on a "
                   "few cores, more for the recurrent mixers); --modes eager measures the script's path quickly",
                   file=sys.stderr)

@@ -80,9 +80,10 @@ def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: tor
     dict(n_modes=3, learned_freqs=True, freq_base=1000.0),
     dict(n_modes=1, key_mlp_hidden=0, init="alibi"),
 ], ids=["R2", "R3-learned", "R1-nomlp"])
-def test_goat_sdpa_equals_explicit_formula(causal, T, cfg):
+@pytest.mark.parametrize("lane_impl", ["auto", "where"])
+def test_goat_sdpa_equals_explicit_formula(causal, T, cfg, lane_impl):
     torch.manual_seed(T)
-    m = Attention(D, H, causal=causal, position="goat", position_args=cfg).double()
+    m = Attention(D, H, causal=causal, position="goat", position_args=dict(cfg, lane_impl=lane_impl)).double()
     _randomise(m, seed=T)
     x = torch.randn(1, T, D, dtype=torch.float64)
     offset = 5 if T > 1 else 0  # exercise j = 0 and j > 0 starts
@@ -98,11 +99,13 @@ def test_goat_sdpa_equals_explicit_formula(causal, T, cfg):
     torch.testing.assert_close(m(x, c2), want2, rtol=1e-10, atol=1e-10)
 
 
-def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula():
+@pytest.mark.parametrize("lane_impl", ["auto", "where"])
+def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula(lane_impl):
     """Text tokens (sequence axis only), image patches (y, x only), a token with no axes."""
     torch.manual_seed(1)
     m = Attention(D, H, causal=False, position="goat",
-                  position_args=dict(n_modes=3, axes=3, key_linear=True, bos_bias=True, default_bias=True)).double()
+                  position_args=dict(n_modes=3, axes=3, key_linear=True, bos_bias=True, default_bias=True,
+                                     lane_impl=lane_impl)).double()
     _randomise(m, seed=3)
     text = Coords(torch.tensor([[[0, 0, 0], [1, 0, 0], [2, 0, 0]]]), torch.tensor([[[1, 0, 0]] * 3], dtype=torch.bool))
     patches = Coords(torch.tensor([[[0, y, x] for y in range(2) for x in range(3)]]),
@@ -112,6 +115,39 @@ def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula():
     x = torch.randn(1, coords.length, D, dtype=torch.float64)
     want = goat_explicit(m, x, coords.pos[0], coords.full_mask()[0])
     torch.testing.assert_close(m(x, coords), want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("T", [1, 7, 37], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
+def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch):
+    """``lane_impl="where"`` (one ``torch.where`` into the projection's output) against the torch lanes
+    concatenated after the content dims (``"torch"``): the same outputs and the same gradients for the input, the
+    projection (whose lane-dim outputs get none) and every prior parameter, float64, batch 3; coordinates shared
+    by the batch or one set per sequence (2-D patches with a [CLS] token)."""
+    torch.manual_seed(T)
+    pa = dict(n_modes=4, axes=2, default_bias=True, key_mlp_hidden=8, init="random")
+    ms = [Attention(D, H, causal=False, position="goat", position_args=dict(pa, lane_impl=impl)).double()
+          for impl in ("torch", "where")]
+    ms[1].load_state_dict(ms[0].state_dict())
+    b = 3
+    grid = [[y, x] for y in range(T) for x in range(2)][:T]
+    pos = torch.tensor([grid] * (b if per_batch else 1))
+    if per_batch:
+        pos = pos + torch.arange(b).view(b, 1, 1)  # each sequence its own offsets
+    coords = Coords.cat([Coords.empty(pos.shape[0], 2), Coords(pos, torch.ones_like(pos, dtype=torch.bool))])
+    x = torch.randn(b, coords.length, D, dtype=torch.float64)
+    g = torch.randn(b, coords.length, D, dtype=torch.float64)
+    outs, grads = [], []
+    for m in ms:
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, coords)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, [xi, *m.parameters()], g))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    for (name, _), g0, g1 in zip(ms[0].named_parameters(), grads[0][1:], grads[1][1:]):
+        torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12, msg=name)
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-10, atol=1e-12)
+    assert grads[1][1].abs().sum() > 0
 
 
 def test_alibi_lane_equals_dense_alibi_bias():

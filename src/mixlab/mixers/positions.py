@@ -24,6 +24,7 @@ import warnings
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
@@ -178,6 +179,12 @@ class GoatPrior(PositionScheme):
         default_bias: learned ``u`` for tokens without any coordinate (ViT ``[CLS]``).
         init: ``"zero"`` (all prior terms 0), ``"random"`` (amplitudes N(0, 1/R), random
             ``g``) or ``"alibi"`` (``lambda`` = ALiBi slopes: a recency warm start).
+        lane_impl: how the lanes are computed and packed into q/k. ``"auto"``: the Triton kernels on CUDA
+            (written into the packed ``qkv`` in place, also under ``torch.compile``), the torch lanes
+            elsewhere; ``"torch"``: the torch lanes concatenated after the content dims (the reference);
+            ``"triton"``: the kernels, forced; ``"where"``: the torch lanes as a per-token table put into
+            the projection's output by one ``torch.where`` (:meth:`pack`), a pointwise epilogue that
+            ``torch.compile(mode="max-autotune")`` can fuse into its Triton GEMM of the qkv projection.
 
     Coordinates with a per-axis :attr:`~mixlab.coords.Coords.scale` ``s`` are read as ``s * c``
     by the Fourier modes and ``phi_abs`` (each frequency of the axis times ``s``): the ViT's
@@ -206,7 +213,7 @@ class GoatPrior(PositionScheme):
         default_bias: bool = False,
         init: Literal["zero", "random", "alibi"] = "zero",
         learn_slope: bool = True,
-        lane_impl: Literal["auto", "torch", "triton"] = "auto",
+        lane_impl: Literal["auto", "torch", "triton", "where"] = "auto",
     ) -> None:
         super().__init__(n_heads, head_dim, causal)
         if n_modes < 0:
@@ -232,8 +239,8 @@ class GoatPrior(PositionScheme):
         self.use_default = default_bias
         self.key_mlp_freqs, self.abs_scale = key_mlp_freqs, float(abs_scale)
         self.init_name = init
-        if lane_impl not in ("auto", "torch", "triton"):
-            raise ValueError(f"GOAT lane_impl must be 'auto', 'torch' or 'triton'; got {lane_impl!r}")
+        if lane_impl not in ("auto", "torch", "triton", "where"):
+            raise ValueError(f"GOAT lane_impl must be 'auto', 'torch', 'triton' or 'where'; got {lane_impl!r}")
         self.lane_impl = lane_impl
 
         freqs = _goat_grid(tuple(modes_per_axis) if n_modes else (), freq_base, torch.device("cpu"))
@@ -513,6 +520,8 @@ class GoatPrior(PositionScheme):
         ``qkv``'s lane dims in place and q, k, v are views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`):
         one kernel forward, two backward (one of them the pass that builds ``d qkv``), no
         concatenation and no extra saved activation."""
+        if self.lane_impl == "where":
+            return self._pack_where(qkv, coords, batch)
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
         self._check_key_range(f, qkv.dtype)
@@ -521,6 +530,26 @@ class GoatPrior(PositionScheme):
             return super().pack(qkv, coords, batch)
         return G.triton_pack_qkv(qkv, G.packed_features(f), self._flat_params(), self._kernel_meta(), batch,
                                  self.head_dim)
+
+    def _pack_where(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
+        """``lane_impl="where"``: ``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` with the lanes in
+        the last ``n_lanes`` dims of every q/k head, as :meth:`PositionScheme.pack` (the same values), but in
+        one pointwise op: ``torch.where(lane_dims, table, qkv)``, ``table [B|1, T, 3, H, d_h]`` (the lanes,
+        zeros elsewhere; broadcast over the batch when the coordinates are shared). Under
+        ``torch.compile(mode="max-autotune")`` Inductor can fuse that ``where`` into the epilogue of its
+        Triton GEMM of the projection: the lanes cost no pass over ``qkv`` of their own. The projection's
+        outputs at the lane dims get no gradient; the table's gradient is the sum over the batch there."""
+        ql, kl = self.lanes(coords, coords, qkv.dtype)  # [B|1, H|1, T, n_lanes]
+        h, dh, dc = self.n_heads, self.head_dim, self.content_dim
+        t = qkv.shape[0] // batch
+        nb = max(ql.shape[0], kl.shape[0])
+        lanes = torch.stack([ql.expand(nb, h, t, -1), kl.expand(nb, h, t, -1)], dim=1)  # [B|1, 2, H, T, L]
+        table = F.pad(lanes.permute(0, 3, 1, 2, 4), (dc, 0, 0, 0, 0, 1))  # [B|1, T, 3, H, d_h]
+        which = torch.arange(3, device=qkv.device).view(3, 1, 1)
+        dim = torch.arange(dh, device=qkv.device).view(1, 1, dh)
+        out = torch.where((which < 2) & (dim >= dc), table, qkv.view(batch, t, 3, h, dh))
+        q, k, v = out.permute(2, 0, 3, 1, 4).unbind(0)
+        return q, k, v
 
     def bias(self, coords_q: Coords, coords_k: Coords, dtype: torch.dtype) -> Tensor:
         return self.prior_terms(coords_q, coords_k, dtype)["total"]
