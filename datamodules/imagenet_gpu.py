@@ -197,14 +197,13 @@ class TrainParams:
         i, j, h, w = self.rrc.get_params(img, self.rrc.scale, self.rrc.ratio)
         out["crop"] = torch.tensor([i, j, h, w], dtype=torch.int64)
         out["flip"] = torch.tensor(bool(self.flip_p is not None and torch.rand(1).item() < self.flip_p))
-        if self.ra is not None:
+        if self.ra is not None:  # Python lists, one tensor per field: element-wise tensor writes cost ~3 us each
             rec = self.ra(_Recorder())
-            op = torch.full((self.ra_layers,), -1, dtype=torch.int64)
-            arg = torch.zeros(self.ra_layers, dtype=torch.float64)
-            interp = torch.zeros(self.ra_layers, dtype=torch.int64)
+            op, arg, interp = [-1] * self.ra_layers, [0.0] * self.ra_layers, [0] * self.ra_layers
             for k, (name, a, r) in enumerate(rec):
                 op[k], arg[k], interp[k] = RA_OPS.index(name), a, r
-            out.update(ra_op=op, ra_arg=arg, ra_interp=interp)
+            out.update(ra_op=torch.tensor(op, dtype=torch.int64), ra_arg=torch.tensor(arg, dtype=torch.float64),
+                       ra_interp=torch.tensor(interp, dtype=torch.int64))
         if self.jitter is not None:
             t = self.jitter
             order, b, c, s, _ = t.get_params(t.brightness, t.contrast, t.saturation, t.hue)
@@ -214,10 +213,8 @@ class TrainParams:
         if self.eraser is not None:
             rec = _Recorder()
             self.eraser._erase(rec, 3, self.size[0], self.size[1], torch.float32)
-            boxes = torch.zeros(self.max_erase, 4, dtype=torch.int64)
-            for k, box in enumerate(rec):
-                boxes[k] = torch.tensor(box)
-            out["erase"] = boxes
+            boxes = [list(box) for box in rec] + [[0, 0, 0, 0]] * (self.max_erase - len(rec))
+            out["erase"] = torch.tensor(boxes, dtype=torch.int64).view(self.max_erase, 4)
         out["seed"] = torch.tensor(random.getrandbits(62), dtype=torch.int64)
         return out
 
