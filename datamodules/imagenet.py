@@ -870,8 +870,15 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 _IMG_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
+def _sample_key(path: Path, root: Path) -> str:
+    """A shard sample's ``__key__``: ``path`` under ``root`` without its extension, every character other than
+    ASCII letters, digits, ``_`` and ``-`` (path separators included) replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", str(path.relative_to(root).with_suffix("")))
+
+
 def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 1000, shuffle_seed: int | None = 0,
-                             class_to_idx: dict[str, int] | None = None, quality: int = 95) -> list[str]:
+                             class_to_idx: dict[str, int] | None = None, quality: int = 95,
+                             before_write: Callable[[], Any] | None = None) -> list[str]:
     """Write an ImageFolder tree ``<root>/<class>/<image>`` as WebDataset shards (timm convention).
 
     Args:
@@ -882,13 +889,18 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
             then hold a class mix, which makes shard-level shuffling effective.
         class_to_idx: explicit class -> label mapping (default: sorted folder names -> 0..C-1).
         quality: JPEG quality when an image is not already a JPEG (JPEG files are copied byte for byte).
+        before_write: called once after the checks below passed and before the first shard is written (e.g. to
+            remove older shards of the pattern: a bad input then removes nothing).
 
     Returns:
         the shard paths written. Also writes ``classes.txt`` (one class name per label) next to them.
 
     Raises:
         FileNotFoundError: ``root`` is not a directory or holds no images.
-        ValueError: ``pattern`` has no ``%d``-style field.
+        ValueError: ``pattern`` has no ``%d``-style field, or more than one ``%`` field; two images would get
+            the same sample key (the path under ``root`` without its extension, characters other than letters,
+            digits, ``_`` and ``-`` replaced by ``_``), which readers reject as a duplicate file in a tar; it
+            names both files. Checked before anything is written.
 
     A file that is not a JPEG and cannot be read as an image is skipped with a warning naming it (JPEG files are
     copied unchecked; a corrupt one is skipped and counted by the loaders).
@@ -900,8 +912,11 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"ImageFolder root {str(root)!r} is not a directory")
-    if not re.search(r"%0?\d*d", pattern):
-        raise ValueError(f"shard pattern {pattern!r} needs a printf field such as %04d")
+    fields = [f for f in re.findall(r"%%|%[^%a-zA-Z]*[a-zA-Z]", pattern) if f != "%%"]
+    if len(fields) != 1 or not re.fullmatch(r"%0?\d*d", fields[0]):
+        raise ValueError(f"shard pattern {pattern!r} needs exactly one printf field for the shard number, such as "
+                         f"%04d; found {len(fields)} field(s){': ' + ', '.join(fields) if fields else ''} (a literal % "
+                         "is written %%)")
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     if not classes:
         flat = sum(1 for f in root.iterdir() if f.is_file() and f.suffix.lower() in _IMG_EXT)
@@ -912,6 +927,16 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
              if p.is_file() and p.suffix.lower() in _IMG_EXT]
     if not items:
         raise FileNotFoundError(f"no images under ImageFolder root {str(root)!r}")
+    owner: dict[str, Path] = {}
+    for p, _ in items:  # sample keys must be unique: a tar with two members of one name is unreadable
+        key = _sample_key(p, root)
+        if key in owner:
+            raise ValueError(f"{str(owner[key])!r} and {str(p)!r} both get the sample key {key!r} (the path under the "
+                             "root without its extension, characters other than letters, digits, _ and - as _); "
+                             "rename one of them")
+        owner[key] = p
+    if before_write is not None:
+        before_write()
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(items)
     out_dir = Path(pattern).parent
@@ -933,8 +958,7 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
                                   f"{skipped} skipped so far")
                     continue
                 data = buf.getvalue()
-            rel = p.relative_to(root).with_suffix("")
-            key = re.sub(r"[^A-Za-z0-9_-]", "_", str(rel))
+            key = _sample_key(p, root)
             sink.write({"__key__": key, "jpg": data, "cls": str(label).encode("ascii")})
             if sink.fname and sink.fname not in written:
                 written.append(sink.fname)

@@ -320,10 +320,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes compile-cudagraphs needs CUDA: there are no CUDA graphs on {args.device} "
                 "(use --modes compile)")
     if not args.device.startswith("cuda"):  # say what a CPU run costs before it starts (user test: silent minutes)
-        if {"compile", "compile-max-autotune"} & set(args.modes):
-            print("bench_lm: --modes compile on the CPU: Inductor compiles each model for the CPU first (minutes on a "
-                  "few cores, more for the recurrent mixers); --modes eager measures the script's path quickly",
-                  file=sys.stderr)
+        compiled = [m for m in args.modes if m in ("compile", "compile-max-autotune")]
+        if compiled:
+            print(f"bench_lm: --modes {' '.join(compiled)} on the CPU: Inductor compiles each model for the CPU first "
+                  "(minutes on a few cores, more for the recurrent mixers and under max-autotune); --modes eager "
+                  "measures the script's path quickly", file=sys.stderr)
         if not args.quick and args.d_model * args.n_layers >= 4096:
             print(f"bench_lm: a {args.n_layers} x {args.d_model} model on the CPU (the GPU shape): expect minutes per "
                   f"step; --quick runs a tiny model", file=sys.stderr)

@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"root {a.root!r} is not a directory (an ImageFolder root: <root>/<class>/<image>)")
     if a.classes_from and not Path(a.classes_from).exists():
         p.error(f"--classes-from {a.classes_from!r} does not exist")
-    if not re.search(r"%0?\d*d", a.pattern):
-        p.error(f"pattern {a.pattern!r} needs a printf field for the shard number, e.g. out/train-%04d.tar")
+    fields = [f for f in re.findall(r"%%|%[^%a-zA-Z]*[a-zA-Z]", a.pattern) if f != "%%"]
+    if len(fields) != 1 or not re.fullmatch(r"%0?\d*d", fields[0]):
+        p.error(f"pattern {a.pattern!r} needs exactly one printf field for the shard number, e.g. out/train-%04d.tar "
+                f"(found {len(fields)}; a literal % is written %%)")
     if a.maxcount < 1:
         p.error(f"--maxcount must be >= 1 samples per shard; got {a.maxcount}")
     mapping = None
@@ -63,14 +65,17 @@ def main(argv: list[str] | None = None) -> None:
     if old and not a.overwrite:
         p.error(f"pattern {a.pattern!r}: {len(old)} shards exist already ({old[0]} ..): a glob would read them with "
                 f"the new ones; pass --overwrite to remove them first, or choose another pattern")
-    for f in old:
-        f.unlink()
+    def remove_old() -> None:  # only once the root passed the writer's checks: a bad root removes nothing
+        for f in old:
+            f.unlink()
+
     try:
-        shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping)
+        shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping,
+                                          before_write=remove_old)
     except (FileNotFoundError, ValueError) as err:
         p.error(str(err))
     first, last = shards[0], shards[-1]
-    print(f"wrote {len(shards)} shards: {first} .. {last}")
+    print(f"wrote 1 shard: {first}" if len(shards) == 1 else f"wrote {len(shards)} shards: {first} .. {last}")
     digits = len(Path(first).stem.rsplit("-", 1)[-1]) if "-" in Path(first).stem else 0
     if digits:
         stem = str(Path(first)).rsplit("-", 1)[0]

@@ -150,6 +150,25 @@ def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch)
     assert grads[1][1].abs().sum() > 0
 
 
+def test_goat_forced_triton_lanes_fall_back_to_torch_on_the_cpu(monkeypatch):
+    """A model trained with ``lane_impl: triton`` (the kernels forced) still runs on a CPU: one warning, then the
+    torch lanes (the same values as ``torch``)."""
+    import warnings
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch.manual_seed(0)
+    ref = Attention(D, H, causal=True, position="goat", position_args=dict(n_modes=2, lane_impl="torch")).double()
+    tri = Attention(D, H, causal=True, position="goat", position_args=dict(n_modes=2, lane_impl="triton")).double()
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="lane_impl 'triton' needs CUDA tensors; got cpu"):
+        y = tri(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tri(x)  # warned once
+    torch.testing.assert_close(y, ref(x), rtol=0, atol=0)
+
+
 def test_alibi_lane_equals_dense_alibi_bias():
     torch.manual_seed(0)
     T = 29

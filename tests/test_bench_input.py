@@ -259,3 +259,35 @@ def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(monkeypatch, 
     assert ("has no class sub-folders (3 images directly in it): the layout is <root>/<class>/<image>"
             in err.strip().splitlines()[-1])
     assert not list(tmp_path.glob("flat-*"))
+
+
+def test_make_wds_shards_refuses_duplicate_sample_keys_and_two_pattern_fields(monkeypatch, capsys, tmp_path):
+    """A user test: ``a/dup.jpg`` and ``a/dup.png`` (or ``x y.jpg`` and ``x_y.jpg``) got one sample key, which
+    readers reject as a duplicate tar member (a webdataset traceback), and a pattern with two ``%d`` fields gave a
+    TypeError. Now one argparse line naming both files, and older shards of the pattern are kept (``--overwrite``
+    removes them only once the root passed the checks)."""
+    import numpy as np
+    from PIL import Image
+
+    run = _make_wds_shards(monkeypatch, capsys)
+    rng = np.random.default_rng(0)
+    (tmp_path / "imgs" / "a").mkdir(parents=True)
+    for name in ("dup.jpg", "ok.jpg"):
+        Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "imgs" / "a" / name)
+    pattern = tmp_path / "out" / "train-%04d.tar"
+    save = lambda name: Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(  # noqa: E731
+        tmp_path / "imgs" / "a" / name)
+    save("x y.jpg")
+    assert run(tmp_path / "imgs", pattern)[0] == 0
+    before = (tmp_path / "out" / "train-0000.tar").read_bytes()
+    for extra, key in (("dup.png", "a_dup"), ("x_y.jpg", "a_x_y")):
+        save(extra)
+        code, err = run(tmp_path / "imgs", pattern, "--overwrite")
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and len(err.strip().splitlines()) == 1 and f"both get the sample key '{key}'" in last, err
+        (tmp_path / "imgs" / "a" / extra).unlink()
+    assert "x y.jpg" in last and "x_y.jpg" in last
+    assert (tmp_path / "out" / "train-0000.tar").read_bytes() == before  # --overwrite removed nothing
+    code, err = run(tmp_path / "imgs", tmp_path / "c-%d-%d.tar")
+    assert code == 2 and "exactly one printf field" in err.strip().splitlines()[-1] and "found 2" in err
+    assert not list(tmp_path.glob("c-*"))

@@ -481,7 +481,7 @@ class GoatPrior(PositionScheme):
         fq = self._features(coords_q, calc)
         fk = fq if coords_k is coords_q else self._features(coords_k, calc)
         self._check_key_range(fk, dtype)
-        if G.use_triton(self.lane_impl, fq["present"], calc, self.log_freqs is not None):  # one kernel each way
+        if G.use_triton(self._lane_impl(fq["present"]), fq["present"], calc, self.log_freqs is not None):  # one kernel
             return G.triton_lanes(G.packed_features(fq), G.packed_features(fk), self._flat_params(),
                                   self._kernel_meta(), dtype)
         cos_q, sin_q = self._cos_sin(fq, calc)
@@ -525,11 +525,24 @@ class GoatPrior(PositionScheme):
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
         self._check_key_range(f, qkv.dtype)
-        if (not G.use_triton(self.lane_impl, f["present"], calc, self.log_freqs is not None, compiled_ok=True)
+        if (not G.use_triton(self._lane_impl(f["present"]), f["present"], calc, self.log_freqs is not None,
+                             compiled_ok=True)
                 or f["present"].shape[0] not in (1, batch)):
             return super().pack(qkv, coords, batch)
         return G.triton_pack_qkv(qkv, G.packed_features(f), self._flat_params(), self._kernel_meta(), batch,
                                  self.head_dim)
+
+    def _lane_impl(self, like: Tensor) -> str:
+        """``lane_impl`` for tensors on ``like``'s device: ``"triton"`` off CUDA (and outside Triton's interpreter)
+        becomes ``"torch"``, with one warning, so that a model trained with the kernels forced still runs and
+        evaluates on a CPU (the same values)."""
+        if self.lane_impl != "triton" or like.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+            return self.lane_impl
+        if not self.__dict__.get("_warned_cpu"):
+            self.__dict__["_warned_cpu"] = True
+            warnings.warn(f"goat: position_args.lane_impl 'triton' needs CUDA tensors; got {like.device.type}, so the "
+                          "lanes are computed by torch ops (the same values; 'auto' picks this silently)", stacklevel=3)
+        return "torch"
 
     def _pack_where(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
         """``lane_impl="where"``: ``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` with the lanes in
