@@ -870,6 +870,16 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 _IMG_EXT = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
 
+def check_shard_pattern(pattern: str) -> None:
+    """Raises ValueError unless ``pattern`` has exactly one printf field, a ``%d`` one (``%04d``), for the shard
+    number (webdataset's ShardWriter fills it with ``pattern % k``; a literal ``%`` is ``%%``)."""
+    fields = [f for f in re.findall(r"%%|%[^%a-zA-Z]*[a-zA-Z]", pattern) if f != "%%"]
+    if len(fields) != 1 or not re.fullmatch(r"%0?\d*d", fields[0]):
+        raise ValueError(f"shard pattern {pattern!r} needs exactly one printf field for the shard number, such as "
+                         f"%04d; found {len(fields)} field(s){': ' + ', '.join(fields) if fields else ''} (a literal % "
+                         "is written %%)")
+
+
 def _sample_key(path: Path, root: Path) -> str:
     """A shard sample's ``__key__``: ``path`` under ``root`` without its extension, every character other than
     ASCII letters, digits, ``_`` and ``-`` (path separators included) replaced by ``_``."""
@@ -912,11 +922,7 @@ def write_imagefolder_shards(root: str | Path, pattern: str, maxcount: int = 100
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"ImageFolder root {str(root)!r} is not a directory")
-    fields = [f for f in re.findall(r"%%|%[^%a-zA-Z]*[a-zA-Z]", pattern) if f != "%%"]
-    if len(fields) != 1 or not re.fullmatch(r"%0?\d*d", fields[0]):
-        raise ValueError(f"shard pattern {pattern!r} needs exactly one printf field for the shard number, such as "
-                         f"%04d; found {len(fields)} field(s){': ' + ', '.join(fields) if fields else ''} (a literal % "
-                         "is written %%)")
+    check_shard_pattern(pattern)
     classes = sorted(d.name for d in root.iterdir() if d.is_dir())
     if not classes:
         flat = sum(1 for f in root.iterdir() if f.is_file() and f.suffix.lower() in _IMG_EXT)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mixlab.datamodules.imagenet import write_imagefolder_shards
+from mixlab.datamodules.imagenet import check_shard_pattern, write_imagefolder_shards
 from mixlab.eval.common import OneLineParser
 
 
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"root {a.root!r} is not a directory (an ImageFolder root: <root>/<class>/<image>)")
     if a.classes_from and not Path(a.classes_from).exists():
         p.error(f"--classes-from {a.classes_from!r} does not exist")
-    fields = [f for f in re.findall(r"%%|%[^%a-zA-Z]*[a-zA-Z]", a.pattern) if f != "%%"]
-    if len(fields) != 1 or not re.fullmatch(r"%0?\d*d", fields[0]):
-        p.error(f"pattern {a.pattern!r} needs exactly one printf field for the shard number, e.g. out/train-%04d.tar "
-                f"(found {len(fields)}; a literal % is written %%)")
+    try:
+        check_shard_pattern(a.pattern)
+    except ValueError as err:
+        p.error(str(err))
     if a.maxcount < 1:
         p.error(f"--maxcount must be >= 1 samples per shard; got {a.maxcount}")
     mapping = None
