@@ -545,8 +545,10 @@ class GoatPrior(PositionScheme):
         return "torch"
 
     def _pack_where(self, qkv: Tensor, coords: Coords, batch: int) -> tuple[Tensor, Tensor, Tensor]:
-        """``lane_impl="where"``: ``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` with the lanes in
-        the last ``n_lanes`` dims of every q/k head, as :meth:`PositionScheme.pack` (the same values), but in
+        """``lane_impl="where"``: ``qkv [B * T, 3 * H * d_h]`` -> ``q, k, v [B, H, T, d_h]`` (views of one new
+        tensor of ``qkv``'s dtype) with the lanes (the paper's packed q/k features, Sec. 4, Eqs. 11-27: one SDPA
+        call is then exact) in the last ``n_lanes`` dims of every q/k head, as :meth:`PositionScheme.pack` (the same
+        values), but in
         one pointwise op: ``torch.where(lane_dims, table, qkv)``, ``table [B|1, T, 3, H, d_h]`` (the lanes,
         zeros elsewhere; broadcast over the batch when the coordinates are shared). Under
         ``torch.compile(mode="max-autotune")`` Inductor can fuse that ``where`` into the epilogue of its
