@@ -37,7 +37,9 @@ to the same command on random tensors (``--config configs/data/random_images.yam
 the same Lightning loop), each the median ``perf/images_per_s`` of the logged windows from step ``min(40, N/2)``,
 in subprocesses, ``--cli-repeats`` times in alternating order (the first run of a machine is often the faster).
 A fit on the shards takes about 100 s on the H200 hosts (10 s of it training), so ``--no-loader`` (skip the loader
-and device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call.
+and device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call. Each fit's wall time is split
+into startup, logged steps and what follows the last logged step (the loaders' shutdown); ``--cli-stacks S`` also
+samples the fit's stacks every ``S`` seconds and reports the main thread's frame at each sample.
 
 Every row, and every CLI fit as it ends, is also printed to stderr, and ``--out`` holds what was measured so far
 while the run goes on (a run cut short keeps it).
@@ -58,7 +60,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -288,23 +290,122 @@ def write_shards_parallel(out_dir: str | Path, n_images: int, wh: tuple[int, int
         return "::".join(pool.map(_write_part, jobs))
 
 
-def cli_images_per_s(args: list[str], run_root: Path, from_step: int) -> tuple[float, float, float]:
-    """(median, min, max) of ``perf/images_per_s`` from step ``from_step`` on of one ``python -m mixlab fit ARGS``
-    run logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches).
+class CliFit(NamedTuple):
+    """One ``--cli-steps`` fit: ``perf/images_per_s`` (median, min, max over its logged windows) and where its wall
+    time went (:func:`fit_timeline`)."""
+
+    median: float
+    lo: float
+    hi: float
+    timeline: str = ""
+
+
+# `python -c` wrapper of `python -m mixlab` for --cli-stacks: a daemon thread writes every thread's stack every
+# N seconds (sys._current_frames under the GIL; faulthandler's watchdog dump crashed fits now and then)
+_STACK_MAIN = """import runpy, sys, threading, time, traceback
+out, every, t0 = open(sys.argv[1], "w"), float(sys.argv[2]), time.time()
+def sample():
+    while True:
+        time.sleep(every)
+        names = {t.ident: t.name for t in threading.enumerate()}
+        out.write(f"sample {time.time() - t0:.1f} s\\n")
+        for ident, frame in sys._current_frames().items():
+            if ident != threading.get_ident():
+                out.write(f"thread {names.get(ident, ident)}\\n" + "".join(traceback.format_stack(frame)))
+        out.flush()
+threading.Thread(target=sample, daemon=True, name="bench_input-stacks").start()
+sys.argv = ["mixlab", *sys.argv[3:]]
+runpy.run_module("mixlab", run_name="__main__", alter_sys=True)
+"""
+
+
+def fit_timeline(started: float, ended: float, scalars: dict) -> str:
+    """Where a fit's wall time went, from the wall times of its logged scalars (TensorBoard events): ``started`` and
+    ``ended`` are the process's ``time.time()`` at launch and exit. Startup (interpreter, imports, data setup, the
+    first steps' one-time work) ends where the first logged step's time, less that many steps at the logged steps'
+    pace, begins; after the last logged step come the remaining steps and the process's exit (loader shutdown)."""
+    events = sorted((w, s) for tag, ev in scalars.items() if tag.startswith(("perf/", "train/")) for w, s, _ in ev)
+    if len(events) < 2 or events[-1][1] <= events[0][1]:
+        return f"wall {ended - started:.1f} s (too few logged steps for a split)"
+    (w0, s0), (w1, s1) = events[0], events[-1]
+    pace = (w1 - w0) / (s1 - s0)  # s per step between the first and the last logged step
+    startup = max(0.0, w0 - started - s0 * pace)
+    return (f"wall {ended - started:.1f} s: startup ~{startup:.1f} s, steps {s0}..{s1} {w1 - w0:.1f} s "
+            f"({1000 * pace:.0f} ms/step), after step {s1} {ended - w1:.1f} s")
+
+
+def _short_frame(line: str) -> str:
+    """``File "/a/b/c.py", line 7, in f`` -> ``b/c.py:7 f``."""
+    m = re.match(r'File "(.*)", line (\d+), in (.*)', line.strip())
+    if not m:
+        return line.strip()
+    return f"{'/'.join(Path(m[1]).parts[-2:])}:{m[2]} {m[3]}"
+
+
+def stack_summary(text: str) -> list[str]:
+    """The main thread's innermost frame at each sample of a ``--cli-stacks`` file (and, when that frame is not
+    mixlab's, the innermost mixlab or Lightning frame below it), as ``"T0-T1 s: frame"`` lines, equal consecutive
+    entries merged: where a fit spent its time. The file's lines at column 0 are ``sample T s`` and ``thread NAME``;
+    the indented ones are ``traceback.format_stack``'s, innermost frame last."""
+    samples: list[list] = []  # [time, frames of the main thread]
+    thread = None
+    for line in text.splitlines():
+        if line.startswith("sample "):
+            samples.append([line.removeprefix("sample ").removesuffix(" s"), []])
+            thread = None
+        elif line.startswith("thread "):
+            thread = line.removeprefix("thread ")
+        elif thread == "MainThread" and samples and line.startswith("  File "):
+            samples[-1][1].append(line.strip())
+    entries = []
+    for when, frames in samples:
+        if not frames:
+            entries.append((when, "?"))
+            continue
+        ours = [f for f in frames if "mixlab" in f or "/datamodules/" in f or "lightning" in f]
+        entry = _short_frame(frames[-1])
+        if ours and ours[-1] != frames[-1]:
+            entry += f" < {_short_frame(ours[-1])}"
+        entries.append((when, entry))
+    out: list[str] = []
+    k = 0
+    while k < len(entries):
+        j = k
+        while j + 1 < len(entries) and entries[j + 1][1] == entries[k][1]:
+            j += 1
+        span = f"{entries[k][0]} s" if j == k else f"{entries[k][0]}-{entries[j][0]} s"
+        out.append(f"{span}: {entries[k][1]}")
+        k = j + 1
+    return out
+
+
+def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None
+                     ) -> CliFit:
+    """``perf/images_per_s`` (median, min, max) from step ``from_step`` on of one ``python -m mixlab fit ARGS`` run
+    logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches), with its wall-time
+    split (:func:`fit_timeline`). ``stacks = (file, seconds)``: the run's threads' stacks are written to ``file``
+    every ``seconds`` (:data:`_STACK_MAIN`; :func:`stack_summary` reads them).
 
     Raises:
         RuntimeError: the run failed (its command and the end of its stderr) or logged no ``perf/images_per_s``.
     """
     from mixlab.eval.compare import load_scalars
 
-    cmd = [sys.executable, "-m", "mixlab", "fit", *args, "--run_root", str(run_root)]
+    if stacks is None:
+        cmd = [sys.executable, "-m", "mixlab", "fit", *args, "--run_root", str(run_root)]
+    else:
+        cmd = [sys.executable, "-c", _STACK_MAIN, str(stacks[0]), str(stacks[1]), "fit", *args, "--run_root",
+               str(run_root)]
+    started = time.time()
     done = subprocess.run(cmd, capture_output=True, text=True)
+    ended = time.time()
     if done.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
-    values = [v for _, step, v in load_scalars(run_root).get("perf/images_per_s", []) if step >= from_step]
+    scalars = load_scalars(run_root)
+    values = [v for _, step, v in scalars.get("perf/images_per_s", []) if step >= from_step]
     if not values:
         raise RuntimeError(f"{shlex.join(cmd)} logged no perf/images_per_s from step {from_step} on")
-    return statistics.median(values), min(values), max(values)
+    return CliFit(statistics.median(values), min(values), max(values), fit_timeline(started, ended, scalars))
 
 
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
@@ -431,7 +532,8 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
               "--trainer.log_every_n_steps", str(min(10, max(1, n // 10))), "--trainer.enable_progress_bar", "false",
               *shlex.split(a.cli_args)]
     kinds = [("random", 0.0, "-")] + decode_runs(a.decode, a.cpu_decode_fraction)
-    runs: dict[tuple[str, float, str], list[tuple[float, float, float]]] = {k: [] for k in kinds}
+    runs: dict[tuple[str, float, str], list[tuple[float, ...]]] = {k: [] for k in kinds}
+    stacks_dir = stacks_folder(a) if a.cli_stacks else None
     with tempfile.TemporaryDirectory(prefix="bench_input_cli_") as tmp:
         for r in range(a.cli_repeats):
             for k, (mode, frac, label) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
@@ -442,15 +544,25 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                             "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
                             "--data.init_args.cpu_decode_fraction", str(frac)]
-                got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2))
+                what = "random tensors" if mode == "random" else label
+                stacks = None
+                if stacks_dir is not None:
+                    stacks_dir.mkdir(parents=True, exist_ok=True)
+                    stacks = (stacks_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
+                              a.cli_stacks)
+                got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks)
                 runs[mode, frac, label].append(got)
-                progress(f"CLI fit on {'random tensors' if mode == 'random' else label}, run {r + 1}/{a.cli_repeats}: "
-                         f"{got[0]:,.0f} images/s ({vs_model(got[0])})")
-    anchor = statistics.median(m for m, _, _ in runs[kinds[0]])
+                timeline = getattr(got, "timeline", "")
+                progress(f"CLI fit on {what}, run {r + 1}/{a.cli_repeats}: "
+                         f"{got[0]:,.0f} images/s ({vs_model(got[0])})" + (f"; {timeline}" if timeline else ""))
+                if stacks is not None and stacks[0].is_file():
+                    progress(f"  main thread, sampled every {a.cli_stacks:g} s ({stacks[0]}): "
+                             + "; ".join(stack_summary(stacks[0].read_text())))
+    anchor = statistics.median(g[0] for g in runs[kinds[0]])
     out = []
     for (mode, frac, label), got in runs.items():
-        ips = statistics.median(m for m, _, _ in got)
-        each = ", ".join(f"{m:,.0f} [{lo:,.0f}, {hi:,.0f}]" for m, lo, hi in got)
+        ips = statistics.median(g[0] for g in got)
+        each = ", ".join(f"{g[0]:,.0f} [{g[1]:,.0f}, {g[2]:,.0f}]" for g in got)
         if mode == "random":
             out.append(("train", "-", "-", f"through the CLI, random tensors ({n} steps)", f"{ips:,.0f}", "",
                         f"{vs_model(ips)}; runs (median [min, max] of each fit's logged windows): {each}"))
@@ -459,6 +571,12 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                     f"**{vs_model(ips)}**, {ips / anchor:.3f}x the CLI on random tensors; "
                     f"runs (median [min, max] of each fit's logged windows): {each}"))
     return out
+
+
+def stacks_folder(a) -> Path:
+    """Where ``--cli-stacks`` writes each fit's stack dumps: next to ``--out`` (``X.md`` -> ``X.stacks/``), else
+    ``bench_input.stacks/`` in the working directory."""
+    return Path(a.out or "bench_input.md").with_suffix(".stacks")
 
 
 def device_name(device: torch.device) -> str:
@@ -511,6 +629,10 @@ def main(argv: list[str] | None = None) -> str:
                    help="the ViT config of the --cli-steps runs")
     p.add_argument("--cli-repeats", type=int, default=1, help="--cli-steps runs of each kind, in alternating order")
     p.add_argument("--cli-args", default="", help="more CLI arguments for every --cli-steps run (one string)")
+    p.add_argument("--cli-stacks", type=float, default=0, metavar="SECONDS",
+                   help="write every --cli-steps fit's thread stacks every SECONDS next to --out "
+                        "(X.md -> X.stacks/), and report the main thread's frame at each dump: where a fit's "
+                        "startup and shutdown time goes")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
@@ -540,6 +662,9 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--cpu-decode-fraction values must be in [0, 1]; got {a.cpu_decode_fraction}")
     if a.cli_steps < 0 or a.cli_repeats < 1:
         p.error(f"--cli-steps must be >= 0 and --cli-repeats >= 1; got {a.cli_steps}, {a.cli_repeats}")
+    if a.cli_stacks < 0 or (a.cli_stacks and not a.cli_steps):
+        p.error(f"--cli-stacks must be > 0 seconds and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
+                f"{a.cli_steps}")
     if a.cli_steps and not Path(a.cli_config).is_file():
         p.error(f"--cli-config {a.cli_config!r}: no such file")
     if a.profile < 0:
@@ -608,11 +733,14 @@ def main(argv: list[str] | None = None) -> str:
 
     fits: list[str] = []  # CLI fits ended so far (their rows come when all have run)
 
+    def bullet(line: str) -> str:  # a fit, or (indented) what was sampled of it
+        return f"  - {line.strip()}" if line.startswith("  ") else f"- {line}"
+
     def progress(line: str) -> None:
         """``line`` to stderr, and ``--out`` rewritten with everything so far (a run cut short keeps it)."""
         log(line)
         if a.out:
-            Path(a.out).write_text("\n".join(render() + [""] + [f"- {f}" for f in fits]
+            Path(a.out).write_text("\n".join(render() + [""] + [bullet(f) for f in fits]
                                              + ["", "(partial: the run has not finished)", ""]))
 
     def fit_ended(line: str) -> None:
@@ -682,6 +810,9 @@ def main(argv: list[str] | None = None) -> str:
     if a.cli_steps and not a.no_train:
         rows += cli_rows(a, train_pattern, val_pattern, model_ips, progress=fit_ended)
     lines = render()
+    if fits:
+        lines += ["", "CLI fits, in the order they ran (wall time split from the logged steps' times):"] \
+            + [bullet(f) for f in fits]
     if stage_ops:
         lines += ["", f"device-stage ops per batch of {a.batch_size}: {'; '.join(stage_ops)} (torch ops dispatched "
                   "from Python, `torch.profiler` CPU events; compute: not views, each launches kernels on a GPU)."]

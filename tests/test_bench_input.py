@@ -94,7 +94,7 @@ def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path
     out = tmp_path / "report" / "bench_input.md"
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cpu-decode-fraction", "0.5", "--cli-steps", "4", "--cli-args", tiny,
-                             "--out", str(out)])
+                             "--cli-stacks", "0.5", "--out", str(out)])
     table = [tuple(c.strip() for c in line.strip("|").split("|")) for line in text.splitlines()
              if line.startswith("| train") or line.startswith("| model")]
     assert [r[0] for r in table] == ["model", "train", "train"], table  # no loader or device-stage rows
@@ -110,6 +110,11 @@ def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path
     assert "model | - | - | tiny fwd+bwd+AdamW" in err  # rows on stderr as they are measured
     assert "the model row is tiny, the CLI fits train goat_imagenet.yaml's model: no ratio" in err
     assert out.read_text() == text and "partial" not in text
+    # each fit's wall time split, and its main thread sampled every 0.5 s into report.stacks/
+    assert text.count("CLI fit on ") == 2 and "startup ~" in text and "after step 3" in text, text
+    stacks = sorted(p.name for p in (tmp_path / "report" / "bench_input.stacks").iterdir())
+    assert stacks == ["gpu_50_in_workers-run1.txt", "random_tensors-run1.txt"], stacks
+    assert text.count("  - main thread, sampled every 0.5 s") == 2 and "0.5 s: " in text
 
 
 def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypatch):
@@ -122,7 +127,7 @@ def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypat
 
     calls = []
 
-    def fake_fit(args, run_root, from_step):
+    def fake_fit(args, run_root, from_step, stacks=None):
         calls.append(args)
         if len(calls) > 1:
             raise KeyboardInterrupt
@@ -291,3 +296,34 @@ def test_make_wds_shards_refuses_duplicate_sample_keys_and_two_pattern_fields(mo
     code, err = run(tmp_path / "imgs", tmp_path / "c-%d-%d.tar")
     assert code == 2 and "exactly one printf field" in err.strip().splitlines()[-1] and "found 2" in err
     assert not list(tmp_path.glob("c-*"))
+
+
+def test_bench_input_fit_timeline_and_stack_summary():
+    """A fit's wall time split from its logged steps' times (startup: before step 0 at the steps' pace; after: past
+    the last logged step), and a --cli-stacks file read back as the main thread's innermost frame per sample, equal
+    consecutive samples merged, the innermost mixlab/Lightning frame named when the innermost is another's."""
+    import bench_input
+
+    scalars = {"perf/images_per_s": [(110.0, 10, 1.0), (120.0, 30, 1.0)], "train/loss": [(115.0, 20, 2.0)],
+               "val/top1": [(500.0, 30, 0.1)]}  # not a training tag: ignored
+    line = bench_input.fit_timeline(100.0, 200.0, scalars)
+    assert line == "wall 100.0 s: startup ~5.0 s, steps 10..30 10.0 s (500 ms/step), after step 30 80.0 s", line
+    assert bench_input.fit_timeline(0.0, 3.0, {}) == "wall 3.0 s (too few logged steps for a split)"
+    text = """sample 1.0 s
+thread bench_input-stacks-other
+  File "/x/other.py", line 3, in spin
+thread MainThread
+  File "<string>", line 14, in <module>
+  File "/site/mixlab/cli.py", line 9, in main
+    x = f()
+  File "/lib/python3.11/threading.py", line 337, in wait
+sample 2.0 s
+thread MainThread
+  File "/site/mixlab/cli.py", line 9, in main
+  File "/lib/python3.11/threading.py", line 337, in wait
+sample 3.1 s
+thread MainThread
+  File "/site/datamodules/imagenet.py", line 40, in setup
+"""
+    assert bench_input.stack_summary(text) == ["1.0-2.0 s: python3.11/threading.py:337 wait < mixlab/cli.py:9 main",
+                                               "3.1 s: datamodules/imagenet.py:40 setup"]
