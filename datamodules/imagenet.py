@@ -69,6 +69,7 @@ import functools
 import io
 import logging
 import math
+import os
 import random
 import re
 import time
@@ -475,6 +476,15 @@ class ShardStream(torch.utils.data.IterableDataset):
                 return
 
 
+def _nice_then(nice: int, init: Callable[[int], Any], worker_id: int) -> None:
+    """A DataLoader worker's start (``worker_init_fn`` through ``functools.partial``, picklable): ``os.nice(nice)``
+    (this worker's threads, and those it starts later, yield the CPU to the training process's), then
+    ``init(worker_id)``. See ``ImageNetDataModule(worker_nice=...)``."""
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)
+    init(worker_id)
+
+
 def _check_ranges(**values: Any) -> None:
     """Refuse out-of-range ImageNetDataModule arguments before anything is built.
 
@@ -495,6 +505,7 @@ def _check_ranges(**values: Any) -> None:
         "crop_pct": (lambda v: 0 < v <= 1, "in (0, 1]"), "re_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0 (or null)"),
         "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
+        "worker_nice": (lambda v: 0 <= v <= 19, "in [0, 19] (raising a worker's priority needs root)"),
     }
     for name, value in values.items():
         test, allowed = rules[name]
@@ -557,6 +568,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             ``0``: the accelerator decodes everything; ``1``: the workers do (they need about 2 ms of a core per
             ImageNet-sized image, so a share larger than the idle cores can carry starves the step; on the H200 hosts
             measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
+        worker_nice: added to each DataLoader worker's Linux nice value (``os.nice``, at the worker's start): with
+            ``n > 0`` the training process's threads (the training step's launches, the device stage, the pin-memory
+            thread) win the CPU from the workers whenever both are ready to run, and the workers take the cores left
+            over. For ``decode: gpu`` with as many workers as cores, where the workers' ~9 busy cores can delay the
+            training process's own threads. ``0`` (default): unchanged. Ignored where ``os.nice`` does not exist.
     """
 
     task_name = "imagenet"
@@ -594,6 +610,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         cuda_graphs: bool = True,
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
+        worker_nice: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -611,7 +628,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       num_workers=num_workers, shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle,
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
-                      scale=scale, cpu_decode_fraction=cpu_decode_fraction)
+                      scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice)
+        self.worker_nice = worker_nice
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
         self._gpu_pipelines: dict[bool, Any] = {}
@@ -766,8 +784,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
                                   pin_memory=torch.cuda.is_available(),
                                   persistent_workers=train and self.num_workers > 0 and self.persistent_workers,
-                                  worker_init_fn=worker_init_ignoring_sigterm(functools.partial(self.corrupt.worker_init,
-                                                                                                split)))
+                                  worker_init_fn=worker_init_ignoring_sigterm(functools.partial(
+                                      _nice_then, self.worker_nice,
+                                      functools.partial(self.corrupt.worker_init, split))))
         self.corrupt.install()  # this process: the accelerator decode (decode: gpu) and num_workers 0
         if self.format == "wds" and self.decode_mode() == "gpu":
             from mixlab.datamodules.imagenet_gpu import collate_encoded
@@ -794,10 +813,12 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 
     def pipeline_summary(self) -> str:
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
+        nice = f" at nice +{self.worker_nice}" if self.worker_nice and self.num_workers else ""
         if self.decode_mode() == "cpu":
             unused = (f" (cpu_decode_fraction={self.cpu_decode_fraction} has no effect here)"
                       if self.cpu_decode_fraction else "")
-            return f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){unused}"
+            return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){nice}"
+                    f"{unused}")
         device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
@@ -810,7 +831,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
         return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
-                f"{self._worker_share_summary()}")
+                f"{self._worker_share_summary()}" + (f"; DataLoader workers{nice}" if nice else ""))
 
     def _worker_share_summary(self) -> str:
         """The ``cpu_decode_fraction`` part of :meth:`pipeline_summary` (empty when 0)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 import tarfile
 import warnings
@@ -153,6 +154,8 @@ def test_training_pipeline_has_fixed_epoch_and_even_batches(shards):
     ("hflip", -0.1, "in [0, 1]"), ("crop_pct", 0.0, "in (0, 1]"), ("color_jitter", -0.3, ">= 0 (or null)"),
     ("scale", (1.0, 0.1), "(min, max) with 0 < min <= max <= 1"), ("num_classes", 0, ">= 1"),
     ("cpu_decode_fraction", 1.5, "in [0, 1]"),
+    ("worker_nice", -1, "in [0, 19] (raising a worker's priority needs root)"),
+    ("worker_nice", 20, "in [0, 19] (raising a worker's priority needs root)"),
     # null where the argument has no "not set" meaning (a TypeError deep in fit before; user test)
     ("cpu_decode_fraction", None, "in [0, 1]"), ("batch_size", None, ">= 1"), ("prefetch_batches", None, ">= 0"),
 ])
@@ -234,6 +237,32 @@ def test_corrupt_jpeg_is_skipped_with_counted_warning(folder, tmp_path, monkeypa
     assert SKIPPED["corrupt"] - before == 2
     msgs = [str(w.message) for w in rec if "corrupt" in str(w.message)]
     assert len(msgs) == 2 and "'bad' in s.tar" in msgs[0] and f"{before + 2} corrupt image(s)" in msgs[1]
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="os.nice: POSIX only")
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_worker_nice_lowers_the_workers_priority_not_the_training_process(shards, monkeypatch, context):
+    """``worker_nice=7``: every DataLoader worker runs at the training process's nice value + 7 (what each worker
+    saw while decoding, read back as its samples' labels), under fork and spawn; the training process keeps its own.
+    The other worker start-up work (the corrupt-image slots) still runs: the loader reads every image."""
+    out, _ = shards
+    base = os.nice(0)
+    monkeypatch.setattr("mixlab.datamodules.imagenet.decode_sample", _decode_reporting_nice)
+    dm = ImageNetDataModule(format="wds", val_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                            eval_size=16, batch_size=2, num_workers=2, worker_nice=7)
+    loader = dm.val_dataloader()
+    if context:
+        loader.multiprocessing_context = context
+    seen = torch.cat([y for _, y in loader])
+    assert seen.tolist() == [min(base + 7, 19)] * (N_CLASSES * PER_CLASS) and os.nice(0) == base
+    assert "DataLoader workers at nice +7" in ImageNetDataModule(train_path="x.tar", decode="gpu", num_workers=2,
+                                                                 worker_nice=7).pipeline_summary()
+
+
+def _decode_reporting_nice(sample, num_classes, transform=None):
+    """``decode_sample`` whose label is the decoding process's nice value (module level: spawn pickles it)."""
+    x, _ = decode_sample(sample, num_classes, transform)
+    return x, os.nice(0)
 
 
 @pytest.mark.parametrize("context", [None, "spawn"])

@@ -488,7 +488,8 @@ class ResumableDataModule(pl.LightningDataModule):
         self._pending_sampler_state = state_dict.get("train_sampler")
 
 
-LOADER_OPTIONS = frozenset({"batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"})
+LOADER_OPTIONS = frozenset({"batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor",
+                            "worker_nice"})
 """Datamodule options that shape the loaders, not the dataset (:func:`changed_data_options` names them only
 when no other option differs)."""
 
