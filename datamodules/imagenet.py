@@ -578,6 +578,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     task_name = "imagenet"
     in_chans = 3
     _train_stream: ShardStream | None = None
+    _train_prefetcher: Any = None  # the last training DevicePrefetcher built (input_timings)
     _pending_stream_state: dict[str, int] | None = None
     _pending_stream_owner: Any = None  # the trainer that loaded _pending_stream_state
 
@@ -855,8 +856,18 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             return loader
         from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 
-        return DevicePrefetcher(loader, self.gpu_pipeline(train), device, self.prefetch_batches,
-                                priority_consumer=train and self.priority_training)
+        prefetcher = DevicePrefetcher(loader, self.gpu_pipeline(train), device, self.prefetch_batches,
+                                      priority_consumer=train and self.priority_training)
+        if train:
+            self._train_prefetcher = prefetcher
+        return prefetcher
+
+    def input_timings(self) -> dict[str, float]:
+        """Where the training input's host time went so far, from the device stage's prefetcher
+        (:meth:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher.timings`: seconds, and ``batches``); ``{}``
+        without one (``decode: cpu``, ``prefetch_batches: 0``, no trainer). The ``ThroughputMemory`` callback logs
+        it per batch as ``perf/input/<name>_ms``."""
+        return {} if self._train_prefetcher is None else self._train_prefetcher.timings()
 
     def _stream_state_to_apply(self) -> dict[str, int] | None:
         """The loaded ``train_stream`` state while it still concerns the trainer's epoch. It is applied to

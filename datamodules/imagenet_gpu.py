@@ -69,6 +69,7 @@ import os
 import queue
 import random
 import threading
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -1168,6 +1169,7 @@ class GpuPipeline:
     def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True) -> None:
         self.train, self.cuda_graphs = train, cuda_graphs
         self._graphs: _AugmentGraphs | None = None
+        self.decode_seconds = 0.0  # host wall time in decode_jpegs so far (it returns after nvJPEG's device work)
         if train:
             self.params = TrainParams(transform)
             self.size, mean, std = self.params.size, self.params.mean, self.params.std
@@ -1187,8 +1189,10 @@ class GpuPipeline:
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
         dev = batch.labels.device  # phases named for profiles (scripts/bench_input.py --profile)
         p_n = batch.num_decoded  # the first p_n images arrive decoded (batch.pixels)
+        t = time.perf_counter()
         with record_function("stage/decode"):
             imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys[p_n:]) if len(batch) > p_n else []
+        self.decode_seconds += time.perf_counter() - t
         keep = list(range(p_n)) + [p_n + k for k, im in enumerate(imgs) if im is not None]
         labels = batch.labels
         params = batch.params
@@ -1406,6 +1410,10 @@ class DevicePrefetcher:
 
     An exception in the thread (a corrupt shard, a decode error) is re-raised by the iterator.
 
+    :meth:`timings` says where the time of the batches handed out so far went (host wall seconds, summed over
+    passes): the consumer waiting for the next batch, the thread waiting for the loader, running the stage (of
+    which ``decode_jpegs`` with its device wait) and waiting for room in the queue (the stage ahead of training).
+
     Raises:
         ValueError: ``depth < 1``.
     """
@@ -1419,6 +1427,26 @@ class DevicePrefetcher:
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.stage, self.device, self.depth = loader, stage, device, depth
         self.priority_consumer = priority_consumer
+        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full"), 0.0)
+        self._batches = 0  # handed to the consumer
+
+    def timings(self) -> dict[str, float]:
+        """Host seconds so far (all passes): ``consumer_wait`` (the training loop waiting in this iterator for a
+        batch), ``loader_wait`` (the stage thread waiting for the loader's next batch: the DataLoader workers),
+        ``stage`` (the stage thread in ``stage``, the first batch of each pass included), ``decode`` (the part
+        of ``stage`` in ``decode_jpegs``, which returns after nvJPEG's device work: ``stage.decode_seconds``,
+        0 for a stage without it), ``queue_full`` (the thread waiting for room: the stage ``depth`` batches
+        ahead); and ``batches``, the batches handed to the consumer. Read from any thread; each value is written
+        by one thread only."""
+        return {**self._time, "decode": float(getattr(self.stage, "decode_seconds", 0.0)),
+                "batches": float(self._batches)}
+
+    def _run_stage(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
+        t = time.perf_counter()
+        try:
+            return self.stage(batch.to(self.device))
+        finally:
+            self._time["stage"] += time.perf_counter() - t
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -1430,19 +1458,24 @@ class DevicePrefetcher:
                 torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device) if cuda else None
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                for batch in it:
-                    if stop.is_set():
+                while True:
+                    t = time.perf_counter()
+                    batch = next(it, _END)
+                    self._time["loader_wait"] += time.perf_counter() - t
+                    if batch is _END or stop.is_set():
                         return
-                    x, y = self.stage(batch.to(self.device))
+                    x, y = self._run_stage(batch)
                     event = torch.cuda.Event() if cuda else None
                     if event is not None:
                         event.record(stream)
+                    t = time.perf_counter()
                     while not stop.is_set():
                         try:
                             out.put((x, y, event), timeout=0.1)
                             break
                         except queue.Full:
                             continue
+                    self._time["queue_full"] += time.perf_counter() - t
         except BaseException as exc:  # handed to the consumer
             out.put(exc)
         finally:
@@ -1469,16 +1502,19 @@ class DevicePrefetcher:
     def _iterate(self, it: Iterator[EncodedBatch], first: EncodedBatch) -> Iterator[tuple[Tensor, Tensor]]:
         # the first batch in the consumer's thread, before the background thread starts: the stage's one-time
         # work (CUDA graph captures, which no other thread may overlap with random draws) happens here
-        x, y = self.stage(first.to(self.device))
+        x, y = self._run_stage(first)
         out: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
         thread = threading.Thread(target=self._work, args=(it, out, stop), daemon=True, name="mixlab-device-prefetch")
         thread.start()
         try:
+            self._batches += 1
             yield x, y
             del x, y
             while True:
+                t = time.perf_counter()
                 item = out.get()
+                self._time["consumer_wait"] += time.perf_counter() - t
                 if item is _END:
                     return
                 if isinstance(item, BaseException):
@@ -1489,6 +1525,7 @@ class DevicePrefetcher:
                     current.wait_event(event)
                     x.record_stream(current)
                     y.record_stream(current)
+                self._batches += 1
                 yield x, y
         finally:
             stop.set()

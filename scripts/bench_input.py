@@ -342,6 +342,24 @@ def _short_frame(line: str) -> str:
     return f"{'/'.join(Path(m[1]).parts[-2:])}:{m[2]} {m[3]}"
 
 
+def input_summary(scalars: dict, from_step: int) -> str:
+    """Host ms per step of the fit's input path from step ``from_step`` on (medians of the logged windows):
+    ``perf/data_wait_ms`` (the training loop between steps) and, with the device stage prefetched,
+    ``perf/input/*_ms`` (``DevicePrefetcher.timings``: the loop waiting for the stage, the stage thread waiting for
+    the workers, running the stage, of which the decode, and waiting for queue room). Empty when none was logged."""
+    names = [("perf/data_wait_ms", "between steps")] + [
+        (f"perf/input/{k}_ms", w) for k, w in (("consumer_wait", "waiting for the stage"),
+                                               ("loader_wait", "stage thread waiting for workers"),
+                                               ("stage", "stage"), ("decode", "of it decode"),
+                                               ("queue_full", "stage ahead, queue full"))]
+    parts = []
+    for tag, words in names:
+        values = [v for _, step, v in scalars.get(tag, []) if step >= from_step]
+        if values:
+            parts.append(f"{words} {statistics.median(values):.1f}")
+    return "input ms/step: " + ", ".join(parts) if parts else ""
+
+
 def stack_summary(text: str) -> list[str]:
     """The main thread's innermost frame at each sample of a ``--cli-stacks`` file (and, when that frame is not
     mixlab's, the innermost mixlab or Lightning frame below it), as ``"T0-T1 s: frame"`` lines, equal consecutive
@@ -405,7 +423,8 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
     values = [v for _, step, v in scalars.get("perf/images_per_s", []) if step >= from_step]
     if not values:
         raise RuntimeError(f"{shlex.join(cmd)} logged no perf/images_per_s from step {from_step} on")
-    return CliFit(statistics.median(values), min(values), max(values), fit_timeline(started, ended, scalars))
+    return CliFit(statistics.median(values), min(values), max(values),
+                  "; ".join(filter(None, [fit_timeline(started, ended, scalars), input_summary(scalars, from_step)])))
 
 
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):

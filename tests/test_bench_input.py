@@ -112,6 +112,9 @@ def test_bench_input_cli_rows_put_the_shards_run_next_to_random_tensors(tmp_path
     assert out.read_text() == text and "partial" not in text
     # each fit's wall time split, and its main thread sampled every 0.5 s into report.stacks/
     assert text.count("CLI fit on ") == 2 and "startup ~" in text and "after step 3" in text, text
+    # the input path's host ms per step from the fits' logs: the loop's wait between steps in both, the device
+    # stage's prefetcher (decode gpu, prefetched on the CPU device) in the shards fit only
+    assert text.count("input ms/step: between steps ") == 2 and text.count(", stage thread waiting for workers ") == 1
     stacks = sorted(p.name for p in (tmp_path / "report" / "bench_input.stacks").iterdir())
     assert stacks == ["gpu_50_in_workers-run1.txt", "random_tensors-run1.txt"], stacks
     assert text.count("  - main thread, sampled every 0.5 s") == 2 and "0.5 s: " in text
@@ -309,6 +312,9 @@ def test_bench_input_fit_timeline_and_stack_summary():
     line = bench_input.fit_timeline(100.0, 200.0, scalars)
     assert line == "wall 100.0 s: startup ~5.0 s, steps 10..30 10.0 s (500 ms/step), after step 30 80.0 s", line
     assert bench_input.fit_timeline(0.0, 3.0, {}) == "wall 3.0 s (too few logged steps for a split)"
+    waits = {"perf/data_wait_ms": [(0, 10, 9.0), (0, 20, 1.0), (0, 30, 3.0)], "perf/input/stage_ms": [(0, 20, 12.0)]}
+    assert bench_input.input_summary(waits, 20) == "input ms/step: between steps 2.0, stage 12.0"
+    assert bench_input.input_summary({}, 0) == ""
     text = """sample 1.0 s
 thread bench_input-stacks-other
   File "/x/other.py", line 3, in spin

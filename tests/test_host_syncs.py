@@ -34,12 +34,14 @@ class _Record(Logger):
 
 
 def _fit(tmp_path, cb: ThroughputMemory, max_steps: int, log_every: int, val_every: int | None = None,
-         bar: bool = False, extra: list | None = None) -> _Record:
+         bar: bool = False, extra: list | None = None, input_timings=None) -> _Record:
     g = torch.Generator().manual_seed(0)
     fasta = tmp_path / "t.fa"
     fasta.write_text(">t\n" + "".join("ACGT"[int(i)] for i in torch.randint(0, 4, (1200,), generator=g)) + "\n")
     data = GenomeDataModule(fasta=str(fasta), context_length=16, batch_size=4, region_size=400, val_fraction=0.2,
                             test_fraction=0.2, train_stride=20)  # 5 training batches of 4 x 16 per epoch
+    if input_timings is not None:
+        data.input_timings = input_timings
     model = CausalLM(vocab_size=5, backbone=BackboneConfig(d_model=16, n_layers=1, n_heads=2, mixer="rope"))
     rec = _Record()
     trainer = pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=rec, enable_progress_bar=bar,
@@ -56,7 +58,9 @@ def _fit(tmp_path, cb: ThroughputMemory, max_steps: int, log_every: int, val_eve
 def test_rates_are_per_window_with_two_syncs_per_window(tmp_path):
     """log_every_n_steps 3, 9 steps (epochs of 5 batches: the windows cross an epoch change): values at steps
     3, 6, 9 (Lightning's 0-based steps 2, 5, 8), each over 3 steps of 4 x 16 scored tokens; a fake clock that
-    advances 2 s per reading gives 2 s per window; 6 syncs in all."""
+    advances 2 s per reading (the callback reads it once at each step's start and end) gives 10 s per window (its
+    first start to its last end: 5 readings apart) and 2 s between one step's end and the next one's start
+    (``perf/data_wait_ms``: 2000, over the window's 2 gaps and the one before it); 6 syncs in all."""
     cb = ThroughputMemory()
     ticks = itertools.count(0, 2.0)
     cb.clock = lambda: next(ticks)
@@ -64,21 +68,40 @@ def test_rates_are_per_window_with_two_syncs_per_window(tmp_path):
     cb._sync = lambda pl_module: syncs.append(1)
     rec = _fit(tmp_path, cb, max_steps=9, log_every=3)
     got = [(step, m["perf/tokens_per_s"], m["perf/steps_per_s"]) for step, m in rec.calls if "perf/tokens_per_s" in m]
-    assert got == [(2, 3 * 64 / 2, 1.5), (5, 3 * 64 / 2, 1.5), (8, 3 * 64 / 2, 1.5)]
+    assert [step for step, _, _ in got] == [2, 5, 8]
+    assert [v for _, tps, sps in got for v in (tps, sps)] == pytest.approx([3 * 64 / 10, 0.3] * 3)  # logged float32
+    waits = [(step, m["perf/data_wait_ms"]) for step, m in rec.calls if "perf/data_wait_ms" in m]
+    assert waits == [(2, 2000.0), (5, 2000.0), (8, 2000.0)]
     assert len(syncs) == 6
+    assert not any(k.startswith("perf/input/") for _, m in rec.calls for k in m)  # no input_timings()
     assert all(m["perf/peak_mem_gb"] > 0 for _, m in rec.calls if "perf/peak_mem_gb" in m)
+
+
+def test_a_datamodules_input_timings_are_logged_per_batch_of_each_window(tmp_path):
+    """A datamodule with ``input_timings()`` (seconds so far, and ``batches``; ``ImageNetDataModule``'s device
+    stage): each window logs the growth since the last log per batch, in ms. Here the stage took 10 ms per batch
+    over the first 3 batches and 20 ms over the next 3."""
+    readings = iter([{"stage": 0.03, "consumer_wait": 0.0, "batches": 3.0},
+                     {"stage": 0.09, "consumer_wait": 0.003, "batches": 6.0}])
+    rec = _fit(tmp_path, ThroughputMemory(), max_steps=6, log_every=3, input_timings=lambda: next(readings))
+    got = [(step, m["perf/input/stage_ms"], m["perf/input/consumer_wait_ms"]) for step, m in rec.calls
+           if "perf/input/stage_ms" in m]
+    assert [step for step, _, _ in got] == [2, 5] and not any("perf/input/batches_ms" in m for _, m in rec.calls)
+    assert [v for _, a, b in got for v in (a, b)] == pytest.approx([10.0, 0.0, 20.0, 1.0])
 
 
 def test_a_window_cut_by_validation_is_dropped(tmp_path):
     """Validation after every 4th batch: the window opened at batch 3 (0-based) is cut by the validation after
     it, so the next opens at batch 4 and closes at the logging step 5 over 2 steps; likewise the one opened at 6
-    is cut after batch 7 and batch 8 logs alone. A fake clock advancing 1 s per reading: 1 s per window."""
+    is cut after batch 7 and batch 8 logs alone. A fake clock advancing 1 s per reading, read at each step's start
+    and end: a window of n steps lasts 2n - 1 s (3 steps: 5 s, 2 steps: 3 s, 1 step: 1 s)."""
     cb = ThroughputMemory()
     ticks = itertools.count(0, 1.0)
     cb.clock = lambda: next(ticks)
     rec = _fit(tmp_path, cb, max_steps=9, log_every=3, val_every=4)
     got = [(step, m["perf/steps_per_s"]) for step, m in rec.calls if "perf/steps_per_s" in m]
-    assert got == [(2, 3.0), (5, 2.0), (8, 1.0)]
+    assert [step for step, _ in got] == [2, 5, 8]
+    assert [v for _, v in got] == pytest.approx([3 / 5, 2 / 3, 1.0])
 
 
 def test_bad_window_is_refused():

@@ -625,6 +625,46 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
 
 
+def test_device_prefetcher_timings_say_where_the_input_time_went(samples):
+    """``timings()``: the loader's waits (a loader that sleeps 30 ms before each batch after the first, which the
+    consumer itself fetches), the stage's time (the pipeline sleeping 20 ms in each stage call, its decode time
+    from ``GpuPipeline.decode_seconds``), the consumer waiting for the thread, and the batches handed out, summed
+    over two passes. Lower bounds only: sleeps last at least as long as asked."""
+    import time
+
+    tf = train_transform(32)
+    batches = _encoded_batches(samples, tf, 3)
+    pipe = GpuPipeline(tf, train=True)
+
+    class SlowLoader:
+        def __len__(self):
+            return len(batches)
+
+        def __iter__(self):
+            for k, b in enumerate(batches):
+                if k:
+                    time.sleep(0.03)
+                yield b
+
+    def stage(b):
+        time.sleep(0.02)
+        return pipe(b)
+
+    stage.decode_seconds = 0.0
+    pre = DevicePrefetcher(SlowLoader(), stage, "cpu", depth=1)
+    assert pre.timings() == {"consumer_wait": 0.0, "loader_wait": 0.0, "stage": 0.0, "queue_full": 0.0,
+                             "decode": 0.0, "batches": 0.0}
+    for _ in range(2):
+        assert len(list(pre)) == 3
+    t = pre.timings()
+    assert t["batches"] == 6 and t["loader_wait"] >= 4 * 0.03 and t["stage"] >= 6 * 0.02
+    assert t["consumer_wait"] >= 4 * 0.03  # the consumer waits for every batch the thread fetches and stages
+    assert t["queue_full"] >= 0 and t["decode"] == 0.0  # the stage function has no decode time of its own
+    before = pipe.decode_seconds
+    list(DevicePrefetcher(batches, pipe, "cpu").__iter__())
+    assert pipe.decode_seconds > before  # GpuPipeline counts its decode_jpegs time
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(samples):
     """``priority_consumer``: while the pass runs, the consumer's current stream has priority -1 (above the

@@ -33,6 +33,11 @@ class ThroughputMemory(pl.Callback):
     step would stop the host from queueing the next step while the device runs this one, and with several
     runs sharing one GPU (``reproduce``) each waiting process would hold a CPU core. Tokens per batch come
     from the head's ``batch_tokens(batch)`` (falls back to ``batch.numel()``); they are host integers.
+
+    The input side, per window: ``perf/data_wait_ms``, the mean host time between one step's end and the next
+    step's start (fetching the batch and Lightning's transfer hooks; timm's training script calls it data time);
+    and for a datamodule with ``input_timings()`` (seconds so far by name, and ``batches``; ``ImageNetDataModule``'s
+    prefetched device stage), each name's growth per batch as ``perf/input/<name>_ms``.
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
@@ -42,6 +47,9 @@ class ThroughputMemory(pl.Callback):
         self._t0: float | None = None  # None: no window open
         self._tokens = 0
         self._steps = 0
+        self._last_end: float | None = None  # the previous step's end (None: none, or validation since)
+        self._wait, self._waits = 0.0, 0  # gaps between steps since the last log (seconds, count)
+        self._input: dict[str, float] = {}  # the datamodule's input_timings() at the last log
         self.clock = time.perf_counter  # seconds (a test may replace it)
 
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -50,27 +58,56 @@ class ThroughputMemory(pl.Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._t0 = None  # the window that validation interrupts is dropped
+        self._last_end = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._t0 is None:
             self._sync(pl_module)
-            self._t0, self._tokens, self._steps = self.clock(), 0, 0
+        now = self.clock()
+        if self._last_end is not None:
+            self._wait += now - self._last_end
+            self._waits += 1
+        if self._t0 is None:
+            self._t0, self._tokens, self._steps = now, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._last_end = self._log_window(trainer, pl_module, batch)
+
+    def _log_window(self, trainer, pl_module, batch) -> float:
+        """Count the step into the open window and log the window at its last step; returns the step's end time
+        (read after the window's sync when it logs)."""
         if self._t0 is None:
-            return
+            return self.clock()
         fn = getattr(pl_module, "batch_tokens", None)
         self._tokens += fn(batch) if fn is not None else (batch.numel() if torch.is_tensor(batch) else 0)
         self._steps += 1
         if trainer.global_step % (self.every or trainer.log_every_n_steps or 1):
-            return
+            return self.clock()
         self._sync(pl_module)
-        dt = max(self.clock() - self._t0, 1e-9)
+        now = self.clock()
+        dt = max(now - self._t0, 1e-9)
         unit = getattr(pl_module, "throughput_unit", "tokens")
         pl_module.log(f"perf/{unit}_per_s", self._tokens * trainer.world_size / dt)
         pl_module.log("perf/steps_per_s", self._steps / dt)
         pl_module.log("perf/peak_mem_gb", peak_memory_gb(pl_module.device))
+        if self._waits:
+            pl_module.log("perf/data_wait_ms", 1000 * self._wait / self._waits)
+        self._wait, self._waits = 0.0, 0
+        self._log_input(trainer, pl_module)
         self._t0 = None
+        return now
+
+    def _log_input(self, trainer, pl_module) -> None:
+        """``perf/input/<name>_ms``: the datamodule's ``input_timings()`` since the last log, per batch."""
+        fn = getattr(getattr(trainer, "datamodule", None), "input_timings", None)
+        now = fn() if callable(fn) else {}
+        before, self._input = self._input, dict(now)
+        batches = now.get("batches", 0.0) - before.get("batches", 0.0)
+        if batches <= 0:
+            return
+        for name, seconds in now.items():
+            if name != "batches":
+                pl_module.log(f"perf/input/{name}_ms", 1000 * (seconds - before.get(name, 0.0)) / batches)
 
 
 class MixerMetrics(pl.Callback):
