@@ -568,6 +568,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             ``0``: the accelerator decodes everything; ``1``: the workers do (they need about 2 ms of a core per
             ImageNet-sized image, so a share larger than the idle cores can carry starves the step; on the H200 hosts
             measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
+        decode_thread: with the device stage prefetched, decode the next batch's JPEGs in a second background
+            thread while the stage thread crops and augments the current one (torchvision's ``decode_jpeg`` on CUDA
+            returns only after nvJPEG's device work, which waits behind the training step's kernels), instead of
+            one thread doing both in turn
+            (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`'s ``decode_thread``). The same batches.
         worker_nice: added to each DataLoader worker's Linux nice value (``os.nice``, at the worker's start): with
             ``n > 0`` the training process's threads (the training step's launches, the device stage, the pin-memory
             thread) win the CPU from the workers whenever both are ready to run, and the workers take the cores left
@@ -611,6 +616,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         cuda_graphs: bool = True,
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
+        decode_thread: bool = False,
         worker_nice: int = 0,
     ) -> None:
         super().__init__()
@@ -630,7 +636,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
                       scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice)
-        self.worker_nice = worker_nice
+        self.worker_nice, self.decode_thread = worker_nice, decode_thread
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
         self._gpu_pipelines: dict[bool, Any] = {}
@@ -823,6 +829,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
+        if self.prefetch_batches and self.decode_thread:
+            where += " (the JPEG decode one batch ahead in a thread of its own)"
         if self.cuda_graphs and device.type == "cuda":
             graphs = "in CUDA graphs"
         else:
@@ -857,7 +865,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 
         prefetcher = DevicePrefetcher(loader, self.gpu_pipeline(train), device, self.prefetch_batches,
-                                      priority_consumer=train and self.priority_training)
+                                      priority_consumer=train and self.priority_training,
+                                      decode_thread=self.decode_thread)
         if train:
             self._train_prefetcher = prefetcher
         return prefetcher

@@ -1187,12 +1187,25 @@ class GpuPipeline:
             self.fill = tuple(getattr(self.params, "fill", (128.0,) * 3))  # RandAugment's fill colour
 
     def __call__(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
-        dev = batch.labels.device  # phases named for profiles (scripts/bench_input.py --profile)
+        return self.finish(batch, self.decode(batch))
+
+    def decode(self, batch: EncodedBatch) -> list[Tensor | None]:
+        """The first half of ``__call__``: the batch's JPEGs (those not decoded in the workers) decoded on
+        ``batch.labels.device`` (:func:`decode_jpegs`; ``None`` for an image no decoder reads). Adds its host wall
+        time to :attr:`decode_seconds`."""
+        dev = batch.labels.device
         p_n = batch.num_decoded  # the first p_n images arrive decoded (batch.pixels)
         t = time.perf_counter()
-        with record_function("stage/decode"):
+        with record_function("stage/decode"):  # phases named for profiles (scripts/bench_input.py --profile)
             imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys[p_n:]) if len(batch) > p_n else []
         self.decode_seconds += time.perf_counter() - t
+        return imgs
+
+    def finish(self, batch: EncodedBatch, imgs: list[Tensor | None]) -> tuple[Tensor, Tensor]:
+        """The second half of ``__call__``: crop, resize, augment and normalise ``imgs`` (:meth:`decode` of
+        ``batch``, on the device; on CUDA usable on the current stream) into ``(images, labels)``."""
+        dev = batch.labels.device
+        p_n = batch.num_decoded
         keep = list(range(p_n)) + [p_n + k for k, im in enumerate(imgs) if im is not None]
         labels = batch.labels
         params = batch.params
@@ -1407,46 +1420,130 @@ class DevicePrefetcher:
             streams keep the lowest priority, so the GPU's block scheduler gives the model's kernels the SMs
             first and the stage's kernels fill what the model leaves idle, instead of both time-sharing the SMs.
             No effect on a CPU device.
+        decode_thread: decode the next batch (``stage.decode``: :meth:`GpuPipeline.decode`, which returns only after
+            nvJPEG's device work) in a second background thread, on a stream of its own, while the stage thread
+            crops and augments the current one (``stage.finish``); the stage thread's stream waits for each batch's
+            decode event. Without it one thread does both, one after the other. The same batches in the same order.
 
-    An exception in the thread (a corrupt shard, a decode error) is re-raised by the iterator.
+    An exception in a thread (a corrupt shard, a decode error) is re-raised by the iterator.
 
     :meth:`timings` says where the time of the batches handed out so far went (host wall seconds, summed over
     passes): the consumer waiting for the next batch, the thread waiting for the loader, running the stage (of
     which ``decode_jpegs`` with its device wait) and waiting for room in the queue (the stage ahead of training).
 
     Raises:
-        ValueError: ``depth < 1``.
+        ValueError: ``depth < 1``; ``decode_thread`` with a stage that has no ``decode`` and ``finish``.
     """
 
     def __init__(self, loader: Iterable[EncodedBatch], stage: Callable[[EncodedBatch], tuple[Tensor, Tensor]],
-                 device: torch.device | str, depth: int = 2, priority_consumer: bool = False) -> None:
+                 device: torch.device | str, depth: int = 2, priority_consumer: bool = False,
+                 decode_thread: bool = False) -> None:
         if depth < 1:
             raise ValueError(f"DevicePrefetcher: depth must be >= 1; got {depth}")
+        if decode_thread and not all(callable(getattr(stage, m, None)) for m in ("decode", "finish")):
+            raise ValueError("DevicePrefetcher: decode_thread needs a stage with decode() and finish() (a "
+                             f"GpuPipeline); got {type(stage).__name__}")
+        self.decode_thread = decode_thread
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # the thread must select the same device
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.stage, self.device, self.depth = loader, stage, device, depth
         self.priority_consumer = priority_consumer
-        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full"), 0.0)
+        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full", "decode_wait"), 0.0)
         self._batches = 0  # handed to the consumer
 
     def timings(self) -> dict[str, float]:
         """Host seconds so far (all passes): ``consumer_wait`` (the training loop waiting in this iterator for a
-        batch), ``loader_wait`` (the stage thread waiting for the loader's next batch: the DataLoader workers),
-        ``stage`` (the stage thread in ``stage``, the first batch of each pass included), ``decode`` (the part
-        of ``stage`` in ``decode_jpegs``, which returns after nvJPEG's device work: ``stage.decode_seconds``,
-        0 for a stage without it), ``queue_full`` (the thread waiting for room: the stage ``depth`` batches
-        ahead); and ``batches``, the batches handed to the consumer. Read from any thread; each value is written
-        by one thread only."""
+        batch), ``loader_wait`` (waiting for the loader's next batch: the DataLoader workers), ``stage`` (the stage
+        thread in ``stage``, or in ``stage.finish`` with ``decode_thread``; the first batch of each pass
+        included), ``decode`` (in ``decode_jpegs``, which returns after nvJPEG's device work:
+        ``stage.decode_seconds``, 0 for a stage without it; part of ``stage`` without ``decode_thread``),
+        ``decode_wait`` (with ``decode_thread``: the stage thread waiting for the decode thread), ``queue_full``
+        (the stage thread waiting for room: the stage ``depth`` batches ahead); and ``batches``, the batches
+        handed to the consumer. Read from any thread; each value is written by one thread only."""
         return {**self._time, "decode": float(getattr(self.stage, "decode_seconds", 0.0)),
                 "batches": float(self._batches)}
 
-    def _run_stage(self, batch: EncodedBatch) -> tuple[Tensor, Tensor]:
+    def _run_stage(self, batch: EncodedBatch, imgs: list | None = None) -> tuple[Tensor, Tensor]:
+        """``stage(batch)``, or ``stage.finish(batch, imgs)`` for a batch the decode thread decoded."""
         t = time.perf_counter()
         try:
-            return self.stage(batch.to(self.device))
+            return self.stage(batch.to(self.device)) if imgs is None else self.stage.finish(batch, imgs)
         finally:
             self._time["stage"] += time.perf_counter() - t
+
+    def _loaded(self, it: Iterator[EncodedBatch]) -> Iterator[tuple[EncodedBatch, None]]:
+        """The loader's batches, not yet decoded (one thread does the whole stage)."""
+        while True:
+            t = time.perf_counter()
+            batch = next(it, _END)
+            self._time["loader_wait"] += time.perf_counter() - t
+            if batch is _END:
+                return
+            yield batch, None
+
+    def _decoded(self, it: Iterator[EncodedBatch], stop: threading.Event) -> Iterator[tuple[EncodedBatch, list]]:
+        """The loader's batches with their decoded images, from a decode thread one batch ahead
+        (``decode_thread``); on CUDA the caller's current stream is made to wait for each batch's decode."""
+        cuda = self.device.type == "cuda"
+        q: queue.Queue = queue.Queue(maxsize=1)
+        done = threading.Event()  # this generator has ended: the decode thread stops too
+
+        def put(item: Any) -> bool:
+            while not (stop.is_set() or done.is_set()):
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def decode_loop() -> None:
+            try:
+                if cuda:
+                    torch.cuda.set_device(self.device)
+                stream = torch.cuda.Stream(self.device) if cuda else None
+                with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+                    for batch, _ in self._loaded(it):
+                        batch = batch.to(self.device)
+                        imgs = self.stage.decode(batch)
+                        event = torch.cuda.Event() if cuda else None
+                        if event is not None:
+                            event.record(stream)
+                        if not put((batch, imgs, event)):
+                            return
+            except BaseException as exc:  # handed to the stage thread, then to the consumer
+                put(exc)
+            finally:
+                put(_END)
+
+        thread = threading.Thread(target=decode_loop, daemon=True, name="mixlab-device-decode")
+        thread.start()
+        try:
+            while True:
+                t = time.perf_counter()
+                item = q.get()
+                self._time["decode_wait"] += time.perf_counter() - t
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                batch, imgs, event = item
+                if event is not None:
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    for im in imgs:
+                        if im is not None:
+                            im.record_stream(current)
+                yield batch, imgs
+        finally:
+            done.set()
+            while thread.is_alive():  # unblock a decode thread waiting on a full queue
+                try:
+                    q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            thread.join()
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -1458,24 +1555,23 @@ class DevicePrefetcher:
                 torch.cuda.set_device(self.device)
             stream = torch.cuda.Stream(self.device) if cuda else None
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                while True:
-                    t = time.perf_counter()
-                    batch = next(it, _END)
-                    self._time["loader_wait"] += time.perf_counter() - t
-                    if batch is _END or stop.is_set():
-                        return
-                    x, y = self._run_stage(batch)
-                    event = torch.cuda.Event() if cuda else None
-                    if event is not None:
-                        event.record(stream)
-                    t = time.perf_counter()
-                    while not stop.is_set():
-                        try:
-                            out.put((x, y, event), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    self._time["queue_full"] += time.perf_counter() - t
+                source = self._decoded(it, stop) if self.decode_thread else self._loaded(it)
+                with contextlib.closing(source):  # ends the decode thread on every way out
+                    for batch, imgs in source:
+                        if stop.is_set():
+                            return
+                        x, y = self._run_stage(batch, imgs)
+                        event = torch.cuda.Event() if cuda else None
+                        if event is not None:
+                            event.record(stream)
+                        t = time.perf_counter()
+                        while not stop.is_set():
+                            try:
+                                out.put((x, y, event), timeout=0.1)
+                                break
+                            except queue.Full:
+                                continue
+                        self._time["queue_full"] += time.perf_counter() - t
         except BaseException as exc:  # handed to the consumer
             out.put(exc)
         finally:

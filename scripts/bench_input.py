@@ -550,22 +550,21 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
               "--data.init_args.batch_size", str(b), "--trainer.max_steps", str(n), "--trainer.limit_val_batches", "0",
               "--trainer.log_every_n_steps", str(min(10, max(1, n // 10))), "--trainer.enable_progress_bar", "false",
               *shlex.split(a.cli_args)]
-    kinds = [("random", 0.0, "-", 0)] + [(m, f, label + (f", workers at nice +{nice}" if nice else ""), nice)
-                                         for m, f, label in decode_runs(a.decode, a.cpu_decode_fraction)
-                                         for nice in a.worker_nice]
-    runs: dict[tuple[str, float, str, int], list[tuple[float, ...]]] = {k: [] for k in kinds}
+    kinds = [("random", 0.0, "-", "")] + [(m, f, label + (f", {variant}" if variant else ""), variant)
+                                          for m, f, label in decode_runs(a.decode, a.cpu_decode_fraction)
+                                          for variant in a.cli_variants]
+    runs: dict[tuple[str, float, str, str], list[tuple[float, ...]]] = {k: [] for k in kinds}
     stacks_dir = stacks_folder(a) if a.cli_stacks else None
     with tempfile.TemporaryDirectory(prefix="bench_input_cli_") as tmp:
         for r in range(a.cli_repeats):
-            for k, (mode, frac, label, nice) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
+            for k, (mode, frac, label, variant) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
                 if mode == "random":
                     args = ["--config", a.cli_config, "--config", str(RANDOM_IMAGES), *common]
                 else:
                     args = ["--config", a.cli_config, *common, "--data.init_args.train_path", train_pattern,
                             "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
-                            "--data.init_args.cpu_decode_fraction", str(frac),
-                            "--data.init_args.worker_nice", str(nice)]
+                            "--data.init_args.cpu_decode_fraction", str(frac), *shlex.split(variant)]
                 what = "random tensors" if mode == "random" else label
                 stacks = None
                 if stacks_dir is not None:
@@ -573,7 +572,7 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                     stacks = (stacks_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
                               a.cli_stacks)
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks)
-                runs[mode, frac, label, nice].append(got)
+                runs[mode, frac, label, variant].append(got)
                 timeline = getattr(got, "timeline", "")
                 progress(f"CLI fit on {what}, run {r + 1}/{a.cli_repeats}: "
                          f"{got[0]:,.0f} images/s ({vs_model(got[0])})" + (f"; {timeline}" if timeline else ""))
@@ -651,9 +650,9 @@ def main(argv: list[str] | None = None) -> str:
                    help="the ViT config of the --cli-steps runs")
     p.add_argument("--cli-repeats", type=int, default=1, help="--cli-steps runs of each kind, in alternating order")
     p.add_argument("--cli-args", default="", help="more CLI arguments for every --cli-steps run (one string)")
-    p.add_argument("--worker-nice", type=int, nargs="+", default=[0], metavar="N",
-                   help="--cli-steps fits on the shards once per value of data.init_args.worker_nice (the workers' "
-                        "nice value above the training process's)")
+    p.add_argument("--cli-variants", nargs="+", default=[""], metavar="ARGS",
+                   help="--cli-steps fits on the shards once per string of extra CLI arguments, e.g. '' "
+                        "'--data.init_args.worker_nice 10' '--data.init_args.decode_thread true' ('': as configured)")
     p.add_argument("--cli-stacks", type=float, default=0, metavar="SECONDS",
                    help="write every --cli-steps fit's thread stacks every SECONDS next to --out "
                         "(X.md -> X.stacks/), and report the main thread's frame at each dump: where a fit's "
@@ -687,8 +686,8 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--cpu-decode-fraction values must be in [0, 1]; got {a.cpu_decode_fraction}")
     if a.cli_steps < 0 or a.cli_repeats < 1:
         p.error(f"--cli-steps must be >= 0 and --cli-repeats >= 1; got {a.cli_steps}, {a.cli_repeats}")
-    if any(not 0 <= n <= 19 for n in a.worker_nice):
-        p.error(f"--worker-nice values must be in [0, 19]; got {a.worker_nice}")
+    if len(set(a.cli_variants)) < len(a.cli_variants):
+        p.error(f"--cli-variants has a string twice: {a.cli_variants}")
     if a.cli_stacks < 0 or (a.cli_stacks and not a.cli_steps):
         p.error(f"--cli-stacks must be > 0 seconds and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
                 f"{a.cli_steps}")

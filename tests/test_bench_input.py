@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -333,3 +335,30 @@ thread MainThread
 """
     assert bench_input.stack_summary(text) == ["1.0-2.0 s: python3.11/threading.py:337 wait < mixlab/cli.py:9 main",
                                                "3.1 s: datamodules/imagenet.py:40 setup"]
+
+
+def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch):
+    """``--cli-variants``: one fit on the shards per string of extra CLI arguments (after the config's data
+    arguments, so they win), each a row labelled with its arguments, next to the one fit on random tensors; the
+    empty string is the config as it is. A string given twice is refused."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    calls = []
+
+    def fake_fit(args, run_root, from_step, stacks=None):
+        calls.append(args)
+        return bench_input.CliFit(1000.0 + 10 * len(calls), 900.0, 1100.0, "wall 1.0 s")
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
+                             "--no-loader", "--cli-steps", "4", "--cli-variants", "",
+                             "--data.init_args.worker_nice 10 --data.init_args.decode_thread true"])
+    assert len(calls) == 3 and not any("worker_nice" in a for a in calls[0] + calls[1])
+    assert calls[2][-4:] == ["--data.init_args.worker_nice", "10", "--data.init_args.decode_thread", "true"]
+    rows = [line for line in text.splitlines() if "through the CLI, shards" in line]
+    assert [r.split("|")[2].strip() for r in rows] == [
+        "gpu", "gpu, --data.init_args.worker_nice 10 --data.init_args.decode_thread true"]
+    assert "1,020" in rows[0] and "1,030" in rows[1]
+    with pytest.raises(SystemExit):
+        bench_input.main(["--quick", "--cli-steps", "4", "--cli-variants", "x", "x"])

@@ -625,6 +625,43 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
 
 
+def test_device_prefetcher_with_a_decode_thread_yields_the_same_batches_and_reraises(samples):
+    """``decode_thread``: the JPEGs decoded one batch ahead in a second thread (``GpuPipeline.decode``) and the
+    rest of the stage (``finish``) in the stage thread give exactly the one-thread batches, in order, in every pass;
+    the stage thread waited for the decode thread (``decode_wait``); an error in either thread reaches the
+    consumer; leaving early ends both threads; a stage without ``decode``/``finish`` is refused."""
+    import threading
+
+    tf = train_transform(32)
+    batches = _encoded_batches(samples, tf, 4)
+    pipe = GpuPipeline(tf, train=True)
+    direct = [pipe(b) for b in batches]
+    pre = DevicePrefetcher(batches, pipe, "cpu", depth=1, decode_thread=True)
+    for _ in range(2):
+        got = list(pre)
+        assert len(got) == 4
+        for (x, y), (xr, yr) in zip(got, direct, strict=True):
+            assert torch.equal(x, xr) and torch.equal(y, yr)
+    assert pre.timings()["batches"] == 8 and pre.timings()["decode_wait"] > 0
+
+    class BrokenDecode(GpuPipeline):
+        def decode(self, batch):
+            if int(batch.labels.sum()) == int(batches[2].labels.sum()):
+                raise ValueError("unreadable third batch")
+            return super().decode(batch)
+
+    with pytest.raises(ValueError, match="unreadable third batch"):
+        list(DevicePrefetcher(batches, BrokenDecode(tf, train=True), "cpu", decode_thread=True))
+    it = iter(DevicePrefetcher(batches, pipe, "cpu", depth=1, decode_thread=True))
+    next(it)
+    next(it)
+    it.close()
+    alive = {t.name for t in threading.enumerate()}
+    assert not alive & {"mixlab-device-prefetch", "mixlab-device-decode"}, alive
+    with pytest.raises(ValueError, match="decode_thread needs a stage with decode"):
+        DevicePrefetcher(batches, lambda b: b, "cpu", decode_thread=True)
+
+
 def test_device_prefetcher_timings_say_where_the_input_time_went(samples):
     """``timings()``: the loader's waits (a loader that sleeps 30 ms before each batch after the first, which the
     consumer itself fetches), the stage's time (the pipeline sleeping 20 ms in each stage call, its decode time
@@ -653,7 +690,7 @@ def test_device_prefetcher_timings_say_where_the_input_time_went(samples):
     stage.decode_seconds = 0.0
     pre = DevicePrefetcher(SlowLoader(), stage, "cpu", depth=1)
     assert pre.timings() == {"consumer_wait": 0.0, "loader_wait": 0.0, "stage": 0.0, "queue_full": 0.0,
-                             "decode": 0.0, "batches": 0.0}
+                             "decode_wait": 0.0, "decode": 0.0, "batches": 0.0}
     for _ in range(2):
         assert len(list(pre)) == 3
     t = pre.timings()
