@@ -1395,6 +1395,17 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
 _END = object()
 
 
+def _put_unless(q: queue.Queue, item: Any, *stops: threading.Event) -> bool:
+    """Put ``item`` into the bounded queue ``q``, waiting for room until any of ``stops`` is set (then False)."""
+    while not any(e.is_set() for e in stops):
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class DevicePrefetcher:
     """Runs the accelerator stage ``depth`` batches ahead of training, in a background thread.
 
@@ -1490,13 +1501,7 @@ class DevicePrefetcher:
         done = threading.Event()  # this generator has ended: the decode thread stops too
 
         def put(item: Any) -> bool:
-            while not (stop.is_set() or done.is_set()):
-                try:
-                    q.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    continue
-            return False
+            return _put_unless(q, item, stop, done)
 
         def decode_loop() -> None:
             try:
@@ -1565,12 +1570,7 @@ class DevicePrefetcher:
                         if event is not None:
                             event.record(stream)
                         t = time.perf_counter()
-                        while not stop.is_set():
-                            try:
-                                out.put((x, y, event), timeout=0.1)
-                                break
-                            except queue.Full:
-                                continue
+                        _put_unless(out, (x, y, event), stop)
                         self._time["queue_full"] += time.perf_counter() - t
         except BaseException as exc:  # handed to the consumer
             out.put(exc)
