@@ -1395,6 +1395,17 @@ def stage_op_counts(stage: Callable[[EncodedBatch], Any], batch: EncodedBatch) -
 _END = object()
 
 
+def _stop_producer(thread: threading.Thread, q: queue.Queue, stop: threading.Event) -> None:
+    """Set ``stop`` and join ``thread``, taking items out of ``q`` meanwhile (it may wait for room)."""
+    stop.set()
+    while thread.is_alive():
+        try:
+            q.get(timeout=0.05)
+        except queue.Empty:
+            pass
+    thread.join()
+
+
 def _put_unless(q: queue.Queue, item: Any, *stops: threading.Event) -> bool:
     """Put ``item`` into the bounded queue ``q``, waiting for room until any of ``stops`` is set (then False)."""
     while not any(e.is_set() for e in stops):
@@ -1525,30 +1536,33 @@ class DevicePrefetcher:
         thread = threading.Thread(target=decode_loop, daemon=True, name="mixlab-device-decode")
         thread.start()
         try:
-            while True:
-                t = time.perf_counter()
-                item = q.get()
-                self._time["decode_wait"] += time.perf_counter() - t
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                batch, imgs, event = item
-                if event is not None:
-                    current = torch.cuda.current_stream(self.device)
-                    current.wait_event(event)
-                    for im in imgs:
-                        if im is not None:
-                            im.record_stream(current)
+            for batch, imgs in self._handed_over(q, "decode_wait"):
                 yield batch, imgs
         finally:
-            done.set()
-            while thread.is_alive():  # unblock a decode thread waiting on a full queue
-                try:
-                    q.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
+            _stop_producer(thread, q, done)
+
+    def _handed_over(self, q: queue.Queue, wait: str) -> Iterator[list]:
+        """The items a producer thread puts into ``q``, up to its ``_END``; an exception it put is raised. Each
+        item ends with a CUDA event (or None): the current stream waits for it, and the item's tensors (in lists
+        too) are marked as used by that stream; the rest of the item is yielded as a list. The time waiting for
+        each item is added to ``timings()[wait]``."""
+        while True:
+            t = time.perf_counter()
+            item = q.get()
+            self._time[wait] += time.perf_counter() - t
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            *payload, event = item
+            if event is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(event)
+                for v in payload:
+                    for tensor in v if isinstance(v, list) else [v]:
+                        if isinstance(tensor, Tensor):
+                            tensor.record_stream(current)
+            yield payload
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -1607,27 +1621,8 @@ class DevicePrefetcher:
             self._batches += 1
             yield x, y
             del x, y
-            while True:
-                t = time.perf_counter()
-                item = out.get()
-                self._time["consumer_wait"] += time.perf_counter() - t
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                x, y, event = item
-                if event is not None:
-                    current = torch.cuda.current_stream(self.device)
-                    current.wait_event(event)
-                    x.record_stream(current)
-                    y.record_stream(current)
+            for x, y in self._handed_over(out, "consumer_wait"):
                 self._batches += 1
                 yield x, y
         finally:
-            stop.set()
-            while thread.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    out.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            thread.join()
+            _stop_producer(thread, out, stop)
