@@ -723,6 +723,23 @@ def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(s
         assert torch.cuda.current_stream(dev) == caller
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_prefetcher_decode_thread_on_cuda_gives_the_same_batches(samples):
+    """On CUDA, with the decode in its own thread and stream (``decode_thread``) and the consumer on the
+    high-priority stream, as training runs it: the batches equal the stage run directly, over two passes (the
+    stage stream waits for each decode event; the images' memory is not reused early)."""
+    dev = torch.device("cuda")
+    tf = train_transform(32)
+    batches = _encoded_batches(samples, tf, 4)
+    pipe = GpuPipeline(tf, train=True)
+    direct = [pipe(b.to(dev)) for b in batches]
+    pre = DevicePrefetcher(batches, pipe, dev, depth=1, priority_consumer=True, decode_thread=True)
+    for _ in range(2):
+        for (x, y), (xr, yr) in zip(pre, direct, strict=True):
+            assert torch.equal(x, xr) and torch.equal(y, yr)
+    assert pre.timings()["batches"] == 8 and pre.timings()["decode"] > 0
+
+
 @pytest.mark.parametrize("size", [24, 40])
 def test_batched_eval_equals_per_image_resize_and_center_crop(size):
     """The eval stage (Resize short side + CenterCrop through resized_crops) equals timm's transforms run
