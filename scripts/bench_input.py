@@ -346,11 +346,13 @@ def input_summary(scalars: dict, from_step: int) -> str:
     """Host ms per step of the fit's input path from step ``from_step`` on (medians of the logged windows):
     ``perf/data_wait_ms`` (the training loop between steps) and, with the device stage prefetched,
     ``perf/input/*_ms`` (``DevicePrefetcher.timings``: the loop waiting for the stage, the stage thread waiting for
-    the workers, running the stage, of which the decode, and waiting for queue room). Empty when none was logged."""
+    the workers, running the stage, the decode (part of the stage unless ``decode_thread``), the stage thread
+    waiting for the decode thread, and waiting for queue room). Empty when none was logged."""
     names = [("perf/data_wait_ms", "between steps")] + [
         (f"perf/input/{k}_ms", w) for k, w in (("consumer_wait", "waiting for the stage"),
                                                ("loader_wait", "stage thread waiting for workers"),
-                                               ("stage", "stage"), ("decode", "of it decode"),
+                                               ("stage", "stage"), ("decode", "decode"),
+                                               ("decode_wait", "stage thread waiting for the decode thread"),
                                                ("queue_full", "stage ahead, queue full"))]
     parts = []
     for tag, words in names:

@@ -61,13 +61,12 @@ class ThroughputMemory(pl.Callback):
         self._last_end = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if self._t0 is None:
-            self._sync(pl_module)
-        now = self.clock()
+        now = self.clock()  # before a window's opening sync: that wait is the device's, not the data's
         if self._last_end is not None:
             self._wait += now - self._last_end
             self._waits += 1
         if self._t0 is None:
+            self._sync(pl_module)  # (the previous window's closing sync left little to wait for)
             self._t0, self._tokens, self._steps = now, 0, 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
