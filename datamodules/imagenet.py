@@ -636,6 +636,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
                       scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice)
+        for name, value in (("decode_thread", decode_thread), ("cuda_graphs", cuda_graphs),
+                            ("priority_training", priority_training)):
+            if not isinstance(value, bool):
+                raise ValueError(f"ImageNetDataModule: {name} must be true or false; got {value!r}")
         self.worker_nice, self.decode_thread = worker_nice, decode_thread
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
@@ -820,17 +824,21 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 
     def pipeline_summary(self) -> str:
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
-        nice = f" at nice +{self.worker_nice}" if self.worker_nice and self.num_workers else ""
+        nice = f" at nice +{self.worker_nice} (worker_nice)" if self.worker_nice and self.num_workers else ""
+        if self.worker_nice and not self.num_workers:
+            nice = " (worker_nice has no effect without DataLoader workers)"
         if self.decode_mode() == "cpu":
-            unused = (f" (cpu_decode_fraction={self.cpu_decode_fraction} has no effect here)"
-                      if self.cpu_decode_fraction else "")
+            unused = "".join(f" ({what} has no effect here)" for what, on in (
+                (f"cpu_decode_fraction={self.cpu_decode_fraction}", self.cpu_decode_fraction),
+                ("decode_thread", self.decode_thread)) if on)
             return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){nice}"
                     f"{unused}")
         device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
-        if self.prefetch_batches and self.decode_thread:
-            where += " (the JPEG decode one batch ahead in a thread of its own)"
+        if self.decode_thread:
+            where += (" (decode_thread: the JPEG decode one batch ahead in a thread of its own)"
+                      if self.prefetch_batches else " (decode_thread has no effect with prefetch_batches 0)")
         if self.cuda_graphs and device.type == "cuda":
             graphs = "in CUDA graphs"
         else:
@@ -840,7 +848,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
         return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
-                f"{self._worker_share_summary()}" + (f"; DataLoader workers{nice}" if nice else ""))
+                f"{self._worker_share_summary()}" + (f"; DataLoader workers{nice}" if nice.startswith(" at") else nice))
 
     def _worker_share_summary(self) -> str:
         """The ``cpu_decode_fraction`` part of :meth:`pipeline_summary` (empty when 0)."""

@@ -1471,7 +1471,8 @@ class DevicePrefetcher:
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.stage, self.device, self.depth = loader, stage, device, depth
         self.priority_consumer = priority_consumer
-        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full", "decode_wait"), 0.0)
+        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full")
+                                   + (("decode_wait",) if decode_thread else ()), 0.0)
         self._batches = 0  # handed to the consumer
 
     def timings(self) -> dict[str, float]:
@@ -1480,7 +1481,7 @@ class DevicePrefetcher:
         thread in ``stage``, or in ``stage.finish`` with ``decode_thread``; the first batch of each pass
         included), ``decode`` (in ``decode_jpegs``, which returns after nvJPEG's device work:
         ``stage.decode_seconds``, 0 for a stage without it; part of ``stage`` without ``decode_thread``),
-        ``decode_wait`` (with ``decode_thread``: the stage thread waiting for the decode thread), ``queue_full``
+        ``decode_wait`` (only with ``decode_thread``: the stage thread waiting for the decode thread), ``queue_full``
         (the stage thread waiting for room: the stage ``depth`` batches ahead); and ``batches``, the batches
         handed to the consumer. Read from any thread; each value is written by one thread only."""
         return {**self._time, "decode": float(getattr(self.stage, "decode_seconds", 0.0)),

@@ -330,8 +330,8 @@ def fit_timeline(started: float, ended: float, scalars: dict) -> str:
     (w0, s0), (w1, s1) = events[0], events[-1]
     pace = (w1 - w0) / (s1 - s0)  # s per step between the first and the last logged step
     startup = max(0.0, w0 - started - s0 * pace)
-    return (f"wall {ended - started:.1f} s: startup ~{startup:.1f} s, steps {s0}..{s1} {w1 - w0:.1f} s "
-            f"({1000 * pace:.0f} ms/step), after step {s1} {ended - w1:.1f} s")
+    return (f"wall {ended - started:.1f} s: startup ~{startup:.1f} s, steps {s0}..{s1} {w1 - w0:.2f} s "
+            f"({1000 * pace:.0f} ms/step by the logs' clock), after step {s1} {ended - w1:.1f} s")
 
 
 def _short_frame(line: str) -> str:
@@ -353,7 +353,7 @@ def input_summary(scalars: dict, from_step: int) -> str:
                                                ("loader_wait", "stage thread waiting for workers"),
                                                ("stage", "stage"), ("decode", "decode"),
                                                ("decode_wait", "stage thread waiting for the decode thread"),
-                                               ("queue_full", "stage ahead, queue full"))]
+                                               ("queue_full", "stage thread waiting for queue room"))]
     parts = []
     for tag, words in names:
         values = [v for _, step, v in scalars.get(tag, []) if step >= from_step]
@@ -397,6 +397,17 @@ def stack_summary(text: str) -> list[str]:
         out.append(f"{span}: {entries[k][1]}")
         k = j + 1
     return out
+
+
+def cli_args_error(args: list[str], config: str) -> str:
+    """The last line of ``python -m mixlab fit --config CONFIG ARGS --print_config``'s error output when the CLI
+    refuses ``args`` (an unknown option, a value of the wrong type), else ``""``: checked before any fit runs."""
+    done = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--config", config, *args, "--print_config"],
+                          capture_output=True, text=True)
+    if done.returncode == 0:
+        return ""
+    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else f"exit status {done.returncode}"
 
 
 def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None
@@ -688,13 +699,29 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--cpu-decode-fraction values must be in [0, 1]; got {a.cpu_decode_fraction}")
     if a.cli_steps < 0 or a.cli_repeats < 1:
         p.error(f"--cli-steps must be >= 0 and --cli-repeats >= 1; got {a.cli_steps}, {a.cli_repeats}")
-    if len(set(a.cli_variants)) < len(a.cli_variants):
-        p.error(f"--cli-variants has a string twice: {a.cli_variants}")
+    split_args: list[tuple[str, ...]] = []
+    for option, strings in (("--cli-args", [a.cli_args]), ("--cli-variants", a.cli_variants)):
+        for text in strings:
+            try:
+                split_args.append(tuple(shlex.split(text)))
+            except ValueError as err:
+                p.error(f"{option} {text!r}: {err}")
+    variants = split_args[1:]
+    if len(set(variants)) < len(variants):
+        p.error(f"--cli-variants has the same arguments twice: {a.cli_variants}")
     if a.cli_stacks < 0 or (a.cli_stacks and not a.cli_steps):
-        p.error(f"--cli-stacks must be > 0 seconds and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
+        p.error(f"--cli-stacks must be > 0 seconds (0: off) and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
                 f"{a.cli_steps}")
+    if not a.cli_steps and (a.cli_variants != [""] or a.cli_args):
+        p.error("--cli-variants and --cli-args shape the --cli-steps fits: give --cli-steps N too")
     if a.cli_steps and not Path(a.cli_config).is_file():
         p.error(f"--cli-config {a.cli_config!r}: no such file")
+    if a.cli_steps:  # unknown or ill-typed arguments fail here, not after minutes of earlier fits
+        for variant in variants:
+            bad = cli_args_error([*shlex.split(a.cli_args), *variant], a.cli_config)
+            if bad:
+                p.error(f"--cli-args/--cli-variants {shlex.join(variant)!r}: `python -m mixlab fit` refuses them: "
+                        f"{bad}")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.no_loader and (a.profile or a.profile_end_to_end):
@@ -868,3 +895,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         print("bench_input: interrupted (--out keeps what was measured)", file=sys.stderr)
         sys.exit(130)
+    except RuntimeError as err:  # a CLI fit failed: its command and error output, no traceback of ours
+        print(f"bench_input: {err}\n(--out keeps what was measured before)", file=sys.stderr)
+        sys.exit(1)

@@ -312,7 +312,8 @@ def test_bench_input_fit_timeline_and_stack_summary():
     scalars = {"perf/images_per_s": [(110.0, 10, 1.0), (120.0, 30, 1.0)], "train/loss": [(115.0, 20, 2.0)],
                "val/top1": [(500.0, 30, 0.1)]}  # not a training tag: ignored
     line = bench_input.fit_timeline(100.0, 200.0, scalars)
-    assert line == "wall 100.0 s: startup ~5.0 s, steps 10..30 10.0 s (500 ms/step), after step 30 80.0 s", line
+    assert line == ("wall 100.0 s: startup ~5.0 s, steps 10..30 10.00 s (500 ms/step by the logs' clock), after step "
+                    "30 80.0 s"), line
     assert bench_input.fit_timeline(0.0, 3.0, {}) == "wall 3.0 s (too few logged steps for a split)"
     waits = {"perf/data_wait_ms": [(0, 10, 9.0), (0, 20, 1.0), (0, 30, 3.0)], "perf/input/stage_ms": [(0, 20, 12.0)]}
     assert bench_input.input_summary(waits, 20) == "input ms/step: between steps 2.0, stage 12.0"
@@ -351,6 +352,8 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
         return bench_input.CliFit(1000.0 + 10 * len(calls), 900.0, 1100.0, "wall 1.0 s")
 
     monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    checked = []
+    monkeypatch.setattr(bench_input, "cli_args_error", lambda args, config: checked.append(args) or "")
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cli-steps", "4", "--cli-variants", "",
                              "--data.init_args.worker_nice 10 --data.init_args.decode_thread true"])
@@ -360,5 +363,25 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     assert [r.split("|")[2].strip() for r in rows] == [
         "gpu", "gpu, --data.init_args.worker_nice 10 --data.init_args.decode_thread true"]
     assert "1,020" in rows[0] and "1,030" in rows[1]
-    with pytest.raises(SystemExit):
-        bench_input.main(["--quick", "--cli-steps", "4", "--cli-variants", "x", "x"])
+    assert checked == [[], ["--data.init_args.worker_nice", "10", "--data.init_args.decode_thread", "true"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cli-steps", "4", "--cli-variants", "--x  1", "--x 1"], "--cli-variants has the same arguments twice"),
+    (["--cli-steps", "4", "--cli-variants", "--data.init_args.worker_nice '3"],
+     "--cli-variants \"--data.init_args.worker_nice '3\": No closing quotation"),
+    (["--cli-variants", "--data.init_args.worker_nice 3"], "give --cli-steps N too"),
+    (["--cli-args", "--trainer.max_epochs 1"], "give --cli-steps N too"),
+    (["--cli-stacks", "2"], "--cli-stacks must be > 0 seconds (0: off) and needs --cli-steps"),
+    # checked by `python -m mixlab fit --print_config` before any fit (not after minutes of earlier ones)
+    (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.bogus 3"],
+     "'--data.init_args.bogus 3': `python -m mixlab fit` refuses them: error: unknown option --data.init_args.bogus"),
+])
+def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monkeypatch, capsys, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", lambda *a, **k: pytest.fail("a fit ran"))
+    with pytest.raises(SystemExit) as exc:
+        bench_input.main(["--quick", "--workdir", str(tmp_path), *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

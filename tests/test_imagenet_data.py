@@ -156,6 +156,7 @@ def test_training_pipeline_has_fixed_epoch_and_even_batches(shards):
     ("cpu_decode_fraction", 1.5, "in [0, 1]"),
     ("worker_nice", -1, "in [0, 19] (raising a worker's priority needs root)"),
     ("worker_nice", 20, "in [0, 19] (raising a worker's priority needs root)"),
+    ("decode_thread", None, "true or false"), ("cuda_graphs", 1, "true or false"),
     # null where the argument has no "not set" meaning (a TypeError deep in fit before; user test)
     ("cpu_decode_fraction", None, "in [0, 1]"), ("batch_size", None, ">= 1"), ("prefetch_batches", None, ">= 0"),
 ])
