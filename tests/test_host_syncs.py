@@ -80,14 +80,17 @@ def test_rates_are_per_window_with_two_syncs_per_window(tmp_path):
 def test_a_datamodules_input_timings_are_logged_per_batch_of_each_window(tmp_path):
     """A datamodule with ``input_timings()`` (seconds so far, and ``batches``; ``ImageNetDataModule``'s device
     stage): each window logs the growth since the last log per batch, in ms. Here the stage took 10 ms per batch
-    over the first 3 batches and 20 ms over the next 3."""
+    over the first 3 batches and 20 ms over the next 3; then the counters restart (a new loader: 10 ms over its 7
+    batches), and the last window is measured from there (20 ms per batch over 2)."""
     readings = iter([{"stage": 0.03, "consumer_wait": 0.0, "batches": 3.0},
-                     {"stage": 0.09, "consumer_wait": 0.003, "batches": 6.0}])
-    rec = _fit(tmp_path, ThroughputMemory(), max_steps=6, log_every=3, input_timings=lambda: next(readings))
+                     {"stage": 0.09, "consumer_wait": 0.003, "batches": 6.0},
+                     {"stage": 0.01, "consumer_wait": 0.0, "batches": 7.0},  # restarted counters (a new loader)
+                     {"stage": 0.05, "consumer_wait": 0.0, "batches": 9.0}])
+    rec = _fit(tmp_path, ThroughputMemory(), max_steps=12, log_every=3, input_timings=lambda: next(readings))
     got = [(step, m["perf/input/stage_ms"], m["perf/input/consumer_wait_ms"]) for step, m in rec.calls
            if "perf/input/stage_ms" in m]
-    assert [step for step, _, _ in got] == [2, 5] and not any("perf/input/batches_ms" in m for _, m in rec.calls)
-    assert [v for _, a, b in got for v in (a, b)] == pytest.approx([10.0, 0.0, 20.0, 1.0])
+    assert [step for step, _, _ in got] == [2, 5, 8, 11] and not any("perf/input/batches_ms" in m for _, m in rec.calls)
+    assert [v for _, a, b in got for v in (a, b)] == pytest.approx([10.0, 0.0, 20.0, 1.0, 10 / 7, 0.0, 20.0, 0.0])
 
 
 def test_a_window_cut_by_validation_is_dropped(tmp_path):

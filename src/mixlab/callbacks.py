@@ -101,6 +101,8 @@ class ThroughputMemory(pl.Callback):
         fn = getattr(getattr(trainer, "datamodule", None), "input_timings", None)
         now = fn() if callable(fn) else {}
         before, self._input = self._input, dict(now)
+        if any(v < before.get(k, 0.0) for k, v in now.items()):
+            before = {}  # the counters restarted (a new loader): measured from their start
         batches = now.get("batches", 0.0) - before.get("batches", 0.0)
         if batches <= 0:
             return
