@@ -35,7 +35,8 @@ class ThroughputMemory(pl.Callback):
     from the head's ``batch_tokens(batch)`` (falls back to ``batch.numel()``); they are host integers.
 
     The input side, per window: ``perf/data_wait_ms``, the mean host time between one step's end and the next
-    step's start (fetching the batch and Lightning's transfer hooks; timm's training script calls it data time);
+    step's start (fetching the batch, Lightning's transfer hooks and its own work between steps such as logging;
+    timm's training script calls it data time);
     and for a datamodule with ``input_timings()`` (seconds so far by name, and ``batches``; ``ImageNetDataModule``'s
     prefetched device stage), each name's growth per batch as ``perf/input/<name>_ms``.
     """
