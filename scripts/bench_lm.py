@@ -13,7 +13,8 @@ the hybrid ``--hybrid`` (default ``kda*3,goat``), ``rope_triton`` (RoPE with ``r
 request, ``goat_fla_loss`` / ``rope_fla_loss`` (``loss_kernel: fla``: fla's Triton cross entropy in the loss),
 ``goat_torch_loss`` / ``rope_torch_loss`` (``loss_kernel: torch``: the float32 torch kernel in the chunked loss),
 ``goat_full_loss`` / ``rope_full_loss`` / ``nope_full_loss`` (``loss_chunk_tokens: 0``: whole logits, as the
-anchor) and ``goat_where`` / ``goat_where_full_loss`` (GOAT with ``lane_impl: where``),
+anchor), ``goat_where`` / ``goat_where_full_loss`` (GOAT with ``lane_impl: where``) and ``goat_scatter`` /
+``goat_scatter_full_loss`` (``lane_impl: scatter``),
 all at the same shape (default GPT-2 small: 12 layers x 768, 12 heads, vocabulary 50304, T 2048, batch 8)
 with bf16 autocast over float32 parameters
 (as ``precision: bf16-mixed``) and fused AdamW. mixlab's loss is its training loss
@@ -69,10 +70,12 @@ MIXERS = ["goat", "rope", "nope", "kda", "fg2gdn", "mesa", "hybrid", "rope_trito
 #: cross-entropy kernels inside the chunked training loss; CUDA), and ``<mixer>_full_loss``, the model with
 #: ``loss_chunk_tokens=0`` (whole logits, as the anchor: what Inductor can fuse when compiled)
 FLA_LOSS = ["goat_fla_loss", "rope_fla_loss"]
-FULL_LOSS = ["goat_full_loss", "rope_full_loss", "nope_full_loss", "goat_where_full_loss"]
+FULL_LOSS = ["goat_full_loss", "rope_full_loss", "nope_full_loss", "goat_where_full_loss", "goat_scatter_full_loss"]
 #: also measurable: ``goat_where`` (GOAT with ``lane_impl: where``: the lanes put into the qkv projection's output
-#: by one ``torch.where``, which ``--modes compile-max-autotune`` can fuse into the GEMM's epilogue)
-WHERE = ["goat_where"]
+#: by one ``torch.where``, which ``--modes compile-max-autotune`` can fuse into the GEMM's epilogue) and
+#: ``goat_scatter`` (``lane_impl: scatter``: the same by ``slice_scatter``, its backward reading only the lane
+#: columns of ``d qkv``)
+WHERE = ["goat_where", "goat_scatter"]
 TORCH_LOSS = ["goat_torch_loss", "rope_torch_loss"]
 MODES = ["eager", "compile", "compile-cudagraphs", "compile-blocks", "compile-max-autotune"]
 _T0 = time.perf_counter()
@@ -150,8 +153,8 @@ def build(name: str, args, compile_blocks: bool = False) -> nn.Module:
     mixer, mixer_args = (args.hybrid if name == "hybrid" else name), {}
     if name == "rope_triton":  # RoPE rotated in place in the packed qkv (position_args.rotary_impl)
         mixer, mixer_args = "rope", {"rope": {"position_args": {"rotary_impl": "triton"}}}
-    if name == "goat_where":  # GOAT's lanes by one torch.where into the projection's output (position_args.lane_impl)
-        mixer, mixer_args = "goat", {"goat": {"position_args": {"lane_impl": "where"}}}
+    if name in ("goat_where", "goat_scatter"):  # GOAT's lanes put into the projection's output by one pointwise op
+        mixer, mixer_args = "goat", {"goat": {"position_args": {"lane_impl": name.removeprefix("goat_")}}}
     cfg = BackboneConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads, mixer=mixer,
                          mixer_args=mixer_args, compile=compile_blocks)
     return MixlabLoss(CausalLM(vocab_size=args.vocab, backbone=cfg, loss_chunk_tokens=chunk,

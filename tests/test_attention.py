@@ -80,7 +80,7 @@ def goat_explicit(m: Attention, x: torch.Tensor, pos: torch.Tensor, present: tor
     dict(n_modes=3, learned_freqs=True, freq_base=1000.0),
     dict(n_modes=1, key_mlp_hidden=0, init="alibi"),
 ], ids=["R2", "R3-learned", "R1-nomlp"])
-@pytest.mark.parametrize("lane_impl", ["auto", "where"])
+@pytest.mark.parametrize("lane_impl", ["auto", "where", "scatter"])
 def test_goat_sdpa_equals_explicit_formula(causal, T, cfg, lane_impl):
     torch.manual_seed(T)
     m = Attention(D, H, causal=causal, position="goat", position_args=dict(cfg, lane_impl=lane_impl)).double()
@@ -99,7 +99,7 @@ def test_goat_sdpa_equals_explicit_formula(causal, T, cfg, lane_impl):
     torch.testing.assert_close(m(x, c2), want2, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("lane_impl", ["auto", "where"])
+@pytest.mark.parametrize("lane_impl", ["auto", "where", "scatter"])
 def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula(lane_impl):
     """Text tokens (sequence axis only), image patches (y, x only), a token with no axes."""
     torch.manual_seed(1)
@@ -119,15 +119,17 @@ def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula(lane_impl):
 
 @pytest.mark.parametrize("T", [1, 7, 37], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
-def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch):
-    """``lane_impl="where"`` (one ``torch.where`` into the projection's output) against the torch lanes
-    concatenated after the content dims (``"torch"``): the same outputs and the same gradients for the input, the
-    projection (whose lane-dim outputs get none) and every prior parameter, float64, batch 3; coordinates shared
-    by the batch or one set per sequence (2-D patches with a [CLS] token)."""
+@pytest.mark.parametrize("impl", ["where", "scatter"])
+def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch, impl):
+    """``lane_impl="where"`` (one ``torch.where`` into the projection's output) and ``"scatter"`` (two
+    ``slice_scatter``) against the torch lanes concatenated after the content dims (``"torch"``): the same outputs
+    and the same gradients for the input, the projection (whose lane-dim outputs get none) and every prior
+    parameter, float64, batch 3; coordinates shared by the batch or one set per sequence (2-D patches with a [CLS]
+    token)."""
     torch.manual_seed(T)
     pa = dict(n_modes=4, axes=2, default_bias=True, key_mlp_hidden=8, init="random")
-    ms = [Attention(D, H, causal=False, position="goat", position_args=dict(pa, lane_impl=impl)).double()
-          for impl in ("torch", "where")]
+    ms = [Attention(D, H, causal=False, position="goat", position_args=dict(pa, lane_impl=i)).double()
+          for i in ("torch", impl)]
     ms[1].load_state_dict(ms[0].state_dict())
     b = 3
     grid = [[y, x] for y in range(T) for x in range(2)][:T]

@@ -7,6 +7,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,16 +105,20 @@ def test_bench_lm_quick_sets_defaults_and_a_given_option_still_applies(monkeypat
     assert (args.seq_len, args.vocab, args.hybrid) == (64, 512, "kda,goat")
 
 
-def test_goat_where_is_goat_with_the_where_packing(monkeypatch):
-    """``goat_where`` builds GOAT with ``lane_impl: where`` (the lanes by one ``torch.where``, for
-    ``--modes compile-max-autotune``): the same initial weights and the same loss as ``goat``."""
+@pytest.mark.parametrize("impl", ["where", "scatter"])
+def test_goat_where_is_goat_with_the_where_packing(monkeypatch, impl):
+    """``goat_where`` / ``goat_scatter`` build GOAT with ``lane_impl: where`` / ``scatter`` (the lanes by one
+    pointwise op, for ``--modes compile-max-autotune``): the same initial weights and the same loss as ``goat``."""
     import torch
 
     bench = _bench(monkeypatch)
-    args = bench.parse(["--quick", "--models", "goat_where", "--modes", "compile-max-autotune"])
-    assert args.models == ["goat_where"] and args.modes == ["compile-max-autotune"]
-    goat, where = bench.build("goat", args), bench.build("goat_where", args)
+    args = bench.parse(["--quick", "--models", f"goat_{impl}", "--modes", "compile-max-autotune"])
+    assert args.models == [f"goat_{impl}"] and args.modes == ["compile-max-autotune"]
+    goat, where = bench.build("goat", args), bench.build(f"goat_{impl}", args)
     lanes = {m.lane_impl for m in where.modules() if hasattr(m, "lane_impl")}
-    assert lanes == {"where"} and {m.lane_impl for m in goat.modules() if hasattr(m, "lane_impl")} == {"auto"}
+    assert lanes == {impl} and {m.lane_impl for m in goat.modules() if hasattr(m, "lane_impl")} == {"auto"}
     x = torch.randint(0, args.vocab, (2, 17))
     torch.testing.assert_close(where(x[:, :-1], x[:, 1:]), goat(x[:, :-1], x[:, 1:]), rtol=1e-6, atol=1e-6)
+    if impl == "scatter":
+        assert {m.lane_impl for m in bench.build("goat_scatter_full_loss", args).modules()
+                if hasattr(m, "lane_impl")} == {"scatter"}

@@ -184,7 +184,9 @@ class GoatPrior(PositionScheme):
             elsewhere; ``"torch"``: the torch lanes concatenated after the content dims (the reference);
             ``"triton"``: the kernels, forced; ``"where"``: the torch lanes as a per-token table put into
             the projection's output by one ``torch.where`` (:meth:`pack`), a pointwise epilogue that
-            ``torch.compile(mode="max-autotune")`` can fuse into its Triton GEMM of the qkv projection.
+            ``torch.compile(mode="max-autotune")`` can fuse into its Triton GEMM of the qkv projection;
+            ``"scatter"``: the same values by ``torch.slice_scatter`` (also pointwise), whose backward reads
+            only the lane columns of ``d qkv`` for the lanes' gradient (``where``'s reads all of it).
 
     Coordinates with a per-axis :attr:`~mixlab.coords.Coords.scale` ``s`` are read as ``s * c``
     by the Fourier modes and ``phi_abs`` (each frequency of the axis times ``s``): the ViT's
@@ -213,7 +215,7 @@ class GoatPrior(PositionScheme):
         default_bias: bool = False,
         init: Literal["zero", "random", "alibi"] = "zero",
         learn_slope: bool = True,
-        lane_impl: Literal["auto", "torch", "triton", "where"] = "auto",
+        lane_impl: Literal["auto", "torch", "triton", "where", "scatter"] = "auto",
     ) -> None:
         super().__init__(n_heads, head_dim, causal)
         if n_modes < 0:
@@ -239,8 +241,9 @@ class GoatPrior(PositionScheme):
         self.use_default = default_bias
         self.key_mlp_freqs, self.abs_scale = key_mlp_freqs, float(abs_scale)
         self.init_name = init
-        if lane_impl not in ("auto", "torch", "triton", "where"):
-            raise ValueError(f"GOAT lane_impl must be 'auto', 'torch', 'triton' or 'where'; got {lane_impl!r}")
+        if lane_impl not in ("auto", "torch", "triton", "where", "scatter"):
+            raise ValueError("GOAT lane_impl must be 'auto', 'torch', 'triton', 'where' or 'scatter'; "
+                             f"got {lane_impl!r}")
         self.lane_impl = lane_impl
 
         freqs = _goat_grid(tuple(modes_per_axis) if n_modes else (), freq_base, torch.device("cpu"))
@@ -520,7 +523,7 @@ class GoatPrior(PositionScheme):
         ``qkv``'s lane dims in place and q, k, v are views of it (:class:`~mixlab.ops.goat_triton.GoatQKV`):
         one kernel forward, two backward (one of them the pass that builds ``d qkv``), no
         concatenation and no extra saved activation."""
-        if self.lane_impl == "where":
+        if self.lane_impl in ("where", "scatter"):
             return self._pack_where(qkv, coords, batch)
         calc = torch.float64 if qkv.dtype == torch.float64 else torch.float32
         f = self._features(coords, calc)
@@ -553,12 +556,22 @@ class GoatPrior(PositionScheme):
         zeros elsewhere; broadcast over the batch when the coordinates are shared). Under
         ``torch.compile(mode="max-autotune")`` Inductor can fuse that ``where`` into the epilogue of its
         Triton GEMM of the projection: the lanes cost no pass over ``qkv`` of their own. The projection's
-        outputs at the lane dims get no gradient; the table's gradient is the sum over the batch there."""
+        outputs at the lane dims get no gradient; the table's gradient is the sum over the batch there.
+
+        ``lane_impl="scatter"``: the same tensor by two nested ``torch.slice_scatter`` (the lanes into the q/k part's
+        last ``n_lanes`` dims, that part into ``qkv``), pointwise as well; the lanes' gradient is then the sum over
+        the batch of ``d qkv``'s lane columns alone (a slice), where ``where``'s sums a full-size masked table."""
         ql, kl = self.lanes(coords, coords, qkv.dtype)  # [B|1, H|1, T, n_lanes]
         h, dh, dc = self.n_heads, self.head_dim, self.content_dim
         t = qkv.shape[0] // batch
         nb = max(ql.shape[0], kl.shape[0])
         lanes = torch.stack([ql.expand(nb, h, t, -1), kl.expand(nb, h, t, -1)], dim=1)  # [B|1, 2, H, T, L]
+        if self.lane_impl == "scatter":
+            x = qkv.view(batch, t, 3, h, dh)
+            qk = torch.slice_scatter(x[:, :, :2], lanes.permute(0, 3, 1, 2, 4).expand(batch, -1, -1, -1, -1),
+                                     dim=4, start=dc)  # [B, T, 2, H, d_h]
+            q, k, v = torch.slice_scatter(x, qk, dim=2, start=0, end=2).permute(2, 0, 3, 1, 4).unbind(0)
+            return q, k, v
         table = F.pad(lanes.permute(0, 3, 1, 2, 4), (dc, 0, 0, 0, 0, 1))  # [B|1, T, 3, H, d_h]
         which = torch.arange(3, device=qkv.device).view(3, 1, 1)
         dim = torch.arange(dh, device=qkv.device).view(1, 1, dh)
