@@ -347,7 +347,7 @@ def use_triton(impl: str, present: Tensor, calc: torch.dtype, learned_freqs: boo
     tensor of the coordinates), fp32 lane math (``calc``) and fixed frequencies (learned
     frequencies need gradients into cos/sin), and outside ``torch.compile`` unless the caller has
     a compile-safe path (``compiled_ok``: :func:`triton_pack_qkv`'s custom op); otherwise
-    ``torch.compile`` compiles the torch lanes. ``"torch"`` and ``"where"``: never.
+    ``torch.compile`` compiles the torch lanes. ``"torch"``, ``"where"`` and ``"scatter"``: never.
 
     Raises:
         ValueError: ``impl="triton"`` with learned frequencies.
