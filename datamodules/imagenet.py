@@ -506,6 +506,8 @@ def _check_ranges(**values: Any) -> None:
         "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0 (or null)"),
         "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
         "worker_nice": (lambda v: 0 <= v <= 19, "in [0, 19] (raising a worker's priority needs root)"),
+        **dict.fromkeys(("decode_thread", "cuda_graphs", "priority_training"),
+                        (lambda v: isinstance(v, bool), "true or false")),
     }
     for name, value in values.items():
         test, allowed = rules[name]
@@ -635,11 +637,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       num_workers=num_workers, shuffle_buffer=shuffle_buffer, shard_shuffle=shard_shuffle,
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
-                      scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice)
-        for name, value in (("decode_thread", decode_thread), ("cuda_graphs", cuda_graphs),
-                            ("priority_training", priority_training)):
-            if not isinstance(value, bool):
-                raise ValueError(f"ImageNetDataModule: {name} must be true or false; got {value!r}")
+                      scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice,
+                      decode_thread=decode_thread, cuda_graphs=cuda_graphs, priority_training=priority_training)
         self.worker_nice, self.decode_thread = worker_nice, decode_thread
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
@@ -824,15 +823,14 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 
     def pipeline_summary(self) -> str:
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
-        nice = f" at nice +{self.worker_nice} (worker_nice)" if self.worker_nice and self.num_workers else ""
-        if self.worker_nice and not self.num_workers:
-            nice = " (worker_nice has no effect without DataLoader workers)"
+        at_nice = f" at nice +{self.worker_nice} (worker_nice)" if self.worker_nice and self.num_workers else ""
+        no_nice = " (worker_nice has no effect without DataLoader workers)" if self.worker_nice and not at_nice else ""
         if self.decode_mode() == "cpu":
             unused = "".join(f" ({what} has no effect here)" for what, on in (
                 (f"cpu_decode_fraction={self.cpu_decode_fraction}", self.cpu_decode_fraction),
                 ("decode_thread", self.decode_thread)) if on)
-            return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){nice}"
-                    f"{unused}")
+            return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){at_nice}"
+                    f"{no_nice}{unused}")
         device = self._root_device() or torch.device("cpu")
         where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
                  else "in on_after_batch_transfer")
@@ -848,7 +846,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
         return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
-                f"{self._worker_share_summary()}" + (f"; DataLoader workers{nice}" if nice.startswith(" at") else nice))
+                f"{self._worker_share_summary()}" + (f"; DataLoader workers{at_nice}" if at_nice else no_nice))
 
     def _worker_share_summary(self) -> str:
         """The ``cpu_decode_fraction`` part of :meth:`pipeline_summary` (empty when 0)."""

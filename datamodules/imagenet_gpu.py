@@ -1191,8 +1191,9 @@ class GpuPipeline:
 
     def decode(self, batch: EncodedBatch) -> list[Tensor | None]:
         """The first half of ``__call__``: the batch's JPEGs (those not decoded in the workers) decoded on
-        ``batch.labels.device`` (:func:`decode_jpegs`; ``None`` for an image no decoder reads). Adds its host wall
-        time to :attr:`decode_seconds`."""
+        ``batch.labels.device`` by :func:`decode_jpegs`: one uint8 ``[3, H_b, W_b]`` RGB tensor per image, each
+        at its own size, ``None`` for an image no decoder reads. Adds its host wall time (seconds) to
+        :attr:`decode_seconds`."""
         dev = batch.labels.device
         p_n = batch.num_decoded  # the first p_n images arrive decoded (batch.pixels)
         t = time.perf_counter()
@@ -1203,7 +1204,8 @@ class GpuPipeline:
 
     def finish(self, batch: EncodedBatch, imgs: list[Tensor | None]) -> tuple[Tensor, Tensor]:
         """The second half of ``__call__``: crop, resize, augment and normalise ``imgs`` (:meth:`decode` of
-        ``batch``, on the device; on CUDA usable on the current stream) into ``(images, labels)``."""
+        ``batch``, on the device; on CUDA usable on the current stream) into ``(images, labels)``: float32
+        ``[B', 3, H, W]`` normalised images and int64 ``[B']`` labels, ``B'`` = the images that decoded."""
         dev = batch.labels.device
         p_n = batch.num_decoded
         keep = list(range(p_n)) + [p_n + k for k, im in enumerate(imgs) if im is not None]

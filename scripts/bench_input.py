@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import itertools
 import math
 import os
 import platform
@@ -388,14 +389,9 @@ def stack_summary(text: str) -> list[str]:
             entry += f" < {_short_frame(ours[-1])}"
         entries.append((when, entry))
     out: list[str] = []
-    k = 0
-    while k < len(entries):
-        j = k
-        while j + 1 < len(entries) and entries[j + 1][1] == entries[k][1]:
-            j += 1
-        span = f"{entries[k][0]} s" if j == k else f"{entries[k][0]}-{entries[j][0]} s"
-        out.append(f"{span}: {entries[k][1]}")
-        k = j + 1
+    for entry, run in itertools.groupby(entries, key=lambda e: e[1]):
+        times = [when for when, _ in run]
+        out.append(f"{times[0]} s: {entry}" if len(times) == 1 else f"{times[0]}-{times[-1]} s: {entry}")
     return out
 
 

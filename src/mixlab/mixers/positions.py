@@ -565,17 +565,17 @@ class GoatPrior(PositionScheme):
         h, dh, dc = self.n_heads, self.head_dim, self.content_dim
         t = qkv.shape[0] // batch
         nb = max(ql.shape[0], kl.shape[0])
-        lanes = torch.stack([ql.expand(nb, h, t, -1), kl.expand(nb, h, t, -1)], dim=1)  # [B|1, 2, H, T, L]
+        lanes = torch.stack([ql.expand(nb, h, t, -1), kl.expand(nb, h, t, -1)], dim=1).permute(0, 3, 1, 2, 4)
+        # lanes [B|1, T, 2, H, L]; x [B, T, 3, H, d_h]: the lanes go to x[:, :, :2, :, d_c:]
+        x = qkv.view(batch, t, 3, h, dh)
         if self.lane_impl == "scatter":
-            x = qkv.view(batch, t, 3, h, dh)
-            qk = torch.slice_scatter(x[:, :, :2], lanes.permute(0, 3, 1, 2, 4).expand(batch, -1, -1, -1, -1),
-                                     dim=4, start=dc)  # [B, T, 2, H, d_h]
-            q, k, v = torch.slice_scatter(x, qk, dim=2, start=0, end=2).permute(2, 0, 3, 1, 4).unbind(0)
-            return q, k, v
-        table = F.pad(lanes.permute(0, 3, 1, 2, 4), (dc, 0, 0, 0, 0, 1))  # [B|1, T, 3, H, d_h]
-        which = torch.arange(3, device=qkv.device).view(3, 1, 1)
-        dim = torch.arange(dh, device=qkv.device).view(1, 1, dh)
-        out = torch.where((which < 2) & (dim >= dc), table, qkv.view(batch, t, 3, h, dh))
+            qk = torch.slice_scatter(x[:, :, :2], lanes.expand(batch, -1, -1, -1, -1), dim=4, start=dc)
+            out = torch.slice_scatter(x, qk, dim=2, start=0, end=2)
+        else:
+            table = F.pad(lanes, (dc, 0, 0, 0, 0, 1))  # [B|1, T, 3, H, d_h]
+            which = torch.arange(3, device=qkv.device).view(3, 1, 1)
+            dim = torch.arange(dh, device=qkv.device).view(1, 1, dh)
+            out = torch.where((which < 2) & (dim >= dc), table, x)
         q, k, v = out.permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v
 
