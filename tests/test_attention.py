@@ -152,6 +152,33 @@ def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch,
     assert grads[1][1].abs().sum() > 0
 
 
+@pytest.mark.parametrize("impl", ["where", "scatter"])
+def test_goat_where_packing_on_a_long_correlated_sequence(impl):
+    """Realistic inputs for the pointwise packings: 515 tokens (odd, across several key-linear blocks of 128) from
+    position 1000 on, tokens that drift slowly (a normalised random walk: neighbouring keys nearly parallel), prior
+    parameters at random non-zero values, batch 2 with one set of coordinates, causal; the outputs and every
+    gradient equal those of the concatenated torch lanes in float64."""
+    torch.manual_seed(5)
+    pa = dict(n_modes=3, key_mlp_hidden=8, bos_bias=True, init="random")
+    ms = [Attention(D, H, causal=True, position="goat", position_args=dict(pa, lane_impl=i)).double()
+          for i in ("torch", impl)]
+    _randomise(ms[0], seed=5)
+    ms[1].load_state_dict(ms[0].state_dict())
+    walk = torch.randn(2, 515, D, dtype=torch.float64).cumsum(1)
+    x = walk / walk.norm(dim=-1, keepdim=True) * D ** 0.5
+    coords = Coords.seq(515, offset=1000)
+    g = torch.randn_like(x)
+    outs, grads = [], []
+    for m in ms:
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, coords)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, [xi, *m.parameters()], g))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-11, atol=1e-11)
+    for g0, g1 in zip(grads[0], grads[1]):
+        torch.testing.assert_close(g1, g0, rtol=1e-9, atol=1e-11)
+
+
 def test_goat_forced_triton_lanes_fall_back_to_torch_on_the_cpu(monkeypatch):
     """A model trained with ``lane_impl: triton`` (the kernels forced) still runs on a CPU: one warning, then the
     torch lanes (the same values as ``torch``)."""
