@@ -117,6 +117,18 @@ def test_goat_mixed_1d_2d_coordinates_equal_explicit_formula(lane_impl):
     torch.testing.assert_close(m(x, coords), want, rtol=1e-10, atol=1e-10)
 
 
+def _outputs_and_grads(ms, x, coords, g):
+    """Each model's output on ``(x, coords)`` and its gradients (input first, then the parameters) for the
+    upstream gradient ``g``."""
+    outs, grads = [], []
+    for m in ms:
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, coords)
+        outs.append(y)
+        grads.append(torch.autograd.grad(y, [xi, *m.parameters()], g))
+    return outs, grads
+
+
 @pytest.mark.parametrize("T", [1, 7, 37], ids=lambda t: f"T{t}")
 @pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
 @pytest.mark.parametrize("impl", ["where", "scatter"])
@@ -139,12 +151,7 @@ def test_goat_where_packing_gradients_equal_the_concatenated_lanes(T, per_batch,
     coords = Coords.cat([Coords.empty(pos.shape[0], 2), Coords(pos, torch.ones_like(pos, dtype=torch.bool))])
     x = torch.randn(b, coords.length, D, dtype=torch.float64)
     g = torch.randn(b, coords.length, D, dtype=torch.float64)
-    outs, grads = [], []
-    for m in ms:
-        xi = x.clone().requires_grad_(True)
-        y = m(xi, coords)
-        outs.append(y)
-        grads.append(torch.autograd.grad(y, [xi, *m.parameters()], g))
+    outs, grads = _outputs_and_grads(ms, x, coords, g)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
     for (name, _), g0, g1 in zip(ms[0].named_parameters(), grads[0][1:], grads[1][1:]):
         torch.testing.assert_close(g1, g0, rtol=1e-10, atol=1e-12, msg=name)
@@ -168,12 +175,7 @@ def test_goat_where_packing_on_a_long_correlated_sequence(impl):
     x = walk / walk.norm(dim=-1, keepdim=True) * D ** 0.5
     coords = Coords.seq(515, offset=1000)
     g = torch.randn_like(x)
-    outs, grads = [], []
-    for m in ms:
-        xi = x.clone().requires_grad_(True)
-        y = m(xi, coords)
-        outs.append(y)
-        grads.append(torch.autograd.grad(y, [xi, *m.parameters()], g))
+    outs, grads = _outputs_and_grads(ms, x, coords, g)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-11, atol=1e-11)
     for g0, g1 in zip(grads[0], grads[1]):
         torch.testing.assert_close(g1, g0, rtol=1e-9, atol=1e-11)
