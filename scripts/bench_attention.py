@@ -288,6 +288,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="print host time, GPU kernel time and top kernels of the GOAT and plain layers, then exit")
     args = ap.parse_args()
+    ap.check_output("--out", args.out, folder=True)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention.py needs a CUDA device")
     if args.profile:

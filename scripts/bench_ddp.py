@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("extra", nargs="*",
                    help="extra CLI overrides after --, e.g. -- --data.init_args.context_length 1024")
     args = p.parse_args(argv)
+    p.check_output("--out", args.out, folder=True)
     if not args.cpu and torch.cuda.device_count() < 2:
         sys.exit(f"bench_ddp needs 2 CUDA GPUs, found {torch.cuda.device_count()}")
     out = Path(args.out).resolve()

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> str:
                    help="also the static step through torch.compile (captured as a CUDA graph on CUDA)")
     p.add_argument("--out", default=None, help="directory for bench_decode.md (or a path ending in .md)")
     args = p.parse_args(argv)
+    p.check_output("--out", args.out, folder=not str(args.out or "").endswith(".md"))
     from mixlab.backbone import mixer_names, parse_pattern
 
     for mixer in args.mixers:

@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--stores", action="store_true",
                     help="also time the forward's stores alone against a contiguous write of the same bytes")
     args = ap.parse_args()
+    ap.check_output("--out", args.out, folder=True)
     if not torch.cuda.is_available():
         raise SystemExit("bench_goat_lanes.py needs a CUDA device")
     from mixlab.mixers.attention import Attention

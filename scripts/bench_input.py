@@ -276,13 +276,28 @@ def _write_part(job: tuple) -> str:
     return write_synthetic_shards(out_dir, n, wh, classes, shard_size, seed=seed, prefix=f"synthetic{seed}")
 
 
+def writer_procs(n_images: int) -> int:
+    """Processes that write ``n_images`` synthetic images: one per 512 images, at most 4 and the CPU count."""
+    return min(4, os.cpu_count() or 1, -(-n_images // 512))
+
+
+def part_sizes(n_images: int, procs: int) -> list[int]:
+    """Images per writing process (the non-empty parts of :func:`write_shards_parallel`)."""
+    return [n for n in (n_images // procs + (k < n_images % procs) for k in range(procs)) if n]
+
+
+def synthetic_shard_count(n_images: int, shard_size: int) -> int:
+    """Shards :func:`write_shards_parallel` writes for ``n_images`` (each part's last shard may be short)."""
+    return sum(-(-n // shard_size) for n in part_sizes(n_images, writer_procs(n_images)))
+
+
 def write_shards_parallel(out_dir: str | Path, n_images: int, wh: tuple[int, int], classes: int, shard_size: int,
                           procs: int) -> str:
     """``write_synthetic_shards`` split over ``procs`` processes (part ``k`` in ``out_dir/part{k}``, seed ``k``):
     the shard patterns joined by ``::`` (what ``ImageNetDataModule`` reads as one list). 4 processes write 4096
     500x375 images in ~25 s on the H200 hosts, one in ~90 s."""
-    sizes = [n_images // procs + (k < n_images % procs) for k in range(procs)]
-    jobs = [(str(Path(out_dir) / f"part{k}"), n, wh, classes, shard_size, k) for k, n in enumerate(sizes) if n]
+    jobs = [(str(Path(out_dir) / f"part{k}"), n, wh, classes, shard_size, k)
+            for k, n in enumerate(part_sizes(n_images, procs))]
     if len(jobs) == 1:
         return _write_part(jobs[0])
     import multiprocessing as mp
@@ -395,14 +410,28 @@ def stack_summary(text: str) -> list[str]:
     return out
 
 
+# `python -c` check of `python -m mixlab fit` arguments: the model, datamodule and trainer built from them
+# (their own checks run: ranges, mixer options), the subcommand not run (nothing trained or saved)
+_CHECK_MAIN = """import sys
+from mixlab.cli import MixlabCLI, one_line_errors
+class Check(MixlabCLI):
+    def _run_subcommand(self, subcommand):
+        pass
+with one_line_errors():
+    Check(args=sys.argv[1:])
+"""
+
+
 def cli_args_error(args: list[str], config: str) -> str:
-    """The last line of ``python -m mixlab fit --config CONFIG ARGS --print_config``'s error output when the CLI
-    refuses ``args`` (an unknown option, a value of the wrong type), else ``""``: checked before any fit runs."""
-    done = subprocess.run([sys.executable, "-m", "mixlab", "fit", "--config", config, *args, "--print_config"],
-                          capture_output=True, text=True)
+    """The last line of the error output when ``python -m mixlab fit --config CONFIG ARGS`` refuses ``args`` (an
+    unknown option, a value of the wrong type, a value the datamodule or model refuses), else ``""``: the classes
+    are built, the subcommand not run (its run root a temporary folder), before any fit runs."""
+    with tempfile.TemporaryDirectory(prefix="bench_input_check_") as tmp:
+        done = subprocess.run([sys.executable, "-c", _CHECK_MAIN, "fit", "--config", config, *args, "--run_root", tmp],
+                              capture_output=True, text=True)
     if done.returncode == 0:
         return ""
-    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip() and not ln.startswith("(MIXLAB_TRACEBACK")]
     return lines[-1] if lines else f"exit status {done.returncode}"
 
 
@@ -670,6 +699,7 @@ def main(argv: list[str] | None = None) -> str:
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
     a = p.parse_args(argv)
+    p.check_output("--out", a.out)
     given = sys.argv[1:] if argv is None else argv
     quick_sets = ("--images", "--image-wh", "--classes", "--shard-size", "--workers", "--batch-size", "--image-size",
                   "--warmup", "--batches", "--model")
@@ -732,12 +762,20 @@ def main(argv: list[str] | None = None) -> str:
     from mixlab.datamodules.files import expand_pattern
     from mixlab.datamodules.imagenet import ImageNetDataModule
 
+    counts = {}  # shards of each pattern: every DataLoader worker needs one (the datamodule's rule)
     for option, pattern in (("--shards", a.shards), ("--val-shards", a.val_shards)):
         if pattern is not None:
             try:
-                expand_pattern(pattern, option, kind="shards")
+                counts[option] = len(expand_pattern(pattern, option, kind="shards"))
             except (FileNotFoundError, ValueError) as err:
                 p.error(str(err))
+    if a.shards is None:
+        counts["--images / --shard-size"] = synthetic_shard_count(a.images, a.shard_size)
+    for option, count in counts.items():
+        if count < max(1, a.workers):
+            p.error(f"{option}: {count} shards for --workers {a.workers}; every DataLoader worker needs at least one "
+                    f"shard: lower --workers" + (" or --shard-size" if a.shards is None and option != "--val-shards"
+                                                 else ""))
 
     tmp = None
     train_pattern, what = a.shards, "real shards"
@@ -746,7 +784,7 @@ def main(argv: list[str] | None = None) -> str:
         w, h = (int(v) for v in a.image_wh.lower().split("x"))
         t0 = time.perf_counter()
         train_pattern = write_shards_parallel(wdir, a.images, (w, h), a.classes, a.shard_size,
-                                              min(4, os.cpu_count() or 1, -(-a.images // 512)))
+                                              writer_procs(a.images))
         files = sorted(Path(wdir).rglob("folder/**/*.jpg"))
         kb = sum(f.stat().st_size for f in files) / len(files) / 1000
         what = f"synthetic: {a.images} JPEGs {w}x{h}, {kb:.0f} kB mean, {a.classes} classes " \

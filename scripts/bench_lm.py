@@ -277,6 +277,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(n_layers=2, d_model=64, n_heads=2, vocab=512, seq_len=64, batch=2, rounds=2, steps=2, warmup=2,
                        amp=False, device="cpu", hybrid="kda,goat", modes=["eager"])
     args = p.parse_args(argv)
+    p.check_output("--out", args.out)
     for name in ("rounds", "steps", "n_layers", "d_model", "n_heads", "vocab", "seq_len", "batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")

@@ -376,6 +376,7 @@ def main() -> None:
                     help="autotune each fla kernel over at most N configs (0: fla's full search; "
                          "mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args()
+    ap.check_output("--out", args.out, folder=True)
     os.makedirs(args.out, exist_ok=True)
     dev = torch.device(args.device)
     if dev.type == "cuda":

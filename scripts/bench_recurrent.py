@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="autotune each fla kernel over at most N configs (0: fla's full search; "
                          "mixlab.ops.fla.limit_autotune)")
     args = ap.parse_args(argv)
+    ap.check_output("--out", args.out, folder=True)
     global WARMUP, ITERS
     WARMUP, ITERS = args.warmup, args.iters
     dev = torch.device(args.device)

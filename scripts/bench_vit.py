@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=["timm", "goat", "ape", "rope2d", "nope"])
     p.add_argument("--compile", action="store_true", help="also measure torch.compile'd models")
     a = p.parse_args(argv)
+    p.check_output("--out", a.out, folder=True)
     if not torch.cuda.is_available():
         sys.exit("bench_vit.py needs a CUDA device")
     torch.backends.cuda.matmul.allow_tf32 = True

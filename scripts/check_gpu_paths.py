@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fast-impl", nargs="*", default=[], metavar="MIXER=IMPL",
                     help="override a fast impl, e.g. hawk=fla (opt-in fla chunk_hgrn) or mamba2=fla_simple")
     args = ap.parse_args(argv)
+    ap.check_output("--out", args.out, folder=True)
     if any("=" not in kv for kv in args.fast_impl):
         ap.error(f"--fast-impl: expected MIXER=IMPL items; got {args.fast_impl}")
     overrides = dict(kv.split("=", 1) for kv in args.fast_impl)

@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="CPU check of the script: goat + kda, lm (64 tokens) + vit, 32, 12 steps")
     args = ap.parse_args(argv)
+    ap.check_output("--out", args.out, folder=True)
     import torch
 
     from mixlab.registry import list_mixers

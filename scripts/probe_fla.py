@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--raw", action="store_true", help="skip mixlab.ops.fla.unserved (probe the kernels' own limits)")
     ap.add_argument("--worker", nargs=2, metavar=("OP", "DTYPE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    ap.check_output("--out", args.out, folder=True)
     shapes = [tuple(int(z) for z in s.split("x")) for s in args.shapes]
     if args.worker:
         worker(*args.worker, args.dims, shapes)

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", default="sweep.md")
     p.add_argument("--run-root", default="runs/sweep")
     args = p.parse_args(argv)
+    p.check_output("--out", args.out)
     for c in args.configs:
         if not Path(c).is_file():
             p.error(f"config not found: {c}")

@@ -373,9 +373,14 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     (["--cli-variants", "--data.init_args.worker_nice 3"], "give --cli-steps N too"),
     (["--cli-args", "--trainer.max_epochs 1"], "give --cli-steps N too"),
     (["--cli-stacks", "2"], "--cli-stacks must be > 0 seconds (0: off) and needs --cli-steps"),
-    # checked by `python -m mixlab fit --print_config` before any fit (not after minutes of earlier ones)
+    # checked by building the CLI's classes before any fit (not after minutes of earlier ones)
     (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.bogus 3"],
      "'--data.init_args.bogus 3': `python -m mixlab fit` refuses them: error: unknown option --data.init_args.bogus"),
+    (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.worker_nice 25"],
+     "'--data.init_args.worker_nice 25': `python -m mixlab fit` refuses them: error: data: ImageNetDataModule: "
+     "worker_nice must be in [0, 19]"),
+    # --quick writes 48 images, 6 per shard: 8 shards
+    (["--workers", "9"], "--quick sets --workers itself"),
 ])
 def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monkeypatch, capsys, tmp_path):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
@@ -385,3 +390,37 @@ def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monke
     with pytest.raises(SystemExit) as exc:
         bench_input.main(["--quick", "--workdir", str(tmp_path), *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--images", "48", "--shard-size", "6", "--workers", "9"],
+     "--images / --shard-size: 8 shards for --workers 9; every DataLoader worker needs at least one shard: lower "
+     "--workers or --shard-size"),
+    (["--images", "1000", "--shard-size", "128"], "--images / --shard-size: 8 shards for --workers 15"),
+    (["--quick", "--out", "/proc/bench_input.md"], "--out '/proc/bench_input.md' cannot be written"),
+    (["--quick", "--out", "."], "--out '.' is a folder; give a file path"),
+])
+def test_bench_input_refuses_unusable_shards_and_outputs_before_any_work(argv, message, monkeypatch, capsys,
+                                                                         tmp_path):
+    """Too few shards for the workers (each DataLoader worker reads whole shards) and an ``--out`` that cannot be
+    written are one-line errors before any shard is written or anything is timed."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    monkeypatch.setattr(bench_input, "write_shards_parallel", lambda *a, **k: pytest.fail("shards written"))
+    monkeypatch.setattr(bench_input, "time_model", lambda *a, **k: pytest.fail("the model was timed"))
+    with pytest.raises(SystemExit) as exc:
+        bench_input.main(["--workdir", str(tmp_path), "--device", "cpu", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_synthetic_shard_count_matches_the_shards_written(tmp_path, monkeypatch):
+    """The up-front count (:func:`bench_input.synthetic_shard_count`) is the number of shards the writer makes (the
+    last one short)."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    from mixlab.datamodules.files import expand_pattern
+
+    pattern = bench_input.write_shards_parallel(tmp_path, 21, (32, 24), 2, 4, bench_input.writer_procs(21))
+    assert len(expand_pattern(pattern, kind="shards")) == bench_input.synthetic_shard_count(21, 4) == 6

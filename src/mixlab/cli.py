@@ -52,6 +52,7 @@ Set ``MIXLAB_TRACEBACK=1`` to get jsonargparse's message or the full traceback i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import logging
@@ -1041,9 +1042,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"error: {early} comes before --config, which chooses the model and data classes its "
                   f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
             raise SystemExit(2)
-        MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+        with one_line_errors():
+            MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Bad input inside (what :func:`bad_input_error` recognises: a config value a class refuses, a missing file)
+    leaves as one ``error: <field>: <cause>`` line on stderr and ``SystemExit(2)``; anything else, or any error with
+    ``MIXLAB_TRACEBACK=1``, propagates with its traceback. Used by :func:`main` and by ``scripts/bench_input.py``'s
+    up-front check of extra CLI arguments (``MixlabCLI(args, run=False)``: the classes built, nothing run)."""
+    try:
+        yield
+    except SIGTERMException:
+        raise
     except Exception as err:
         found = None if os.environ.get("MIXLAB_TRACEBACK") else bad_input_error(err)
         if found is None:

@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import importlib
 import shutil
+import tempfile
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,25 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+    def check_output(self, option: str, path: str | Path | None, folder: bool = False) -> None:
+        """Refuse an output ``path`` that cannot be written, before any measurement: its folder (``folder``:
+        ``path`` itself, else its parent) is created if missing and must take a new file, and a file ``path``
+        must not be a folder. ``None`` (not given) passes. Exits as :meth:`error` (one line, status 2)."""
+        if path is None:
+            return
+        path = Path(path)
+        where = path if folder else path.parent
+        if not folder and path.is_dir():
+            self.error(f"{option} {str(path)!r} is a folder; give a file path")
+        if folder and path.exists() and not path.is_dir():
+            self.error(f"{option} {str(path)!r} is a file; give a folder")
+        try:
+            where.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=where, prefix=".write-check-"):
+                pass
+        except OSError as err:
+            self.error(f"{option} {str(path)!r} cannot be written: {err.strerror or err}")
 
 
 def refuse_below(*checks: tuple[str, Any, int | float]) -> None:
