@@ -410,13 +410,17 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Continue epoch ``state["epoch"]`` after ``state["consumed_batches"]`` batches (next iteration
         of that epoch only; the next epoch if none is left); earlier epochs given to :meth:`set_epoch`
         from then on read as this one. A state saved under another world size, worker count, batch size, seed or
-        shard count cannot be replayed: RuntimeWarning naming both values, and the epoch starts afresh."""
+        shard count cannot be replayed: RuntimeWarning naming both values, and the stream starts the epoch afresh
+        (the trainer still counts the batches done before, so that epoch is short: its last samples are not read)."""
         mine = self.state_dict()
         changed = [f"{k} {state.get(k)} -> {mine[k]}" for k in ("seed", "world", "num_workers", "batch_size", "shards")
                    if state.get(k) != mine[k]]
         if changed:
             warnings.warn(f"ShardStream: cannot resume the WebDataset stream exactly ({', '.join(changed)} since the "
-                          f"checkpoint); epoch {state['epoch']} restarts from its first sample", RuntimeWarning)
+                          f"checkpoint): the stream starts epoch {state['epoch']} again from its first sample while "
+                          f"the trainer keeps its count of that epoch's batches already done, so the rest of epoch "
+                          f"{state['epoch']} reads samples from the epoch's start again and not its last ones; later "
+                          f"epochs are whole", RuntimeWarning)
             self._state[1], self._state[2] = -1, 0
         else:
             self._state[1], self._state[2] = int(state["epoch"]), int(state["consumed_batches"])
@@ -823,7 +827,12 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
 
     def pipeline_summary(self) -> str:
         """Where the training images are decoded and augmented, in words (logged when the train loader is built)."""
-        at_nice = f" at nice +{self.worker_nice} (worker_nice)" if self.worker_nice and self.num_workers else ""
+        own = os.nice(0) if hasattr(os, "nice") else 0  # Linux caps a nice value at 19
+        gain = min(19, own + self.worker_nice) - own
+        at_nice = ("" if not (self.worker_nice and self.num_workers) else
+                   f" at nice +{gain} (worker_nice)" if gain == self.worker_nice else
+                   f" at nice +{gain} (worker_nice {self.worker_nice}, capped: this process runs at nice {own} and "
+                   f"19 is the lowest priority)")
         no_nice = " (worker_nice has no effect without DataLoader workers)" if self.worker_nice and not at_nice else ""
         if self.decode_mode() == "cpu":
             unused = "".join(f" ({what} has no effect here)" for what, on in (

@@ -256,8 +256,19 @@ def test_worker_nice_lowers_the_workers_priority_not_the_training_process(shards
         loader.multiprocessing_context = context
     seen = torch.cat([y for _, y in loader])
     assert seen.tolist() == [min(base + 7, 19)] * (N_CLASSES * PER_CLASS) and os.nice(0) == base
-    assert "DataLoader workers at nice +7" in ImageNetDataModule(train_path="x.tar", decode="gpu", num_workers=2,
-                                                                 worker_nice=7).pipeline_summary()
+    summary = ImageNetDataModule(train_path="x.tar", decode="gpu", num_workers=2, worker_nice=7).pipeline_summary()
+    assert ("DataLoader workers at nice +7 (worker_nice)" if base + 7 <= 19 else
+            f"at nice +{19 - base} (worker_nice 7, capped: this process runs at nice {base}") in summary
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="os.nice: POSIX only")
+def test_worker_nice_summary_says_when_linux_caps_it(monkeypatch):
+    """A training process already at nice 15 leaves its workers 4 steps (Linux's lowest priority is 19): the
+    summary gives the workers' real offset and why, not the requested one."""
+    monkeypatch.setattr(os, "nice", lambda inc: 15 + inc)
+    summary = ImageNetDataModule(train_path="x.tar", decode="gpu", num_workers=2, worker_nice=10).pipeline_summary()
+    assert "DataLoader workers at nice +4 (worker_nice 10, capped: this process runs at nice 15 and 19 is the " \
+           "lowest priority)" in summary
 
 
 def _decode_reporting_nice(sample, num_classes, transform=None):

@@ -116,6 +116,39 @@ def test_rope_and_alibi_reject_their_likely_typos():
         build_mixer("goat", d_model=D, n_heads=H, causal=True, position="goat2d")
 
 
+def test_a_position_args_key_given_at_the_mixers_level_is_pointed_to_its_place():
+    """GOAT's ``lane_impl`` and RoPE's ``rotary_impl`` live in ``position_args``: given one level up, the error
+    says where they go (it used to suggest the unrelated ``impl``); a plain typo still gets its "did you mean"."""
+    with pytest.raises(ValueError) as info:
+        build_mixer("goat", d_model=D, n_heads=H, causal=True, lane_impl="where")
+    assert str(info.value) == ("mixer 'goat' got unknown argument(s) 'lane_impl'; it accepts: position, position_args, "
+                               "head_dim, impl, bias, dropout; 'lane_impl' is a key of position_args: "
+                               "mixer_args.goat.position_args.lane_impl")
+    with pytest.raises(ValueError, match="'rotary_impl' is a key of position_args: "
+                                         "mixer_args.rope.position_args.rotary_impl$"):
+        build_mixer("rope", d_model=D, n_heads=H, causal=True, rotary_impl="triton")
+    with pytest.raises(ValueError, match="did you mean 'impl' for 'imple'\\?$"):
+        build_mixer("goat", d_model=D, n_heads=H, causal=True, imple="sdpa")
+
+
+def test_mixer_args_of_a_mixer_outside_the_pattern_are_checked_and_said_unused(caplog):
+    """A shared ``mixer_args`` block may hold entries for mixers the pattern does not use (one config, several
+    runs): their keys are checked like the used ones' (a typo is an error naming the entry) and one INFO line says
+    they are unused; their values are not built, so they are not checked."""
+    with pytest.raises(ValueError, match="^backbone: mixer_args.rope: mixer 'rope' got unknown argument\\(s\\) "
+                                         "'bogus_top'"):
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"rope": {"bogus_top": 1}})
+    with pytest.raises(ValueError, match="^backbone: mixer_args.rope: position_args of 'rope' got unknown key\\(s\\) "
+                                         "'bogus'; it accepts: axes, base"):
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat",
+                       mixer_args={"rope": {"position_args": {"bogus": 1}}})
+    with caplog.at_level(logging.INFO, logger="mixlab.backbone"):
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="kda*1,goat",
+                       mixer_args={"goat": {}, "mesa": {"cg_iters": 15}, "swa": {"window": 8}})
+    assert "backbone: mixer_args for 'mesa', 'swa' unused: the mixer pattern 'kda*1,goat' has no such layer" \
+        in caplog.text
+
+
 @pytest.mark.parametrize("name", POSITIONS.names())
 def test_every_position_scheme_describes_the_axes_it_reads(name):
     m = build_mixer("goat", d_model=D, n_heads=H, causal=True, position=name).double()

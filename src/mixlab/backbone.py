@@ -25,6 +25,7 @@ from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixe
 from mixlab.registry import MIXERS, POSITIONS, did_you_mean
 
 log = logging.getLogger("mixlab.backbone")
+_NOTED: set[str] = set()  # notes logged once per process
 
 __all__ = ["BackboneConfig", "Backbone", "Block", "parse_pattern", "mixer_names", "pattern_name"]
 
@@ -128,8 +129,10 @@ class BackboneConfig:
 
     def __post_init__(self) -> None:
         """Raises ValueError for sizes < 1, a non-positive ``mlp_ratio``, ``drop_path``
-        outside [0, 1), or ``mixer_args`` keyed by a name that is not a registered mixer (a
-        typo there would otherwise be ignored silently)."""
+        outside [0, 1), ``mixer_args`` keyed by a name that is not a registered mixer (a
+        typo there would otherwise be ignored silently), or a key that mixer (or its position
+        scheme) does not take, also for a mixer the pattern does not use (its values are not
+        checked; one INFO line says the entry is unused)."""
         for name in ("d_model", "n_layers", "n_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -142,6 +145,22 @@ class BackboneConfig:
         if unknown:
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
                              f"registered mixers: {', '.join(list_mixers())}{did_you_mean(unknown, list_mixers())}")
+        unused = sorted(set(self.mixer_args or {}) - set(mixer_names(self.mixer)))
+        for name in unused:  # keys checked as if it ran (a typo in a shared block is an error), values are not
+            given = dict(self.mixer_args[name] or {})
+            try:
+                MIXERS.check_keys(name, given)
+                scheme = {**MIXERS.defaults(name), **given}.get("position")
+                if isinstance(scheme, str) and scheme in POSITIONS and isinstance(given.get("position_args"), dict):
+                    POSITIONS.check_keys(scheme, given["position_args"])
+            except ValueError as err:
+                raise ValueError(f"backbone: mixer_args.{name}: {err}") from None
+        if unused:
+            note = (f"backbone: mixer_args for {', '.join(map(repr, unused))} unused: the mixer pattern "
+                    f"{self.mixer!r} has no such layer")
+            if note not in _NOTED:  # once per process; info: a block shared by runs of several mixers is normal
+                _NOTED.add(note)
+                log.info(note)
 
     def with_position_axes(self, axes: int, defaults: dict[str, Any] | None = None,
                            force: dict[str, Any] | None = None) -> BackboneConfig:

@@ -968,17 +968,21 @@ class _DropNotice(logging.Filter):
 
 
 def quiet_library_notices() -> None:
-    """Silence two notices every mixlab command printed and no user can act on: Lightning's
+    """Silence three notices mixlab commands printed and no user can act on: Lightning's
     litlogger advert (logged by every ``Trainer`` whose logger is not a LitLogger: mixlab's
-    TensorBoard default, or none in the evaluation commands) and torch's FutureWarning
-    ``isinstance(treespec, LeafSpec) is deprecated`` raised inside Lightning's own CombinedLoader.
-    Only these two messages; idempotent."""
+    TensorBoard default, or none in the evaluation commands), torch's FutureWarning
+    ``isinstance(treespec, LeafSpec) is deprecated`` raised inside Lightning's own CombinedLoader,
+    and torch >= 2.14's rename notice for DDP's ``broadcast_buffers`` (the DDP config's option, kept
+    under its old name so that older torch versions take it). Only these messages; idempotent."""
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) for f in log.filters):
             log.addFilter(_DropNotice())
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    # configs/trainer/ddp.yaml's `broadcast_buffers: false`: the name every torch >= 2.5 takes; torch 2.14 renamed
+    # it `forward_sync_buffers` (same meaning) and warns on every rank
+    warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated")
 
 
 def _resolve(target: str) -> Callable[[list[str]], Any]:
@@ -1000,13 +1004,27 @@ def _option_before_config(words: list[str]) -> str | None:
     return None
 
 
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler that writes to the ``sys.stderr`` of the moment (as :data:`logging.lastResort`), not the
+    one current when it was made: one process may call :func:`main` several times (tests, notebooks) with
+    stderr redirected in between."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
     quiet_library_notices()
     log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
     if not log.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -1022,27 +1040,27 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        if words and words[0] in COMMANDS:
-            try:
-                _resolve(COMMANDS[words[0]])(words[1:])
-            except KeyboardInterrupt:
-                if os.environ.get("MIXLAB_TRACEBACK"):
-                    raise
-                print(f"mixlab {words[0]}: interrupted (Ctrl-C)", file=sys.stderr)
-                raise SystemExit(128 + signal.SIGINT) from None
-            return
-        lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
-        if words and not words[0].startswith("-") and words[0] not in lightning:
-            close = difflib.get_close_matches(words[0], [*lightning, *COMMANDS], n=1)
-            print(f"error: unknown command {words[0]!r}" + (f"; did you mean {close[0]}?" if close else "")
-                  + f" (commands: {', '.join([*lightning, *sorted(COMMANDS)])})", file=sys.stderr)
-            raise SystemExit(2)
-        early = _option_before_config(words)
-        if early is not None:
-            print(f"error: {early} comes before --config, which chooses the model and data classes its "
-                  f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
-            raise SystemExit(2)
         with one_line_errors():
+            if words and words[0] in COMMANDS:
+                try:
+                    _resolve(COMMANDS[words[0]])(words[1:])
+                except KeyboardInterrupt:
+                    if os.environ.get("MIXLAB_TRACEBACK"):
+                        raise
+                    print(f"mixlab {words[0]}: interrupted (Ctrl-C)", file=sys.stderr)
+                    raise SystemExit(128 + signal.SIGINT) from None
+                return
+            lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
+            if words and not words[0].startswith("-") and words[0] not in lightning:
+                close = difflib.get_close_matches(words[0], [*lightning, *COMMANDS], n=1)
+                print(f"error: unknown command {words[0]!r}" + (f"; did you mean {close[0]}?" if close else "")
+                      + f" (commands: {', '.join([*lightning, *sorted(COMMANDS)])})", file=sys.stderr)
+                raise SystemExit(2)
+            early = _option_before_config(words)
+            if early is not None:
+                print(f"error: {early} comes before --config, which chooses the model and data classes its "
+                      f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
+                raise SystemExit(2)
             MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
@@ -1053,7 +1071,7 @@ def one_line_errors() -> Iterator[None]:
     """Bad input inside (what :func:`bad_input_error` recognises: a config value a class refuses, a missing file)
     leaves as one ``error: <field>: <cause>`` line on stderr and ``SystemExit(2)``; anything else, or any error with
     ``MIXLAB_TRACEBACK=1``, propagates with its traceback. Used by :func:`main` and by ``scripts/bench_input.py``'s
-    up-front check of extra CLI arguments (``MixlabCLI(args, run=False)``: the classes built, nothing run)."""
+    up-front check of extra CLI arguments (the classes built, the subcommand not run)."""
     try:
         yield
     except SIGTERMException:

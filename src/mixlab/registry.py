@@ -161,6 +161,40 @@ class Registry:
         bound = self._defaults[name]
         return {opt: bound.get(opt, params[opt].default) for opt in self.options(name) or []}
 
+    def check_keys(self, name: str, kwargs: dict[str, Any]) -> None:
+        """Refuse arguments ``name`` does not take (what :meth:`build` checks first; values are checked by the
+        class). An unknown key that belongs to a nested scheme (a ``position_args`` key such as GOAT's
+        ``lane_impl`` given at the mixer's level) is pointed to its place.
+
+        Raises:
+            ValueError: an unknown ``name``, or one line naming the unknown arguments and the accepted ones.
+        """
+        self.get(name)
+        accepted = self.options(name)
+        if accepted is None:
+            return
+        unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
+        if not unknown:
+            return
+        accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
+        nested = self._nested_keys(name, kwargs)
+        hints = "".join(f"; {k!r} is a key of {where}: mixer_args.{name}.{where}.{k}" for k in unknown
+                        if (where := nested.get(k)))
+        raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) {', '.join(map(repr, unknown))}; "
+                         f"{accepts}{hints}{did_you_mean([k for k in unknown if k not in nested], list(accepted))}")
+
+    def _nested_keys(self, name: str, kwargs: dict[str, Any]) -> dict[str, str]:
+        """Key -> the argument of ``name`` that holds it, for the keys of its position scheme (``position_args``,
+        the scheme named by its ``position`` argument) when it takes one."""
+        if self is not MIXERS or "position_args" not in (self.options(name) or []):
+            return {}
+        params = inspect.signature(self.get(name).__init__).parameters
+        scheme = kwargs.get("position", self._defaults[name].get("position", params["position"].default
+                                                                   if "position" in params else None))
+        if not isinstance(scheme, str) or scheme not in POSITIONS:
+            return {}
+        return {k: "position_args" for k in POSITIONS.options(scheme) or [] if k not in POSITIONS.contract}
+
     def build(self, name: str, /, **kwargs: Any) -> Any:
         """Instantiate ``name`` with its registered defaults updated by ``kwargs``.
 
@@ -170,13 +204,7 @@ class Registry:
                 that is not an integer >= 1.
         """
         cls = self.get(name)
-        accepted = self.options(name)
-        if accepted is not None:
-            unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
-            if unknown:
-                accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
-                raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
-                                 f"{', '.join(map(repr, unknown))}; {accepts}{did_you_mean(unknown, list(accepted))}")
+        self.check_keys(name, kwargs)
         bound = self._defaults[name]
         replaced = {k: v for k, v in kwargs.items() if k in bound and v != bound[k]}
         if replaced:  # e.g. deltanet with decay='scalar' is a GDN layer that still runs under the name deltanet
