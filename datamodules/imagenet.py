@@ -886,6 +886,17 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             self._train_prefetcher = prefetcher
         return prefetcher
 
+    def teardown(self, stage: str) -> None:
+        """After a fit: stop the training DataLoader's persistent workers now. Lightning shuts down the workers of
+        the loaders it iterates itself, but it sees the device stage's :class:`DevicePrefetcher`, not the
+        DataLoader inside, so the workers lived until the process exited, where torch (2.11) waits 5 s for each
+        before killing it: 75 s after the last step of a 15-worker fit on the GPU (BENCHMARKS.md)."""
+        super().teardown(stage)
+        if self._train_prefetcher is not None:
+            from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
+
+            _shutdown_workers_and_reset_iterator(self._train_prefetcher.loader)  # what Lightning does to its own
+
     def input_timings(self) -> dict[str, float]:
         """Where the training input's host time went so far, from the device stage's prefetcher
         (:meth:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher.timings`: seconds, and ``batches``); ``{}``

@@ -468,6 +468,31 @@ def test_wds_resume_under_lightning_in_later_epochs(shards, tmp_path, workers, r
             assert e == e_ref and torch.equal(x, x_ref) and torch.equal(y, y_ref), (step, j)
 
 
+@pytest.mark.parametrize("decode", ["gpu", "cpu"])
+def test_fit_end_stops_the_persistent_training_workers(shards, decode):
+    """When ``fit`` returns, the training DataLoader's persistent workers are gone, also behind the device stage
+    (``decode: gpu``: Lightning iterates the :class:`DevicePrefetcher`, not the DataLoader, and so did not stop
+    them). Before, they lived until the process exited, where torch 2.11 waits 5 s per worker: 75 s after the
+    last step of a 15-worker GPU fit."""
+    import multiprocessing
+
+    out, _ = shards
+    before = set(multiprocessing.active_children())
+    dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
+                            num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=2, train_samples=8,
+                            shuffle_buffer=4, decode=decode)
+    seen = []
+
+    class Workers(pl.Callback):  # the training loader's workers, while they run
+        def on_train_batch_end(self, trainer, *args):
+            seen.extend(set(multiprocessing.active_children()) - before)
+
+    pl.Trainer(max_steps=3, accelerator="cpu", logger=False, limit_val_batches=0, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, callbacks=[Workers()]).fit(_BatchRecorder(), dm)
+    assert len(set(seen)) == 2 and (decode == "cpu" or dm._train_prefetcher is not None)
+    assert not any(w.is_alive() for w in seen) and set(multiprocessing.active_children()) <= before
+
+
 @pytest.mark.parametrize("workers,stop", [(0, 3), (0, 4), (2, 6)])
 def test_wds_run_stopped_at_max_steps_and_extended_continues_its_epoch(shards, tmp_path, workers, stop):
     """A mixlab head (``Head``) run over WebDataset shards, 4 steps per epoch, stopped at ``max_steps``
