@@ -693,7 +693,8 @@ def main(argv: list[str] | None = None) -> str:
                         "'--data.init_args.worker_nice 10' '--data.init_args.decode_thread true' ('': as configured)")
     p.add_argument("--cli-stacks", type=float, default=0, metavar="SECONDS",
                    help="write every --cli-steps fit's thread stacks every SECONDS next to --out "
-                        "(X.md -> X.stacks/), and report the main thread's frame at each dump: where a fit's "
+                        "(X.md -> X.stacks/; without --out: ./bench_input.stacks/), and report the main thread's "
+                        "frame at each dump: where a fit's "
                         "startup and shutdown time goes")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
@@ -771,6 +772,8 @@ def main(argv: list[str] | None = None) -> str:
                 p.error(str(err))
     if a.shards is None:
         counts["--images / --shard-size"] = synthetic_shard_count(a.images, a.shard_size)
+    if a.no_eval and not a.cli_steps:  # the evaluation shards are read by the eval rows and the CLI fits only
+        counts.pop("--val-shards", None)
     for option, count in counts.items():
         if count < max(1, a.workers):
             p.error(f"{option}: {count} shards for --workers {a.workers}; every DataLoader worker needs at least one "

@@ -399,6 +399,8 @@ def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monke
     (["--images", "1000", "--shard-size", "128"], "--images / --shard-size: 8 shards for --workers 15"),
     (["--quick", "--out", "/proc/bench_input.md"], "--out '/proc/bench_input.md' cannot be written"),
     (["--quick", "--out", "."], "--out '.' is a folder; give a file path"),
+    (["--quick", "--out", "README.md/x.md"], "--out 'README.md/x.md' cannot be written: 'README.md' is a file, not a "
+                                              "folder"),  # run from the project root
 ])
 def test_bench_input_refuses_unusable_shards_and_outputs_before_any_work(argv, message, monkeypatch, capsys,
                                                                          tmp_path):
@@ -410,6 +412,7 @@ def test_bench_input_refuses_unusable_shards_and_outputs_before_any_work(argv, m
     monkeypatch.setattr(bench_input, "write_shards_parallel", lambda *a, **k: pytest.fail("shards written"))
     monkeypatch.setattr(bench_input, "time_model", lambda *a, **k: pytest.fail("the model was timed"))
     with pytest.raises(SystemExit) as exc:
+        monkeypatch.chdir(ROOT)
         bench_input.main(["--workdir", str(tmp_path), "--device", "cpu", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
 

@@ -142,6 +142,12 @@ def test_mixer_args_of_a_mixer_outside_the_pattern_are_checked_and_said_unused(c
                                          "'bogus'; it accepts: axes, base"):
         BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat",
                        mixer_args={"rope": {"position_args": {"bogus": 1}}})
+    with pytest.raises(ValueError, match="^backbone: mixer_args.goat must be a mapping of goat's options .*; got 5$"):
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"goat": 5})
+    with pytest.raises(ValueError, match="^backbone: mixer_args.goat.position_args must be a mapping .*; got 5$"):
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"goat": {"position_args": 5}})
+    assert BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"goat": None}).mixer_args == \
+        {"goat": {}}  # null: the defaults
     with caplog.at_level(logging.INFO, logger="mixlab.backbone"):
         BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="kda*1,goat",
                        mixer_args={"goat": {}, "mesa": {"cg_iters": 15}, "swa": {"window": 8}})

@@ -141,6 +141,17 @@ class BackboneConfig:
             raise ValueError(f"backbone: mlp_ratio must be > 0; got {self.mlp_ratio}")
         if not 0 <= self.drop_path < 1:
             raise ValueError(f"backbone: drop_path must be in [0, 1); got {self.drop_path}")
+        if not isinstance(self.mixer_args or {}, dict):
+            raise ValueError(f"backbone: mixer_args must map mixer names to their options; got {self.mixer_args!r}")
+        for name, given in (self.mixer_args or {}).items():
+            if given is not None and not isinstance(given, dict):
+                raise ValueError(f"backbone: mixer_args.{name} must be a mapping of {name}'s options (e.g. "
+                                 f"{{impl: reference}}); got {given!r}")
+            if isinstance(given, dict) and given.get("position_args") is not None \
+                    and not isinstance(given["position_args"], dict):
+                raise ValueError(f"backbone: mixer_args.{name}.position_args must be a mapping of the position "
+                                 f"scheme's options (e.g. {{n_modes: 4}}); got {given['position_args']!r}")
+        self.mixer_args = {k: {} if v is None else v for k, v in (self.mixer_args or {}).items()}  # null: defaults
         unknown = sorted(set(self.mixer_args or {}) - set(list_mixers()))
         if unknown:
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "

@@ -44,6 +44,9 @@ class OneLineParser(argparse.ArgumentParser):
             self.error(f"{option} {str(path)!r} is a folder; give a file path")
         if folder and path.exists() and not path.is_dir():
             self.error(f"{option} {str(path)!r} is a file; give a folder")
+        above = next((d for d in [where, *where.parents] if d.exists()), None)
+        if above is not None and not above.is_dir():
+            self.error(f"{option} {str(path)!r} cannot be written: {str(above)!r} is a file, not a folder")
         try:
             where.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=where, prefix=".write-check-"):
