@@ -143,27 +143,22 @@ class BackboneConfig:
             raise ValueError(f"backbone: drop_path must be in [0, 1); got {self.drop_path}")
         if not isinstance(self.mixer_args or {}, dict):
             raise ValueError(f"backbone: mixer_args must map mixer names to their options; got {self.mixer_args!r}")
-        for name, given in (self.mixer_args or {}).items():
-            if given is not None and not isinstance(given, dict):
+        self.mixer_args = {k: {} if v is None else v for k, v in (self.mixer_args or {}).items()}  # null: defaults
+        for name, given in self.mixer_args.items():
+            if not isinstance(given, dict):
                 raise ValueError(f"backbone: mixer_args.{name} must be a mapping of {name}'s options (e.g. "
                                  f"{{impl: reference}}); got {given!r}")
-            if isinstance(given, dict) and given.get("position_args") is not None \
-                    and not isinstance(given["position_args"], dict):
+            if given.get("position_args") is not None and not isinstance(given["position_args"], dict):
                 raise ValueError(f"backbone: mixer_args.{name}.position_args must be a mapping of the position "
                                  f"scheme's options (e.g. {{n_modes: 4}}); got {given['position_args']!r}")
-        self.mixer_args = {k: {} if v is None else v for k, v in (self.mixer_args or {}).items()}  # null: defaults
-        unknown = sorted(set(self.mixer_args or {}) - set(list_mixers()))
+        unknown = sorted(set(self.mixer_args) - set(list_mixers()))
         if unknown:
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
                              f"registered mixers: {', '.join(list_mixers())}{did_you_mean(unknown, list_mixers())}")
-        unused = sorted(set(self.mixer_args or {}) - set(mixer_names(self.mixer)))
+        unused = sorted(set(self.mixer_args) - set(mixer_names(self.mixer)))
         for name in unused:  # keys checked as if it ran (a typo in a shared block is an error), values are not
-            given = dict(self.mixer_args[name] or {})
             try:
-                MIXERS.check_keys(name, given)
-                scheme = {**MIXERS.defaults(name), **given}.get("position")
-                if isinstance(scheme, str) and scheme in POSITIONS and isinstance(given.get("position_args"), dict):
-                    POSITIONS.check_keys(scheme, given["position_args"])
+                MIXERS.check_keys(name, self.mixer_args[name], deep=True)
             except ValueError as err:
                 raise ValueError(f"backbone: mixer_args.{name}: {err}") from None
         if unused:

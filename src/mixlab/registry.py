@@ -87,15 +87,22 @@ class Registry:
         contract: keywords every entry receives from its caller (not user options): left
             out of the "it accepts" list of an unknown-argument error.
         positive: contract keywords that must be integers >= 1.
+        nested: ``(holder, selector, registry)``: an entry's argument ``holder`` holds the options of the
+            ``registry`` entry named by its argument ``selector`` (a mixer's ``position_args`` of its
+            ``position`` scheme), for :meth:`check_keys`.
+        config_key: where entries' arguments live in a config (``"mixer_args"``), for the place an error points to.
     """
 
     def __init__(self, kind: str, label: str, word: str = "argument", contract: tuple[str, ...] = (),
-                 positive: tuple[str, ...] = ()) -> None:
+                 positive: tuple[str, ...] = (), nested: tuple[str, str, Registry] | None = None,
+                 config_key: str | None = None) -> None:
         self.kind = kind
         self.label = label
         self.word = word
         self.contract = contract
         self.positive = positive
+        self.nested = nested
+        self.config_key = config_key
         self._classes: dict[str, type] = {}
         self._defaults: dict[str, dict[str, Any]] = {}
         self._noted: set[str] = set()
@@ -161,39 +168,46 @@ class Registry:
         bound = self._defaults[name]
         return {opt: bound.get(opt, params[opt].default) for opt in self.options(name) or []}
 
-    def check_keys(self, name: str, kwargs: dict[str, Any]) -> None:
+    def check_keys(self, name: str, kwargs: dict[str, Any], deep: bool = False) -> None:
         """Refuse arguments ``name`` does not take (what :meth:`build` checks first; values are checked by the
-        class). An unknown key that belongs to a nested scheme (a ``position_args`` key such as GOAT's
-        ``lane_impl`` given at the mixer's level) is pointed to its place.
+        class). An unknown key that belongs to the nested scheme (a ``position_args`` key such as GOAT's
+        ``lane_impl`` given at the mixer's level) is pointed to its place. ``deep``: the nested scheme's own keys
+        (``position_args``) are checked too, as the class would when built.
 
         Raises:
             ValueError: an unknown ``name``, or one line naming the unknown arguments and the accepted ones.
         """
         self.get(name)
         accepted = self.options(name)
-        if accepted is None:
-            return
-        unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
-        if not unknown:
-            return
-        accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
-        nested = self._nested_keys(name, kwargs)
-        hints = "".join(f"; {k!r} is a key of {where}: mixer_args.{name}.{where}.{k}" for k in unknown
-                        if (where := nested.get(k)))
-        raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) {', '.join(map(repr, unknown))}; "
-                         f"{accepts}{hints}{did_you_mean([k for k in unknown if k not in nested], list(accepted))}")
+        scheme = self._nested_scheme(name, kwargs)
+        if accepted is not None:
+            unknown = sorted(set(kwargs) - set(accepted) - set(self.contract))
+            if unknown:
+                accepts = f"it accepts: {', '.join(accepted)}" if accepted else f"it accepts no {self.word}s"
+                inner = self._nested_options(scheme)
+                holder = self.nested[0] if self.nested else ""
+                place = f"{self.config_key}.{name}." if self.config_key else ""
+                hints = "".join(f"; {k!r} is a key of {holder}: {place}{holder}.{k}" for k in unknown if k in inner)
+                raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
+                                 f"{', '.join(map(repr, unknown))}; {accepts}{hints}"
+                                 f"{did_you_mean([k for k in unknown if k not in inner], list(accepted))}")
+        if deep and scheme is not None and isinstance(kwargs.get(self.nested[0]), dict):
+            self.nested[2].check_keys(scheme, kwargs[self.nested[0]])
 
-    def _nested_keys(self, name: str, kwargs: dict[str, Any]) -> dict[str, str]:
-        """Key -> the argument of ``name`` that holds it, for the keys of its position scheme (``position_args``,
-        the scheme named by its ``position`` argument) when it takes one."""
-        if self is not MIXERS or "position_args" not in (self.options(name) or []):
-            return {}
-        params = inspect.signature(self.get(name).__init__).parameters
-        scheme = kwargs.get("position", self._defaults[name].get("position", params["position"].default
-                                                                   if "position" in params else None))
-        if not isinstance(scheme, str) or scheme not in POSITIONS:
-            return {}
-        return {k: "position_args" for k in POSITIONS.options(scheme) or [] if k not in POSITIONS.contract}
+    def _nested_scheme(self, name: str, kwargs: dict[str, Any]) -> str | None:
+        """The registered name of ``name``'s nested scheme (its ``selector`` argument, given or default), or None."""
+        if self.nested is None or self.nested[0] not in (self.options(name) or []):
+            return None
+        selector, registry = self.nested[1], self.nested[2]
+        scheme = kwargs.get(selector, self.option_defaults(name).get(selector))
+        return scheme if isinstance(scheme, str) and scheme in registry else None
+
+    def _nested_options(self, scheme: str | None) -> list[str]:
+        """The user options of the nested scheme ``scheme`` ([] for None)."""
+        if scheme is None:
+            return []
+        registry = self.nested[2]
+        return [k for k in registry.options(scheme) or [] if k not in registry.contract]
 
     def build(self, name: str, /, **kwargs: Any) -> Any:
         """Instantiate ``name`` with its registered defaults updated by ``kwargs``.
@@ -221,12 +235,13 @@ class Registry:
         return cls(**{**self._defaults[name], **kwargs})
 
 
-MIXERS = Registry("mixer", "mixer {name!r}", "argument",
-                  contract=("d_model", "n_heads", "causal", "layer_idx", "n_layers"), positive=("d_model", "n_heads"))
-"""Every sequence mixer (``mixer:`` / ``mixer_args:`` in configs)."""
-
 POSITIONS = Registry("position scheme", "position_args of {name!r}", "key", contract=("n_heads", "head_dim", "causal"))
 """Every attention position scheme (``position:`` / ``position_args:`` of attention mixers)."""
+
+MIXERS = Registry("mixer", "mixer {name!r}", "argument",
+                  contract=("d_model", "n_heads", "causal", "layer_idx", "n_layers"), positive=("d_model", "n_heads"),
+                  nested=("position_args", "position", POSITIONS), config_key="mixer_args")
+"""Every sequence mixer (``mixer:`` / ``mixer_args:`` in configs)."""
 
 register_mixer = MIXERS.register
 register_position = POSITIONS.register
