@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import re
+
 import pytest
 import torch
 
@@ -129,6 +131,33 @@ def test_a_position_args_key_given_at_the_mixers_level_is_pointed_to_its_place()
         build_mixer("rope", d_model=D, n_heads=H, causal=True, rotary_impl="triton")
     with pytest.raises(ValueError, match="did you mean 'impl' for 'imple'\\?$"):
         build_mixer("goat", d_model=D, n_heads=H, causal=True, imple="sdpa")
+    # the other way round: a mixer's own argument given inside position_args is pointed back to the mixer's level
+    with pytest.raises(ValueError) as info:
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"goat": {"position_args": {"impl": "sdpa"}}})
+    assert str(info.value).endswith("'impl' is an argument of mixer 'goat': mixer_args.goat.impl")
+    assert "did you mean" not in str(info.value)
+
+
+@pytest.mark.parametrize("where, value, message", [
+    ({"position_args": {"n_modes": "abc"}}, "abc", "position_args of 'goat': n_modes must be int; got 'abc'"),
+    ({"position_args": {"n_modes": True}}, True, "position_args of 'goat': n_modes must be int; got True"),
+    ({"position_args": {"learn_slope": 1}}, 1, "position_args of 'goat': learn_slope must be bool; got 1"),
+    ({"position_args": {"lane_impl": "fast"}}, "fast", "position_args of 'goat': lane_impl must be 'auto' or 'torch' "
+                                                        "or 'triton' or 'where' or 'scatter'; got 'fast'"),
+    ({"impl": 3}, 3, "mixer 'goat': impl must be 'sdpa' or 'reference'; got 3"),
+])
+def test_a_value_of_the_wrong_plain_type_is_named(where, value, message):
+    """Values annotated ``int``/``float``/``bool``/``str``/``Literal`` are checked by the registry before the class
+    runs (a string ``n_modes`` was a TypeError deep in the constructor, which jsonargparse printed as a "Union
+    subtypes" traceback), for the mixers a pattern uses and for the ones it does not."""
+    for mixer in ("goat", "kda"):
+        with pytest.raises(ValueError) as info:
+            BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer=mixer, mixer_args={"goat": where})
+        assert str(info.value) == f"backbone: mixer_args.goat: {message}"
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build_mixer("goat", d_model=D, n_heads=H, causal=True, **where)
+    ok = build_mixer("goat", d_model=D, n_heads=H, causal=True, position_args={"freq_base": 100, "n_modes": 2})
+    assert ok.pos.n_modes == 2  # an int (freq_base: 100) where a float is annotated passes
 
 
 def test_mixer_args_of_a_mixer_outside_the_pattern_are_checked_and_said_unused(caplog):

@@ -156,7 +156,7 @@ class BackboneConfig:
             raise ValueError(f"backbone: mixer_args has entries for unknown mixer(s) {', '.join(map(repr, unknown))}; "
                              f"registered mixers: {', '.join(list_mixers())}{did_you_mean(unknown, list_mixers())}")
         unused = sorted(set(self.mixer_args) - set(mixer_names(self.mixer)))
-        for name in unused:  # keys checked as if it ran (a typo in a shared block is an error), values are not
+        for name in self.mixer_args:  # keys and plain value types, used or not (a typo in a shared block is an error)
             try:
                 MIXERS.check_keys(name, self.mixer_args[name], deep=True)
             except ValueError as err:

@@ -23,8 +23,10 @@ import importlib
 import inspect
 import logging
 import os
+import types
+import typing
 from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 __all__ = ["Registry", "closest", "did_you_mean", "MIXERS", "POSITIONS", "register_mixer", "register_position",
            "get_mixer_cls", "list_mixers", "build_mixer", "load_plugins", "PLUGIN_GROUP", "PLUGIN_ENV"]
@@ -74,6 +76,33 @@ def did_you_mean(words: list[str], candidates: list[str]) -> str:
     """``"; did you mean 'a' for 'b'?"`` for each of ``words`` that has a :func:`closest` candidate, joined (``""``
     when none has): the tail of an error about unknown names."""
     return "".join(f"; did you mean {near!r} for {w!r}?" for w in words if (near := closest(w, candidates)))
+
+
+def _plain_types(hint: Any) -> list[Any] | None:
+    """The plain types an annotation allows (``int | None`` -> ``[int, NoneType]``; each ``Literal`` value as a
+    ``Literal`` of one), or None when it has any other part (lists, tensors, classes: left to the class)."""
+    parts = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+        else (hint,)
+    out: list[Any] = []
+    for t in parts:
+        if t in (int, float, bool, str, type(None)):
+            out.append(t)
+        elif typing.get_origin(t) is Literal:
+            out.extend(Literal[v] for v in typing.get_args(t))
+        else:
+            return None
+    return out
+
+
+def _matches(value: Any, t: Any) -> bool:
+    """Whether ``value`` is of the plain type ``t`` as a config writes it (an int is a float; a bool is not an int)."""
+    if typing.get_origin(t) is Literal:
+        return value == t.__args__[0] and type(value) is type(t.__args__[0])
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
 
 
 class Registry:
@@ -168,14 +197,19 @@ class Registry:
         bound = self._defaults[name]
         return {opt: bound.get(opt, params[opt].default) for opt in self.options(name) or []}
 
-    def check_keys(self, name: str, kwargs: dict[str, Any], deep: bool = False) -> None:
-        """Refuse arguments ``name`` does not take (what :meth:`build` checks first; values are checked by the
-        class). An unknown key that belongs to the nested scheme (a ``position_args`` key such as GOAT's
-        ``lane_impl`` given at the mixer's level) is pointed to its place. ``deep``: the nested scheme's own keys
-        (``position_args``) are checked too, as the class would when built.
+    def check_keys(self, name: str, kwargs: dict[str, Any], deep: bool = False,
+                   outer: tuple[str, str, list[str]] | None = None) -> None:
+        """Refuse arguments ``name`` does not take, or whose value is not of a plain annotated type (what
+        :meth:`build` checks first; other values are checked by the class). An unknown key that belongs to the
+        nested scheme (a ``position_args`` key such as GOAT's ``lane_impl`` given at the mixer's level) is pointed
+        to its place. ``deep``: the nested scheme's own keys (``position_args``) are checked too, as the class would
+        when built, and a mixer's own argument given there (``position_args.impl``) is pointed back.
+        ``outer``: ``(label, place, keys)`` of the entry holding this one, for that pointer.
 
         Raises:
-            ValueError: an unknown ``name``, or one line naming the unknown arguments and the accepted ones.
+            ValueError: an unknown ``name``; one line naming the unknown arguments and the accepted ones; one
+                line naming an argument whose value is not of its annotated ``int``/``float``/``bool``/``str``
+                (or ``Literal``) type.
         """
         self.get(name)
         accepted = self.options(name)
@@ -188,11 +222,35 @@ class Registry:
                 holder = self.nested[0] if self.nested else ""
                 place = f"{self.config_key}.{name}." if self.config_key else ""
                 hints = "".join(f"; {k!r} is a key of {holder}: {place}{holder}.{k}" for k in unknown if k in inner)
+                if outer is not None:
+                    inner = [*inner, *outer[2]]
+                    hints += "".join(f"; {k!r} is an argument of {outer[0]}: {outer[1]}{k}"
+                                     for k in unknown if k in outer[2])
                 raise ValueError(f"{self.label.format(name=name)} got unknown {self.word}(s) "
                                  f"{', '.join(map(repr, unknown))}; {accepts}{hints}"
                                  f"{did_you_mean([k for k in unknown if k not in inner], list(accepted))}")
+        self._check_types(name, kwargs)
         if deep and scheme is not None and isinstance(kwargs.get(self.nested[0]), dict):
-            self.nested[2].check_keys(scheme, kwargs[self.nested[0]])
+            place = f"{self.config_key}.{name}." if self.config_key else ""
+            self.nested[2].check_keys(scheme, kwargs[self.nested[0]],
+                                      outer=(f"{self.kind} {name!r}", place, list(accepted or [])))
+
+    def _check_types(self, name: str, kwargs: dict[str, Any]) -> None:
+        """ValueError naming the first user argument whose value does not match a plain annotation of
+        ``name``'s constructor (``int``, ``float``, ``bool``, ``str``, a ``Literal``, or one of them ``| None``);
+        other annotations are left to the class."""
+        try:
+            hints = typing.get_type_hints(self.get(name).__init__)
+        except Exception:  # noqa: BLE001 - an annotation that does not resolve: nothing to check against
+            return
+        for key, value in kwargs.items():
+            if key in self.contract or key not in hints:
+                continue
+            allowed = _plain_types(hints[key])
+            if allowed is not None and not any(_matches(value, t) for t in allowed):
+                want = " or ".join(repr(t.__args__[0]) if typing.get_origin(t) is Literal else
+                                   "null" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{self.label.format(name=name)}: {key} must be {want}; got {value!r}")
 
     def _nested_scheme(self, name: str, kwargs: dict[str, Any]) -> str | None:
         """The registered name of ``name``'s nested scheme (its ``selector`` argument, given or default), or None."""
