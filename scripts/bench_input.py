@@ -47,9 +47,11 @@ while the run goes on (a run cut short keeps it).
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import io
 import itertools
+import json
 import math
 import os
 import platform
@@ -61,7 +63,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -411,28 +413,33 @@ def stack_summary(text: str) -> list[str]:
 
 
 # `python -c` check of `python -m mixlab fit` arguments: the model, datamodule and trainer built from them
-# (their own checks run: ranges, mixer options), the subcommand not run (nothing trained or saved)
-_CHECK_MAIN = """import sys
+# (their own checks run: ranges, mixer options), the subcommand not run (nothing trained or saved); on success
+# one line `MIXLAB_CHECK {json}` names the classes built and the datamodule's num_workers
+_CHECK_MAIN = """import json, sys
 from mixlab.cli import MixlabCLI, one_line_errors
 class Check(MixlabCLI):
     def _run_subcommand(self, subcommand):
-        pass
+        print("MIXLAB_CHECK " + json.dumps({"model": type(self.model).__name__, "data": type(self.datamodule).__name__,
+                                            "num_workers": getattr(self.datamodule, "num_workers", None)}))
 with one_line_errors():
     Check(args=sys.argv[1:])
 """
 
 
-def cli_args_error(args: list[str], config: str) -> str:
-    """The last line of the error output when ``python -m mixlab fit --config CONFIG ARGS`` refuses ``args`` (an
-    unknown option, a value of the wrong type, a value the datamodule or model refuses), else ``""``: the classes
-    are built, the subcommand not run (its run root a temporary folder), before any fit runs."""
+def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
+    """``(error, built)`` of ``python -m mixlab fit --config CONFIG ARGS`` with the classes built and the subcommand
+    not run (its run root a temporary folder), before any fit runs: ``error`` is the last line of the error output
+    when the CLI refuses ``args`` (an unknown option, a value of the wrong type, a value the datamodule or model
+    refuses), else ``""``; ``built`` names the model and datamodule classes and the datamodule's ``num_workers``
+    (``{}`` on an error)."""
     with tempfile.TemporaryDirectory(prefix="bench_input_check_") as tmp:
         done = subprocess.run([sys.executable, "-c", _CHECK_MAIN, "fit", "--config", config, *args, "--run_root", tmp],
                               capture_output=True, text=True)
     if done.returncode == 0:
-        return ""
+        found = [ln for ln in done.stdout.splitlines() if ln.startswith("MIXLAB_CHECK ")]
+        return "", json.loads(found[-1].split(" ", 1)[1]) if found else {}
     lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip() and not ln.startswith("(MIXLAB_TRACEBACK")]
-    return lines[-1] if lines else f"exit status {done.returncode}"
+    return (lines[-1] if lines else f"exit status {done.returncode}"), {}
 
 
 def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None
@@ -645,6 +652,28 @@ def device_name(device: torch.device) -> str:
     return f"CPU only ({platform.processor() or platform.machine()}), {cores} CPU cores"
 
 
+def check_cli_fits(p: OneLineParser, a: argparse.Namespace, variants: list[tuple[str, ...]], shards: int) -> None:
+    """Refuse, through ``p.error``, a ``--cli-config`` that is not an image classifier on ImageNet shards and a
+    ``--cli-args``/``--cli-variants`` string the CLI refuses or that asks for more DataLoader workers than the
+    ``shards`` of the fewest-shard pattern (each worker reads whole shards)."""
+    config = a.cli_config
+    for variant in variants:
+        args = [*shlex.split(a.cli_args), "--data.init_args.num_workers", str(a.workers), *variant]
+        bad, built = cli_args_check(args, config)
+        if bad and "num_workers" in bad and "unknown option" in bad:
+            bad, built = cli_args_check([*shlex.split(a.cli_args), *variant], config)
+        if bad:
+            p.error(f"--cli-args/--cli-variants {shlex.join(variant)!r}: `python -m mixlab fit` refuses them: {bad}")
+        if (built.get("model"), built.get("data")) != ("ImageClassifier", "ImageNetDataModule"):
+            p.error(f"--cli-config {config!r} trains {built.get('model')} on {built.get('data')}; the --cli-steps "
+                    "fits need an ImageClassifier on ImageNetDataModule (a ViT config, e.g. "
+                    "configs/vit/goat_imagenet.yaml)")
+        workers = built.get("num_workers") or 0
+        if workers > shards:
+            p.error(f"--cli-variants {shlex.join(variant)!r}: num_workers {workers} for {shards} shards; every "
+                    "DataLoader worker needs at least one shard")
+
+
 def main(argv: list[str] | None = None) -> str:
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", default=None, help="training shard pattern (default: write synthetic shards)")
@@ -743,12 +772,6 @@ def main(argv: list[str] | None = None) -> str:
         p.error("--cli-variants and --cli-args shape the --cli-steps fits: give --cli-steps N too")
     if a.cli_steps and not Path(a.cli_config).is_file():
         p.error(f"--cli-config {a.cli_config!r}: no such file")
-    if a.cli_steps:  # unknown or ill-typed arguments fail here, not after minutes of earlier fits
-        for variant in variants:
-            bad = cli_args_error([*shlex.split(a.cli_args), *variant], a.cli_config)
-            if bad:
-                p.error(f"--cli-args/--cli-variants {shlex.join(variant)!r}: `python -m mixlab fit` refuses them: "
-                        f"{bad}")
     if a.profile < 0:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.no_loader and (a.profile or a.profile_end_to_end):
@@ -779,6 +802,9 @@ def main(argv: list[str] | None = None) -> str:
             p.error(f"{option}: {count} shards for --workers {a.workers}; every DataLoader worker needs at least one "
                     f"shard: lower --workers" + (" or --shard-size" if a.shards is None and option != "--val-shards"
                                                  else ""))
+
+    if a.cli_steps:  # a config or arguments the fits refuse fail here, not after minutes of earlier fits
+        check_cli_fits(p, a, variants, min(counts.values()))
 
     tmp = None
     train_pattern, what = a.shards, "real shards"

@@ -353,7 +353,8 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
 
     monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
     checked = []
-    monkeypatch.setattr(bench_input, "cli_args_error", lambda args, config: checked.append(args) or "")
+    built = {"model": "ImageClassifier", "data": "ImageNetDataModule", "num_workers": 2}
+    monkeypatch.setattr(bench_input, "cli_args_check", lambda args, config: (checked.append(args) or "", built))
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cli-steps", "4", "--cli-variants", "",
                              "--data.init_args.worker_nice 10 --data.init_args.decode_thread true"])
@@ -363,7 +364,9 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     assert [r.split("|")[2].strip() for r in rows] == [
         "gpu", "gpu, --data.init_args.worker_nice 10 --data.init_args.decode_thread true"]
     assert "1,020" in rows[0] and "1,030" in rows[1]
-    assert checked == [[], ["--data.init_args.worker_nice", "10", "--data.init_args.decode_thread", "true"]]
+    workers = ["--data.init_args.num_workers", "2"]  # --quick's, before the variant as in the fits
+    assert checked == [workers, [*workers, "--data.init_args.worker_nice", "10", "--data.init_args.decode_thread",
+                                 "true"]]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -380,6 +383,12 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
      "'--data.init_args.worker_nice 25': `python -m mixlab fit` refuses them: error: data: ImageNetDataModule: "
      "worker_nice must be in [0, 19]"),
     # --quick writes 48 images, 6 per shard: 8 shards
+    (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.num_workers 50"],
+     "--cli-variants '--data.init_args.num_workers 50': num_workers 50 for 8 shards; every DataLoader worker needs "
+     "at least one shard"),
+    (["--cli-steps", "4", "--cli-config", str(ROOT / "configs" / "synthetic" / "parity.yaml")],
+     "parity.yaml' trains SyntheticLM on ParityDataModule; the --cli-steps fits need an ImageClassifier on "
+     "ImageNetDataModule"),
     (["--workers", "9"], "--quick sets --workers itself"),
 ])
 def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monkeypatch, capsys, tmp_path):
@@ -399,6 +408,7 @@ def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monke
     (["--images", "1000", "--shard-size", "128"], "--images / --shard-size: 8 shards for --workers 15"),
     (["--quick", "--out", "/proc/bench_input.md"], "--out '/proc/bench_input.md' cannot be written"),
     (["--quick", "--out", "."], "--out '.' is a folder; give a file path"),
+    (["--quick", "--out", ""], "--out is empty; give a file path"),  # it was read as the current folder
     (["--quick", "--out", "README.md/x.md"], "--out 'README.md/x.md' cannot be written: 'README.md' is a file, not a "
                                               "folder"),  # run from the project root
 ])

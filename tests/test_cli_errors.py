@@ -266,3 +266,17 @@ def test_ctrl_c_in_an_evaluation_command_is_one_line(capsys, monkeypatch):
         cli.main(["length-extrapolation", "--ckpt", "x.ckpt"])
     assert info.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err.strip() == "mixlab length-extrapolation: interrupted (Ctrl-C)"
+
+
+def test_an_unwritable_run_root_is_one_line(capsys, tmp_path, monkeypatch):
+    """``--run_root`` under a file, a file, or empty: one line naming it (was the logger's OSError traceback after
+    the model was built), and nothing is written."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_root", str(afile / "runs"))
+    assert err[-2] == f"error: --run_root {str(afile / 'runs')!r} cannot be written: {str(afile)!r} is a file, not a folder"
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_root", str(afile))
+    assert err[-2] == f"error: --run_root {str(afile)!r} is a file; give a folder"
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_root", "")
+    assert err[-2] == "error: --run_root is empty; give a folder path"
+    assert afile.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

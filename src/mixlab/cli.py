@@ -75,6 +75,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException, SI
 
 from mixlab import overrides
 from mixlab.callbacks import BestCheckpoint, LastCheckpoint, LossProgressBar, MixerMetrics, ThroughputMemory
+from mixlab.eval.common import output_problem
 from mixlab.registry import closest, load_plugins
 from mixlab.tb import HParams
 
@@ -264,6 +265,9 @@ class MixlabCLI(LightningCLI):
             # one folder: `compare` and `--ckpt_path last` find runs at <run_root>/<task>/<run_name>/version_N
             raise ValueError(f"--run_name {name_given!r}: one folder name inside --run_root/<task> (no '/', not "
                              f"'..', not empty)")
+        problem = output_problem("--run_root", cfg.get("run_root", "runs"), folder=True)
+        if problem:  # it was an OSError traceback from the logger's makedirs, after the model was built
+            raise ValueError(problem)
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits", "undo_on_failure", "OneLineParser", "refuse_below"]
+           "chunked_logits", "undo_on_failure", "OneLineParser", "output_problem", "refuse_below"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -33,26 +33,39 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
     def check_output(self, option: str, path: str | Path | None, folder: bool = False) -> None:
-        """Refuse an output ``path`` that cannot be written, before any measurement: its folder (``folder``:
-        ``path`` itself, else its parent) is created if missing and must take a new file, and a file ``path``
-        must not be a folder. ``None`` (not given) passes. Exits as :meth:`error` (one line, status 2)."""
-        if path is None:
-            return
-        path = Path(path)
-        where = path if folder else path.parent
-        if not folder and path.is_dir():
-            self.error(f"{option} {str(path)!r} is a folder; give a file path")
-        if folder and path.exists() and not path.is_dir():
-            self.error(f"{option} {str(path)!r} is a file; give a folder")
-        above = next((d for d in [where, *where.parents] if d.exists()), None)
-        if above is not None and not above.is_dir():
-            self.error(f"{option} {str(path)!r} cannot be written: {str(above)!r} is a file, not a folder")
-        try:
+        """Refuse an output ``path`` that cannot be written, before any measurement (:func:`output_problem`; its
+        missing folder is created). ``None`` (not given) passes. Exits as :meth:`error` (one line, status 2)."""
+        problem = output_problem(option, path, folder, create=True)
+        if problem:
+            self.error(problem)
+
+
+def output_problem(option: str, path: str | Path | None, folder: bool = False, create: bool = False) -> str | None:
+    """Why an output ``path`` given as ``option`` cannot be written, in one line, or None when it can (or is
+    ``None``, not given). The folder that would hold it (``folder``: ``path`` itself, else its parent) must take a
+    new file: it is created when ``create``, else its nearest existing folder is tried. An empty string, a file
+    where a folder is due and a folder where a file is due are refused."""
+    if path is None:
+        return None
+    if not str(path).strip():
+        return f"{option} is empty; give a {'folder' if folder else 'file'} path"
+    path = Path(path)
+    where = path if folder else path.parent
+    if not folder and path.is_dir():
+        return f"{option} {str(path)!r} is a folder; give a file path"
+    if folder and path.exists() and not path.is_dir():
+        return f"{option} {str(path)!r} is a file; give a folder"
+    above = next((d for d in [where, *where.parents] if d.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"{option} {str(path)!r} cannot be written: {str(above)!r} is a file, not a folder"
+    try:
+        if create:
             where.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=where, prefix=".write-check-"):
-                pass
-        except OSError as err:
-            self.error(f"{option} {str(path)!r} cannot be written: {err.strerror or err}")
+        with tempfile.NamedTemporaryFile(dir=where if create else above or Path.cwd(), prefix=".write-check-"):
+            pass
+    except OSError as err:
+        return f"{option} {str(path)!r} cannot be written: {err.strerror or err}"
+    return None
 
 
 def refuse_below(*checks: tuple[str, Any, int | float]) -> None:
