@@ -72,6 +72,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -510,6 +511,7 @@ def _check_ranges(**values: Any) -> None:
         "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0 (or null)"),
         "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),
         "worker_nice": (lambda v: 0 <= v <= 19, "in [0, 19] (raising a worker's priority needs root)"),
+        "switch_interval_ms": (lambda v: 0 < v <= 1000, "in (0, 1000] milliseconds (or null)"),
         **dict.fromkeys(("decode_thread", "cuda_graphs", "priority_training"),
                         (lambda v: isinstance(v, bool), "true or false")),
     }
@@ -584,6 +586,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             thread) win the CPU from the workers whenever both are ready to run, and the workers take the cores left
             over. For ``decode: gpu`` with as many workers as cores, where the workers' ~9 busy cores can delay the
             training process's own threads. ``0`` (default): unchanged. Ignored where ``os.nice`` does not exist.
+        switch_interval_ms: Python's thread switch interval (:func:`sys.setswitchinterval`, milliseconds) while the
+            training device stage runs in its background thread, restored at ``teardown``. The stage thread's
+            Python holds the GIL between its launches; when the training thread asks for it, CPython hands it over
+            only after this interval (5 ms by default), and every such wait delays the training step's launches.
+            ``null`` (default): unchanged. Used only with the device stage prefetched (``decode: gpu``).
     """
 
     task_name = "imagenet"
@@ -624,6 +631,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         cpu_decode_fraction: float = 0.0,
         decode_thread: bool = False,
         worker_nice: int = 0,
+        switch_interval_ms: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -642,8 +650,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       train_samples=train_samples, num_classes=num_classes, image_size=image_size,
                       eval_size=eval_size, crop_pct=crop_pct, re_prob=re_prob, hflip=hflip, color_jitter=color_jitter,
                       scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice,
-                      decode_thread=decode_thread, cuda_graphs=cuda_graphs, priority_training=priority_training)
-        self.worker_nice, self.decode_thread = worker_nice, decode_thread
+                      decode_thread=decode_thread, cuda_graphs=cuda_graphs, priority_training=priority_training,
+                      switch_interval_ms=switch_interval_ms)
+        self.worker_nice, self.decode_thread, self.switch_interval_ms = worker_nice, decode_thread, switch_interval_ms
+        self._switch_interval_before: float | None = None
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
         self._gpu_pipelines: dict[bool, Any] = {}
@@ -837,7 +847,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.decode_mode() == "cpu":
             unused = "".join(f" ({what} has no effect here)" for what, on in (
                 (f"cpu_decode_fraction={self.cpu_decode_fraction}", self.cpu_decode_fraction),
-                ("decode_thread", self.decode_thread)) if on)
+                ("decode_thread", self.decode_thread), ("switch_interval_ms", self.switch_interval_ms is not None))
+                if on)
             return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){at_nice}"
                     f"{no_nice}{unused}")
         device = self._root_device() or torch.device("cpu")
@@ -846,6 +857,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.decode_thread:
             where += (" (decode_thread: the JPEG decode one batch ahead in a thread of its own)"
                       if self.prefetch_batches else " (decode_thread has no effect with prefetch_batches 0)")
+        if self.switch_interval_ms is not None:
+            where += (f" (thread switch interval {self.switch_interval_ms:g} ms)" if self.prefetch_batches
+                      else " (switch_interval_ms has no effect with prefetch_batches 0)")
         if self.cuda_graphs and device.type == "cuda":
             graphs = "in CUDA graphs"
         else:
@@ -884,6 +898,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                                       decode_thread=self.decode_thread)
         if train:
             self._train_prefetcher = prefetcher
+            if self.switch_interval_ms is not None:
+                if self._switch_interval_before is None:
+                    self._switch_interval_before = sys.getswitchinterval()
+                sys.setswitchinterval(self.switch_interval_ms / 1000)
         return prefetcher
 
     def teardown(self, stage: str) -> None:
@@ -892,6 +910,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         DataLoader inside, so the workers lived until the process exited, where torch (2.11) waits 5 s for each
         before killing it: 75 s after the last step of a 15-worker fit on the GPU (BENCHMARKS.md)."""
         super().teardown(stage)
+        if self._switch_interval_before is not None:
+            sys.setswitchinterval(self._switch_interval_before)
+            self._switch_interval_before = None
         if self._train_prefetcher is not None:
             from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 

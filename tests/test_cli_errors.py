@@ -274,7 +274,8 @@ def test_an_unwritable_run_root_is_one_line(capsys, tmp_path, monkeypatch):
     afile = tmp_path / "afile"
     afile.write_text("keep")
     err = _fail(capsys, monkeypatch, tmp_path, "--run_root", str(afile / "runs"))
-    assert err[-2] == f"error: --run_root {str(afile / 'runs')!r} cannot be written: {str(afile)!r} is a file, not a folder"
+    assert err[-2] == (f"error: --run_root {str(afile / 'runs')!r} cannot be written: {str(afile)!r} is a file, "
+                       "not a folder")
     err = _fail(capsys, monkeypatch, tmp_path, "--run_root", str(afile))
     assert err[-2] == f"error: --run_root {str(afile)!r} is a file; give a folder"
     err = _fail(capsys, monkeypatch, tmp_path, "--run_root", "")

@@ -493,6 +493,32 @@ def test_fit_end_stops_the_persistent_training_workers(shards, decode):
     assert not any(w.is_alive() for w in seen) and set(multiprocessing.active_children()) <= before
 
 
+def test_switch_interval_holds_while_the_device_stage_runs_and_is_restored(shards):
+    """``switch_interval_ms``: Python's thread switch interval is the given one while the training device stage
+    runs (``decode: gpu``, prefetched) and the previous one again when ``fit`` returns; with ``decode: cpu`` it is
+    never touched. A value out of range is refused naming it."""
+    import sys
+
+    out, _ = shards
+    before = sys.getswitchinterval()
+    for decode, during in (("gpu", 0.0005), ("cpu", before)):
+        dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
+                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
+                                shuffle_buffer=4, decode=decode, switch_interval_ms=0.5)
+        seen = []
+
+        class Interval(pl.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                seen.append(sys.getswitchinterval())
+
+        pl.Trainer(max_steps=2, accelerator="cpu", logger=False, limit_val_batches=0, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False, callbacks=[Interval()]).fit(
+            _BatchRecorder(), dm)
+        assert seen == pytest.approx([during] * 2) and sys.getswitchinterval() == pytest.approx(before), decode
+    with pytest.raises(ValueError, match=r"switch_interval_ms must be in \(0, 1000\] milliseconds \(or null\); got 0"):
+        ImageNetDataModule(switch_interval_ms=0)
+
+
 @pytest.mark.parametrize("workers,stop", [(0, 3), (0, 4), (2, 6)])
 def test_wds_run_stopped_at_max_steps_and_extended_continues_its_epoch(shards, tmp_path, workers, stop):
     """A mixlab head (``Head``) run over WebDataset shards, 4 steps per epoch, stopped at ``max_steps``

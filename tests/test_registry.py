@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import logging
-
 import re
 
 import pytest
@@ -133,7 +132,8 @@ def test_a_position_args_key_given_at_the_mixers_level_is_pointed_to_its_place()
         build_mixer("goat", d_model=D, n_heads=H, causal=True, imple="sdpa")
     # the other way round: a mixer's own argument given inside position_args is pointed back to the mixer's level
     with pytest.raises(ValueError) as info:
-        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat", mixer_args={"goat": {"position_args": {"impl": "sdpa"}}})
+        BackboneConfig(d_model=D, n_layers=1, n_heads=H, mixer="goat",
+                       mixer_args={"goat": {"position_args": {"impl": "sdpa"}}})
     assert str(info.value).endswith("'impl' is an argument of mixer 'goat': mixer_args.goat.impl")
     assert "did you mean" not in str(info.value)
 
