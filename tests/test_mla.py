@@ -93,7 +93,7 @@ def test_mla_cached_decoding_equals_parallel_and_caches_only_the_latent():
 def test_mla_bad_arguments():
     with pytest.raises(ValueError, match="rope_dim=3"):
         build_mixer("mla", d_model=32, n_heads=2, causal=True, rope_dim=3)
-    with pytest.raises(ValueError, match="mla impl"):
+    with pytest.raises(ValueError, match="mixer 'mla': impl must be 'sdpa' or 'reference'; got 'flash'"):
         build_mixer("mla", d_model=32, n_heads=2, causal=True, impl="flash")
 
 

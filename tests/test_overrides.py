@@ -78,7 +78,7 @@ def test_a_wrong_type_for_a_mesa_tolerance_is_one_line(monkeypatch, tmp_path, ca
         _run(monkeypatch, tmp_path, "--model.init_args.backbone.mixer", "mesa", f"{MIX}.mesa.cg_eps", "abc")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "cg_eps (adaptive CG tolerance) must be > 0 or None (fixed count); got 'abc'" in err[-2]
+    assert err[-2] == "error: backbone: mixer_args.mesa: mixer 'mesa': cg_eps must be float or null; got 'abc'"
 
 
 def test_a_second_config_and_the_command_line_merge_in_the_order_given(monkeypatch, tmp_path):
@@ -98,7 +98,8 @@ def test_a_typo_in_a_nested_mixer_option_is_one_line(monkeypatch, tmp_path, caps
         _run(monkeypatch, tmp_path, f"{MIX}.goat.position_args.n_mode", "1")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2].startswith("error: model: position_args of 'goat' got unknown key(s) 'n_mode'; it accepts: ")
+    assert err[-2].startswith("error: backbone: mixer_args.goat: position_args of 'goat' got unknown key(s) 'n_mode'; "
+                              "it accepts: ")
 
 
 @pytest.mark.parametrize("args,expected", [
