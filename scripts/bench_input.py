@@ -768,6 +768,8 @@ def main(argv: list[str] | None = None) -> str:
     if a.cli_stacks < 0 or (a.cli_stacks and not a.cli_steps):
         p.error(f"--cli-stacks must be > 0 seconds (0: off) and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
                 f"{a.cli_steps}")
+    if a.cli_stacks:  # the stack dumps' folder next to --out (X.md -> X.stacks/), written after the fits
+        p.check_output("--cli-stacks (its folder next to --out)", stacks_folder(a), folder=True)
     if not a.cli_steps and (a.cli_variants != [""] or a.cli_args):
         p.error("--cli-variants and --cli-args shape the --cli-steps fits: give --cli-steps N too")
     if a.cli_steps and not Path(a.cli_config).is_file():

@@ -409,6 +409,7 @@ def test_bench_input_refuses_bad_cli_options_before_any_fit(argv, message, monke
     (["--quick", "--out", "/proc/bench_input.md"], "--out '/proc/bench_input.md' cannot be written"),
     (["--quick", "--out", "."], "--out '.' is a folder; give a file path"),
     (["--quick", "--out", ""], "--out is empty; give a file path"),  # it was read as the current folder
+    (["--quick", "--out", "newdir/"], "--out 'newdir/' ends in '/' (a folder); give a file path"),  # was a file
     (["--quick", "--out", "README.md/x.md"], "--out 'README.md/x.md' cannot be written: 'README.md' is a file, not a "
                                               "folder"),  # run from the project root
 ])
@@ -425,6 +426,23 @@ def test_bench_input_refuses_unusable_shards_and_outputs_before_any_work(argv, m
         monkeypatch.chdir(ROOT)
         bench_input.main(["--workdir", str(tmp_path), "--device", "cpu", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_bench_input_refuses_a_file_where_the_stacks_folder_goes(monkeypatch, capsys, tmp_path):
+    """``--cli-stacks`` writes next to ``--out`` (``X.md`` -> ``X.stacks/``): a file there is refused before any
+    work (it was a FileExistsError after the measurements), and the file is kept."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    (tmp_path / "st.stacks").write_text("keep")
+    monkeypatch.setattr(bench_input, "write_shards_parallel", lambda *a, **k: pytest.fail("shards written"))
+    with pytest.raises(SystemExit) as exc:
+        bench_input.main(["--quick", "--workdir", str(tmp_path), "--no-loader", "--cli-steps", "2", "--cli-stacks",
+                          "1", "--out", str(tmp_path / "st.md")])
+    assert exc.value.code == 2
+    assert f"--cli-stacks (its folder next to --out) {str(tmp_path / 'st.stacks')!r} is a file; give a folder" \
+        in capsys.readouterr().err
+    assert (tmp_path / "st.stacks").read_text() == "keep"
 
 
 def test_synthetic_shard_count_matches_the_shards_written(tmp_path, monkeypatch):

@@ -136,23 +136,32 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "kwargs", "message"), [
-    ("hawk", {"lru_width": -64}, "hawk mixer: lru_width must be an integer >= 1; got -64"),
+    ("hawk", {"lru_width": -64}, "mixer 'hawk': lru_width must be >= 1; got -64"),
     ("hawk", {"impl": "scan"}, "hawk mixer: impl must be one of"),
-    ("mla", {"kv_rank": 0}, "mla mixer: kv_rank must be an integer >= 1; got 0"),
-    ("mla", {"q_rank": -1}, "mla mixer: q_rank must be an integer >= 0; got -1"),
-    ("gla", {"conv_size": -1}, "gla mixer: conv_size must be an integer >= 0; got -1"),
-    ("gla", {"expand_v": 0.0}, "gla mixer: expand_v must be > 0; got 0.0"),
-    ("mamba2", {"d_state": 0}, "mamba2 mixer: d_state must be an integer >= 1; got 0"),
-    ("mamba2", {"expand": 0}, "mamba2 mixer: expand must be an integer >= 1; got 0"),
-    ("mesa", {"chunk_size": 0}, "mesa mixer: chunk_size must be an integer >= 1; got 0"),
+    ("mla", {"kv_rank": 0}, "mixer 'mla': kv_rank must be >= 1; got 0"),
+    ("mla", {"q_rank": -1}, "mixer 'mla': q_rank must be >= 0; got -1"),
+    ("gla", {"conv_size": -1}, "mixer 'gla': conv_size must be >= 0; got -1"),
+    ("gla", {"expand_v": 0.0}, "mixer 'gla': expand_v must be > 0; got 0.0"),
+    ("mamba2", {"d_state": 0}, "mixer 'mamba2': d_state must be >= 1; got 0"),
+    ("mamba2", {"expand": 0}, "mixer 'mamba2': expand must be >= 1; got 0"),
+    ("mesa", {"chunk_size": 0}, "mixer 'mesa': chunk_size must be >= 1; got 0"),
     ("mesa", {"impl": "fal"},
      "mesa mixer: impl must be one of ('auto', 'chunk', 'triton', 'fla', 'recurrent', 'exact'); got 'fal'"),
-    ("mesa", {"eval_cg_eps": 0.0}, "mesa: eval_cg_eps (adaptive CG tolerance) must be > 0"),
+    ("mesa", {"eval_cg_eps": 0.0}, "mixer 'mesa': eval_cg_eps must be > 0; got 0.0"),
     ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
     ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),
-    ("goat", {"dropout": 1.5}, "attention dropout must be in [0, 1) (a probability); got 1.5"),
+    ("kda", {"gate_rank": 0}, "mixer 'kda': gate_rank must be >= 1; got 0"),  # was silently the default
+    ("kda", {"value_dim": -1}, "mixer 'kda': value_dim must be >= 1; got -1"),  # was a negative-size traceback
+    ("mla", {"norm_eps": float("nan")}, "mixer 'mla': norm_eps must be > 0; got nan"),  # trained on NaN
+    ("mesa", {"norm_eps": -1.0}, "mixer 'mesa': norm_eps must be > 0; got -1.0"),
+    ("goat", {"position_args": {"abs_scale": 0}}, "position_args of 'goat': abs_scale must be > 0; got 0"),
+    ("goat", {"position_args": {"axes": 0}}, "position_args of 'goat': axes must be >= 1; got 0"),
+    ("rope", {"position_args": {"base": -1.0}}, "position_args of 'rope': base must be > 0; got -1.0"),
+    ("goat", {"dropout": 1.5}, "mixer 'goat': dropout must be >= 0 and < 1; got 1.5"),
 ])
 def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):
+    """Ranges declared in a class's ``arg_bounds`` are checked by the registry (NaN fails them too); the rest by
+    the class."""
     from mixlab.registry import build_mixer
 
     args = {"d_model": 64, "n_heads": 4, "causal": True, **kwargs}
@@ -281,3 +290,23 @@ def test_an_unwritable_run_root_is_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--run_root", "")
     assert err[-2] == "error: --run_root is empty; give a folder path"
     assert afile.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    # a file where the run's own folder goes (<run_root>/<task>, <run_root>/<task>/<run_name>), a name over 255
+    # bytes: Lightning's / TensorBoard's NotADirectoryError, FileExistsError, "File name too long" tracebacks
+    (tmp_path / "genome").write_text("keep")
+    err = _fail(capsys, monkeypatch, tmp_path)
+    assert err[-2] == (f"error: --run_root/<task>/<run_name> {str(tmp_path / 'genome' / 'goat')!r} cannot be written: "
+                       f"{str(tmp_path / 'genome')!r} is a file, not a folder")
+    (tmp_path / "genome").unlink()
+    (tmp_path / "genome").mkdir()
+    (tmp_path / "genome" / "goat").write_text("keep")
+    err = _fail(capsys, monkeypatch, tmp_path)
+    assert err[-2] == (f"error: --run_root/<task>/<run_name> {str(tmp_path / 'genome' / 'goat')!r} is a file; "
+                       "give a folder")
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_root", str(tmp_path / ("b" * 300)))
+    assert err[-2].endswith(f"cannot be written: the name {'b' * 20!r}... is over 255 bytes")
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_name", "a" * 300)
+    assert err[-2].endswith(f"cannot be written: the name {'a' * 20!r}... is over 255 bytes")
+    err = _fail(capsys, monkeypatch, tmp_path, "--run_name", "a\nb")
+    assert err[-2].startswith("error: --run_name 'a\\nb': one folder name inside --run_root/<task>")
+    assert (tmp_path / "genome" / "goat").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["afile", "genome", "goat"]

@@ -78,6 +78,11 @@ def did_you_mean(words: list[str], candidates: list[str]) -> str:
     return "".join(f"; did you mean {near!r} for {w!r}?" for w in words if (near := closest(w, candidates)))
 
 
+_BOUND_TESTS: dict[str, Callable[[float, float], bool]] = {
+    ">": lambda v, b: v > b, ">=": lambda v, b: v >= b, "<": lambda v, b: v < b, "<=": lambda v, b: v <= b}
+"""The comparisons an entry's ``arg_bounds`` may use (NaN fails every one)."""
+
+
 def _plain_types(hint: Any) -> list[Any] | None:
     """The plain types an annotation allows (``int | None`` -> ``[int, NoneType]``; each ``Literal`` value as a
     ``Literal`` of one), or None when it has any other part (lists, tensors, classes: left to the class)."""
@@ -199,8 +204,9 @@ class Registry:
 
     def check_keys(self, name: str, kwargs: dict[str, Any], deep: bool = False,
                    outer: tuple[str, str, list[str]] | None = None) -> None:
-        """Refuse arguments ``name`` does not take, or whose value is not of a plain annotated type (what
-        :meth:`build` checks first; other values are checked by the class). An unknown key that belongs to the
+        """Refuse arguments ``name`` does not take, whose value is not of a plain annotated type, or out of the
+        class's ``arg_bounds`` (``{"abs_scale": ((">", 0),)}``: each argument's comparisons, ``None`` exempt)
+        (what :meth:`build` checks first; other values are checked by the class). An unknown key that belongs to the
         nested scheme (a ``position_args`` key such as GOAT's ``lane_impl`` given at the mixer's level) is pointed
         to its place. ``deep``: the nested scheme's own keys (``position_args``) are checked too, as the class would
         when built, and a mixer's own argument given there (``position_args.impl``) is pointed back.
@@ -209,7 +215,7 @@ class Registry:
         Raises:
             ValueError: an unknown ``name``; one line naming the unknown arguments and the accepted ones; one
                 line naming an argument whose value is not of its annotated ``int``/``float``/``bool``/``str``
-                (or ``Literal``) type.
+                (or ``Literal``) type, or out of its ``arg_bounds`` (``abs_scale must be > 0; got 0``).
         """
         self.get(name)
         accepted = self.options(name)
@@ -250,6 +256,12 @@ class Registry:
             if allowed is not None and not any(_matches(value, t) for t in allowed):
                 want = " or ".join(repr(t.__args__[0]) if typing.get_origin(t) is Literal else
                                    "null" if t is type(None) else t.__name__ for t in allowed)
+                raise ValueError(f"{self.label.format(name=name)}: {key} must be {want}; got {value!r}")
+        bounds = getattr(self.get(name), "arg_bounds", {})
+        for key, value in kwargs.items():
+            if key in bounds and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and not all(_BOUND_TESTS[op](value, limit) for op, limit in bounds[key]):
+                want = " and ".join(f"{op} {limit:g}" for op, limit in bounds[key])
                 raise ValueError(f"{self.label.format(name=name)}: {key} must be {want}; got {value!r}")
 
     def _nested_scheme(self, name: str, kwargs: dict[str, Any]) -> str | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import os
 import shutil
 import tempfile
 import zipfile
@@ -44,12 +45,18 @@ def output_problem(option: str, path: str | Path | None, folder: bool = False, c
     """Why an output ``path`` given as ``option`` cannot be written, in one line, or None when it can (or is
     ``None``, not given). The folder that would hold it (``folder``: ``path`` itself, else its parent) must take a
     new file: it is created when ``create``, else its nearest existing folder is tried. An empty string, a file
-    where a folder is due and a folder where a file is due are refused."""
+    where a folder is due, a folder where a file is due (a path ending in ``/`` too) and a name over 255 bytes
+    are refused."""
     if path is None:
         return None
     if not str(path).strip():
         return f"{option} is empty; give a {'folder' if folder else 'file'} path"
+    if not folder and str(path).endswith(("/", os.sep)):
+        return f"{option} {str(path)!r} ends in '/' (a folder); give a file path"
     path = Path(path)
+    long = next((part for part in path.parts if len(os.fsencode(part)) > 255), None)
+    if long is not None:  # what Linux file systems take for one name (NAME_MAX)
+        return f"{option} {str(path)!r} cannot be written: the name {long[:20]!r}... is over 255 bytes"
     where = path if folder else path.parent
     if not folder and path.is_dir():
         return f"{option} {str(path)!r} is a folder; give a file path"

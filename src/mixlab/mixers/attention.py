@@ -52,6 +52,9 @@ class Attention(AttentionMixer):
 
     compile_safe = True  # forward and backward under torch.compile equal eager (tests/test_backbone_compile.py)
 
+    arg_bounds = {"head_dim": ((">=", 1),), "dropout": ((">=", 0), ("<", 1))}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(
         self,
         d_model: int,

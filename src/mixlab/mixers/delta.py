@@ -83,6 +83,10 @@ class GatedDeltaMixer(Mixer):
             K != V; a half-precision cached state; ``cu_seqlens`` together with a cache.
     """
 
+    arg_bounds = {"head_dim": ((">=", 1),), "value_dim": ((">=", 1),), "conv_size": ((">=", 0),),
+                  "gate_rank": ((">=", 1),), "chunk_size": ((">=", 1),), "norm_eps": ((">", 0),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(
         self,
         d_model: int,

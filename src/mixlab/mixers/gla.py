@@ -40,6 +40,10 @@ class GLA(Mixer):
         ValueError: ``causal=False``; sizes not divisible.
     """
 
+    arg_bounds = {"head_dim": ((">=", 1),), "expand_v": ((">", 0),), "gate_low_rank": ((">=", 1),),
+                  "gate_normalizer": ((">", 0),), "conv_size": ((">=", 0),), "chunk_size": ((">=", 1),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, layer_idx: int = 0, n_layers: int = 1,
                  head_dim: int | None = None, expand_v: float = 1.0, gate_low_rank: int = 16,
                  gate_normalizer: float = 16.0, conv_size: int = 0, impl: str = "auto", chunk_size: int = 16) -> None:

@@ -62,6 +62,10 @@ class Hawk(Mixer):
         ValueError: ``causal=False``; ``lru_width`` not divisible by ``n_heads``; bad init range.
     """
 
+    arg_bounds = {"lru_width": ((">=", 1),), "conv_size": ((">=", 0),), "c": ((">", 0),),
+                  "a_min": ((">", 0), ("<", 1)), "a_max": ((">", 0), ("<", 1))}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, layer_idx: int = 0, n_layers: int = 1,
                  lru_width: int | None = None, conv_size: int = 4, c: float = 8.0, a_min: float = 0.9,
                  a_max: float = 0.999, impl: str = "auto") -> None:

@@ -47,6 +47,10 @@ class Mamba2(Mixer):
         ValueError: ``causal=False``; inner width not divisible by ``n_heads``.
     """
 
+    arg_bounds = {"d_state": ((">=", 1),), "expand": ((">=", 1),), "conv_size": ((">=", 0),),
+                  "dt_min": ((">", 0),), "dt_max": ((">", 0),), "chunk_size": ((">=", 1),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, layer_idx: int = 0, n_layers: int = 1,
                  d_state: int = 64, expand: int = 2, conv_size: int = 4, dt_min: float = 1e-3, dt_max: float = 0.1,
                  a_init_range: tuple[float, float] = (1.0, 16.0), impl: str = "auto", chunk_size: int = 16) -> None:

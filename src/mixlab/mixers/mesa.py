@@ -67,6 +67,11 @@ class Mesa(Mixer):
             ``cg_iters < 1``; ``cg_eps``/``eval_cg_eps <= 0``; bad head sizes.
     """
 
+    arg_bounds = {"head_dim": ((">=", 1),), "conv_size": ((">=", 0),), "lambda_floor": ((">", 0),),
+                  "lambda_init": ((">", 0),), "cg_iters": ((">=", 1),), "cg_eps": ((">", 0),),
+                  "eval_cg_eps": ((">", 0),), "chunk_size": ((">=", 1),), "norm_eps": ((">", 0),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(
         self,
         d_model: int,

@@ -54,6 +54,11 @@ class MultiHeadLatentAttention(Mixer):
             without explicit dims.
     """
 
+    arg_bounds = {"kv_rank": ((">=", 1),), "q_rank": ((">=", 0),), "nope_dim": ((">=", 1),),
+                  "rope_dim": ((">=", 2),), "v_dim": ((">=", 1),), "rope_base": ((">", 0),),
+                  "rope_axes": ((">=", 1),), "norm_eps": ((">", 0),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(
         self,
         d_model: int,

@@ -197,6 +197,10 @@ class GoatPrior(PositionScheme):
             not divisible over the axes; bad ``init`` name.
     """
 
+    arg_bounds = {"n_modes": ((">=", 0),), "axes": ((">=", 1),), "freq_base": ((">", 0),),
+                  "key_mlp_hidden": ((">=", 0),), "key_mlp_freqs": ((">=", 0),), "abs_scale": ((">", 0),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(
         self,
         n_heads: int,
@@ -640,6 +644,9 @@ class RotaryPositions(PositionScheme):
     Raises:
         ValueError: if ``head_dim`` is not divisible into even parts per axis; an unknown ``rotary_impl``.
     """
+
+    arg_bounds = {"axes": ((">=", 1),), "base": ((">", 0),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
 
     def __init__(self, n_heads: int, head_dim: int, causal: bool = True, axes: int = 1, base: float = 10000.0,
                  rotary_impl: str = "auto") -> None:

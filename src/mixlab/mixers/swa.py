@@ -47,6 +47,9 @@ class SlidingWindowAttention(AttentionMixer):
             bad sizes; unknown impl.
     """
 
+    arg_bounds = {"window": ((">=", 1),), "head_dim": ((">=", 1),)}
+    """Ranges of the numeric arguments, checked by the registry before the class is built."""
+
     def __init__(self, d_model: int, n_heads: int, causal: bool = True, layer_idx: int = 0, n_layers: int = 1,
                  window: int = 128, position: str = "rope", position_args: dict[str, Any] | None = None,
                  head_dim: int | None = None, impl: str = "auto", bias: bool = False) -> None:
