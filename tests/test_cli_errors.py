@@ -157,6 +157,8 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     ("goat", {"position_args": {"abs_scale": 0}}, "position_args of 'goat': abs_scale must be > 0; got 0"),
     ("goat", {"position_args": {"axes": 0}}, "position_args of 'goat': axes must be >= 1; got 0"),
     ("rope", {"position_args": {"base": -1.0}}, "position_args of 'rope': base must be > 0; got -1.0"),
+    ("goat", {"position_args": {"modes_per_axis": "abc"}},
+     "modes_per_axis must be a list of 1 integer(s) >= 0 summing to n_modes=4; got 'abc'"),
     ("goat", {"dropout": 1.5}, "mixer 'goat': dropout must be >= 0 and < 1; got 1.5"),
 ])
 def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):

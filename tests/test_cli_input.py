@@ -213,7 +213,7 @@ def test_val_check_interval_zero_and_an_escaping_run_name_are_refused(capsys, mo
     for name in ("../../escaped", str(tmp_path / "abs"), " ", "a/b", ".."):  # a/b: `compare` found no run
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--run_name", name, "--run_root", str(runs))
         assert err[-2] == f"error: --run_name {name!r}: one folder name inside --run_root/<task> (no '/', not '..', " \
-                          f"not empty)"
+                          f"not empty, no control characters)"
     assert not runs.exists() and not (tmp_path / "abs").exists() and not (tmp_path.parent / "escaped").exists()
 
 

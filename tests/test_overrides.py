@@ -195,3 +195,11 @@ def test_a_mixer_runtime_option_reaches_a_checkpoint_trained_with_the_defaults(m
              f"{MIX}.rope.position_args.rotary_impl", "torch", command="test")
     assert _mixer_args(t) == {"goat": {"position_args": {"lane_impl": "torch"}}}
     assert t.model_built.backbone.blocks[0].mixer.pos.lane_impl == "torch"
+
+
+def test_a_quoted_yaml_string_on_the_command_line_is_that_string(monkeypatch, tmp_path):
+    """``...mixer_args.goat.impl '"reference"'`` is the string ``reference``, as in a config file (jsonargparse kept
+    the quotes: ``impl must be 'sdpa' or 'reference'; got '"reference"'``)."""
+    for quoted in ('"reference"', "'reference'"):
+        t = _run(monkeypatch, tmp_path, f"{MIX}.goat.impl", quoted)
+        assert _mixer_args(t)["goat"]["impl"] == "reference"

@@ -327,3 +327,13 @@ def test_mixers_command_prints_each_mixers_defaults_as_a_mixer_args_block(capsys
     with pytest.raises(SystemExit) as info:
         cli_main(["mixers", "gdnn"])
     assert info.value.code == 2 and "unknown mixer 'gdnn'" in capsys.readouterr().err
+
+
+def test_a_misspelt_mixer_in_a_pattern_is_named_before_the_layer_count():
+    """``kda*3,mlx`` on 2 layers: the unknown ``mlx`` (with its "did you mean") comes first, not the count."""
+    from mixlab.backbone import parse_pattern
+
+    with pytest.raises(ValueError, match="unknown mixer 'mlx'.*did you mean 'mla'\\?$"):
+        parse_pattern("kda*3,mlx", 2)
+    with pytest.raises(ValueError, match="has 4 entries; n_layers=2 is not a multiple$"):
+        parse_pattern("kda*3,mla", 2)

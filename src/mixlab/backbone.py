@@ -69,10 +69,10 @@ def parse_pattern(pattern: str | list[str], n_layers: int) -> list[str]:
             pattern length, or an unknown mixer name (the message lists the registered ones).
     """
     names = mixer_names(pattern)
+    for name in dict.fromkeys(names):  # a misspelt name first: it may be why the count is off
+        get_mixer_cls(name)
     if n_layers % len(names):
         raise ValueError(f"mixer pattern {pattern!r} has {len(names)} entries; n_layers={n_layers} is not a multiple")
-    for name in dict.fromkeys(names):
-        get_mixer_cls(name)
     return names * (n_layers // len(names))
 
 

@@ -94,9 +94,16 @@ def install() -> None:
             return original(self, value, append=append, cfg=cfg, mode=mode)
         prev = cfg.get(self.dest)
         if isinstance(value, NestedArg):  # --...mixer_args.goat.position_args.n_modes 1
-            # jsonargparse hands a command-line null (or ~) over as the string "None"
-            loaded = None if value.val == "None" else parse_value_or_config(value.val, enable_path=False,
-                                                                            simple_types=True)[0]
+            # jsonargparse hands a command-line null (or ~) over as the string "None"; a quoted YAML string
+            # ('"reference"') is that string, as in a config file (jsonargparse keeps a str value's quotes)
+            text = value.val
+            if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+                import yaml
+
+                loaded = yaml.safe_load(text)
+            else:
+                loaded = None if text == "None" else parse_value_or_config(text, enable_path=False,
+                                                                           simple_types=True)[0]
             value = _nested(value.key, loaded)
         out = original(self, value, append=append, cfg=cfg, mode=mode)
         return deep_merge(prev, out) if isinstance(prev, dict) and isinstance(out, dict) else out

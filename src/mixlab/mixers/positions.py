@@ -235,8 +235,11 @@ class GoatPrior(PositionScheme):
             if n_modes % axes:
                 raise ValueError(f"n_modes={n_modes} does not split evenly over axes={axes}; pass modes_per_axis")
             modes_per_axis = [n_modes // axes] * axes
-        if len(modes_per_axis) != axes or sum(modes_per_axis) != n_modes:
-            raise ValueError(f"modes_per_axis={modes_per_axis} must have {axes} entries summing to n_modes={n_modes}")
+        if not isinstance(modes_per_axis, (list, tuple)) or len(modes_per_axis) != axes \
+                or not all(isinstance(m, int) and not isinstance(m, bool) and m >= 0 for m in modes_per_axis) \
+                or sum(modes_per_axis) != n_modes:
+            raise ValueError(f"modes_per_axis must be a list of {axes} integer(s) >= 0 summing to n_modes={n_modes}; "
+                             f"got {modes_per_axis!r}")
         if init not in ("zero", "random", "alibi"):
             raise ValueError(f"GOAT init must be 'zero', 'random' or 'alibi'; got {init!r}")
         self.modes_per_axis = list(modes_per_axis)
