@@ -136,30 +136,36 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "kwargs", "message"), [
-    ("hawk", {"lru_width": -64}, "mixer 'hawk': lru_width must be >= 1; got -64"),
+    ("hawk", {"lru_width": -64}, "mixer 'hawk': lru_width must be finite and >= 1; got -64"),
     ("hawk", {"impl": "scan"}, "hawk mixer: impl must be one of"),
-    ("mla", {"kv_rank": 0}, "mixer 'mla': kv_rank must be >= 1; got 0"),
-    ("mla", {"q_rank": -1}, "mixer 'mla': q_rank must be >= 0; got -1"),
-    ("gla", {"conv_size": -1}, "mixer 'gla': conv_size must be >= 0; got -1"),
-    ("gla", {"expand_v": 0.0}, "mixer 'gla': expand_v must be > 0; got 0.0"),
-    ("mamba2", {"d_state": 0}, "mixer 'mamba2': d_state must be >= 1; got 0"),
-    ("mamba2", {"expand": 0}, "mixer 'mamba2': expand must be >= 1; got 0"),
-    ("mesa", {"chunk_size": 0}, "mixer 'mesa': chunk_size must be >= 1; got 0"),
+    ("mla", {"kv_rank": 0}, "mixer 'mla': kv_rank must be finite and >= 1; got 0"),
+    ("mla", {"q_rank": -1}, "mixer 'mla': q_rank must be finite and >= 0; got -1"),
+    ("gla", {"conv_size": -1}, "mixer 'gla': conv_size must be finite and >= 0; got -1"),
+    ("gla", {"expand_v": 0.0}, "mixer 'gla': expand_v must be finite and > 0; got 0.0"),
+    ("mamba2", {"d_state": 0}, "mixer 'mamba2': d_state must be finite and >= 1; got 0"),
+    ("mamba2", {"expand": 0}, "mixer 'mamba2': expand must be finite and >= 1; got 0"),
+    ("mesa", {"chunk_size": 0}, "mixer 'mesa': chunk_size must be finite and >= 1; got 0"),
     ("mesa", {"impl": "fal"},
      "mesa mixer: impl must be one of ('auto', 'chunk', 'triton', 'fla', 'recurrent', 'exact'); got 'fal'"),
-    ("mesa", {"eval_cg_eps": 0.0}, "mixer 'mesa': eval_cg_eps must be > 0; got 0.0"),
+    ("mesa", {"eval_cg_eps": 0.0}, "mixer 'mesa': eval_cg_eps must be finite and > 0; got 0.0"),
     ("gdn", {"chunk_sz": 16}, "mixer 'gdn' got unknown argument(s) 'chunk_sz'; it accepts: "),
     ("goat", {"n_heads": 0}, "mixer 'goat': n_heads must be an integer >= 1; got 0"),
-    ("kda", {"gate_rank": 0}, "mixer 'kda': gate_rank must be >= 1; got 0"),  # was silently the default
-    ("kda", {"value_dim": -1}, "mixer 'kda': value_dim must be >= 1; got -1"),  # was a negative-size traceback
-    ("mla", {"norm_eps": float("nan")}, "mixer 'mla': norm_eps must be > 0; got nan"),  # trained on NaN
-    ("mesa", {"norm_eps": -1.0}, "mixer 'mesa': norm_eps must be > 0; got -1.0"),
-    ("goat", {"position_args": {"abs_scale": 0}}, "position_args of 'goat': abs_scale must be > 0; got 0"),
-    ("goat", {"position_args": {"axes": 0}}, "position_args of 'goat': axes must be >= 1; got 0"),
-    ("rope", {"position_args": {"base": -1.0}}, "position_args of 'rope': base must be > 0; got -1.0"),
+    ("kda", {"gate_rank": 0}, "mixer 'kda': gate_rank must be finite and >= 1; got 0"),  # was silently the default
+    ("kda", {"value_dim": -1}, "mixer 'kda': value_dim must be finite and >= 1; got -1"),  # a traceback
+    ("mla", {"norm_eps": float("nan")}, "mixer 'mla': norm_eps must be finite and > 0; got nan"),  # trained on NaN
+    ("mesa", {"norm_eps": -1.0}, "mixer 'mesa': norm_eps must be finite and > 0; got -1.0"),
+    ("goat", {"position_args": {"abs_scale": 0}}, "position_args of 'goat': abs_scale must be finite and > 0; got 0"),
+    ("goat", {"position_args": {"axes": 0}}, "position_args of 'goat': axes must be finite and >= 1; got 0"),
+    ("rope", {"position_args": {"base": -1.0}}, "position_args of 'rope': base must be finite and > 0; got -1.0"),
+    ("hawk", {"c": float("inf")}, "mixer 'hawk': c must be finite and > 0; got inf"),  # trained on NaN
+    ("goat", {"position_args": {"freq_base": float("inf")}},
+     "position_args of 'goat': freq_base must be finite and > 0; got inf"),  # was silently accepted
+    ("mamba2", {"dt_min": 0.5, "dt_max": 0.1}, "mamba2 mixer: dt_min must be <= dt_max; got 0.5 > 0.1"),
+    ("mamba2", {"a_init_range": [-1, -2]}, "mamba2 mixer: a_init_range must be [low, high] with 0 < low <= high"),
+    ("gla", {"expand_v": 0.01}, "gla mixer: expand_v=0.01 leaves int(head_dim * expand_v) = 0 value channels"),
     ("goat", {"position_args": {"modes_per_axis": "abc"}},
      "modes_per_axis must be a list of 1 integer(s) >= 0 summing to n_modes=4; got 'abc'"),
-    ("goat", {"dropout": 1.5}, "mixer 'goat': dropout must be >= 0 and < 1; got 1.5"),
+    ("goat", {"dropout": 1.5}, "mixer 'goat': dropout must be finite and >= 0 and < 1; got 1.5"),
 ])
 def test_mixer_constructors_name_the_bad_argument(name, kwargs, message):
     """Ranges declared in a class's ``arg_bounds`` are checked by the registry (NaN fails them too); the rest by

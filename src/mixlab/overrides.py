@@ -156,7 +156,12 @@ def changed_leaves(before: Any, after: Any) -> list[str]:
     there (``-> unset``) (nested Namespaces or dicts; keys dotted, ``init_args.`` left out), sorted."""
     old, new = _leaves(before), _leaves(after)
     return sorted(f"{k.replace('init_args.', '')}: {old[k]!r} -> {repr(new[k]) if k in new else 'unset'}"
-                  for k in old if k not in new or old[k] != new[k])
+                  for k in old if k not in new or not _same(old[k], new[k]))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b``, with NaN equal to NaN (a config's ``.nan`` is not a change)."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
 
 
 def is_runtime_option(key: str) -> bool:

@@ -22,6 +22,7 @@ import difflib
 import importlib
 import inspect
 import logging
+import math
 import os
 import types
 import typing
@@ -204,8 +205,9 @@ class Registry:
 
     def check_keys(self, name: str, kwargs: dict[str, Any], deep: bool = False,
                    outer: tuple[str, str, list[str]] | None = None) -> None:
-        """Refuse arguments ``name`` does not take, whose value is not of a plain annotated type, or out of the
-        class's ``arg_bounds`` (``{"abs_scale": ((">", 0),)}``: each argument's comparisons, ``None`` exempt)
+        """Refuse arguments ``name`` does not take, whose value is not of a plain annotated type, or not finite or
+        out of the class's ``arg_bounds`` (``{"abs_scale": ((">", 0),)}``: each argument's comparisons, ``None``
+        exempt)
         (what :meth:`build` checks first; other values are checked by the class). An unknown key that belongs to the
         nested scheme (a ``position_args`` key such as GOAT's ``lane_impl`` given at the mixer's level) is pointed
         to its place. ``deep``: the nested scheme's own keys (``position_args``) are checked too, as the class would
@@ -215,7 +217,7 @@ class Registry:
         Raises:
             ValueError: an unknown ``name``; one line naming the unknown arguments and the accepted ones; one
                 line naming an argument whose value is not of its annotated ``int``/``float``/``bool``/``str``
-                (or ``Literal``) type, or out of its ``arg_bounds`` (``abs_scale must be > 0; got 0``).
+                (or ``Literal``) type, or out of its ``arg_bounds`` (``abs_scale must be finite and > 0; got 0``).
         """
         self.get(name)
         accepted = self.options(name)
@@ -260,9 +262,9 @@ class Registry:
         bounds = getattr(self.get(name), "arg_bounds", {})
         for key, value in kwargs.items():
             if key in bounds and isinstance(value, (int, float)) and not isinstance(value, bool) \
-                    and not all(_BOUND_TESTS[op](value, limit) for op, limit in bounds[key]):
+                    and not (math.isfinite(value) and all(_BOUND_TESTS[op](value, limit) for op, limit in bounds[key])):
                 want = " and ".join(f"{op} {limit:g}" for op, limit in bounds[key])
-                raise ValueError(f"{self.label.format(name=name)}: {key} must be {want}; got {value!r}")
+                raise ValueError(f"{self.label.format(name=name)}: {key} must be finite and {want}; got {value!r}")
 
     def _nested_scheme(self, name: str, kwargs: dict[str, Any]) -> str | None:
         """The registered name of ``name``'s nested scheme (its ``selector`` argument, given or default), or None."""

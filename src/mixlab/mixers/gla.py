@@ -56,6 +56,9 @@ class GLA(Mixer):
         if not expand_v > 0:
             raise ValueError(f"gla mixer: expand_v must be > 0; got {expand_v}")
         head_dim = resolve_head_dim("gla", d_model, n_heads, head_dim)
+        if int(head_dim * expand_v) < 1:
+            raise ValueError(f"gla mixer: expand_v={expand_v} leaves int(head_dim * expand_v) = "
+                             f"{int(head_dim * expand_v)} value channels (head_dim={head_dim}); give a larger expand_v")
         self.n_heads, self.dk, self.dv = n_heads, head_dim, int(head_dim * expand_v)
         self.gate_normalizer, self.impl, self.chunk_size = gate_normalizer, impl, chunk_size
         h = n_heads

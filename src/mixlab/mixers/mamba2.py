@@ -64,6 +64,11 @@ class Mamba2(Mixer):
         if e % n_heads:
             raise ValueError(f"mamba2 mixer: expand*d_model={e} is not divisible by n_heads={n_heads}")
         self.n_heads, self.d_inner, self.d_state, self.head_dim = n_heads, e, d_state, e // n_heads
+        if not dt_min <= dt_max:
+            raise ValueError(f"mamba2 mixer: dt_min must be <= dt_max; got {dt_min} > {dt_max}")
+        if len(a_init_range) != 2 or not 0 < a_init_range[0] <= a_init_range[1] < math.inf:
+            raise ValueError(f"mamba2 mixer: a_init_range must be [low, high] with 0 < low <= high (finite); "
+                             f"got {list(a_init_range)}")
         self.dt_min, self.dt_max, self.a_init_range = dt_min, dt_max, tuple(a_init_range)
         self.impl, self.chunk_size = impl, chunk_size
         self.in_proj = nn.Linear(d_model, 2 * e + 2 * d_state + n_heads, bias=False)
