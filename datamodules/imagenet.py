@@ -908,7 +908,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         """After a fit: stop the training DataLoader's persistent workers now. Lightning shuts down the workers of
         the loaders it iterates itself, but it sees the device stage's :class:`DevicePrefetcher`, not the
         DataLoader inside, so the workers lived until the process exited, where torch (2.11) waits 5 s for each
-        before killing it: 75 s after the last step of a 15-worker fit on the GPU (BENCHMARKS.md)."""
+        before killing it: 75 s after the last step of a 15-worker fit on the GPU (BENCHMARKS.md). Python's thread
+        switch interval set for the device stage (``switch_interval_ms``) is restored."""
         super().teardown(stage)
         if self._switch_interval_before is not None:
             sys.setswitchinterval(self._switch_interval_before)

@@ -265,13 +265,14 @@ class MixlabCLI(LightningCLI):
             # one folder: `compare` and `--ckpt_path last` find runs at <run_root>/<task>/<run_name>/version_N
             raise ValueError(f"--run_name {name_given!r}: one folder name inside --run_root/<task> (no '/', not "
                              f"'..', not empty, no control characters)")
-        problem = output_problem("--run_root", cfg.get("run_root", "runs"), folder=True)
         task = getattr(self.datamodule, "task_name", type(self.datamodule).__name__.lower())
         run = cfg.get("run_name") or getattr(self.model, "run_name", type(self.model).__name__.lower())
         root, name = Path(cfg.get("run_root", "runs")), f"{task}/{run}"
-        if not problem:  # the run's own folder <run_root>/<task>/<run_name> (a file in its place, a long name)
-            problem = output_problem("--run_root/<task>/<run_name>", root / name, folder=True)
-        if problem:  # it was an OSError traceback from the logger's makedirs, after the model was built
+        # the root, then the run's own folder <run_root>/<task>/<run_name> (a file in its place, a long name): it
+        # was an OSError traceback from the logger's makedirs, after the model was built
+        problem = (output_problem("--run_root", cfg.get("run_root", "runs"), folder=True)
+                   or output_problem("--run_root/<task>/<run_name>", root / name, folder=True))
+        if problem:
             raise ValueError(problem)
         if cfg.get("ckpt_path") in ("last", "best"):
             cfg["ckpt_path"] = _latest_checkpoint(root / name, cfg["ckpt_path"])

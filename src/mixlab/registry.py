@@ -19,10 +19,12 @@ scheme is one class decorated ``@register_position("name")``, built as
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import inspect
 import logging
 import math
+import operator
 import os
 import types
 import typing
@@ -79,9 +81,18 @@ def did_you_mean(words: list[str], candidates: list[str]) -> str:
     return "".join(f"; did you mean {near!r} for {w!r}?" for w in words if (near := closest(w, candidates)))
 
 
-_BOUND_TESTS: dict[str, Callable[[float, float], bool]] = {
-    ">": lambda v, b: v > b, ">=": lambda v, b: v >= b, "<": lambda v, b: v < b, "<=": lambda v, b: v <= b}
+_BOUND_TESTS: dict[str, Callable[[float, float], bool]] = {">": operator.gt, ">=": operator.ge, "<": operator.lt,
+                                                           "<=": operator.le}
 """The comparisons an entry's ``arg_bounds`` may use (NaN fails every one)."""
+
+
+@functools.cache
+def _constructor_hints(cls: type) -> dict[str, Any]:
+    """``cls.__init__``'s resolved annotations (once per class; ``{}`` where one does not resolve)."""
+    try:
+        return typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve: nothing to check against
+        return {}
 
 
 def _plain_types(hint: Any) -> list[Any] | None:
@@ -245,12 +256,10 @@ class Registry:
 
     def _check_types(self, name: str, kwargs: dict[str, Any]) -> None:
         """ValueError naming the first user argument whose value does not match a plain annotation of
-        ``name``'s constructor (``int``, ``float``, ``bool``, ``str``, a ``Literal``, or one of them ``| None``);
-        other annotations are left to the class."""
-        try:
-            hints = typing.get_type_hints(self.get(name).__init__)
-        except Exception:  # noqa: BLE001 - an annotation that does not resolve: nothing to check against
-            return
+        ``name``'s constructor (``int``, ``float``, ``bool``, ``str``, a ``Literal``, or one of them ``| None``;
+        other annotations are left to the class), or is not finite or out of the class's ``arg_bounds``."""
+        cls = self.get(name)
+        hints = _constructor_hints(cls)
         for key, value in kwargs.items():
             if key in self.contract or key not in hints:
                 continue
@@ -259,7 +268,7 @@ class Registry:
                 want = " or ".join(repr(t.__args__[0]) if typing.get_origin(t) is Literal else
                                    "null" if t is type(None) else t.__name__ for t in allowed)
                 raise ValueError(f"{self.label.format(name=name)}: {key} must be {want}; got {value!r}")
-        bounds = getattr(self.get(name), "arg_bounds", {})
+        bounds = getattr(cls, "arg_bounds", {})
         for key, value in kwargs.items():
             if key in bounds and isinstance(value, (int, float)) and not isinstance(value, bool) \
                     and not (math.isfinite(value) and all(_BOUND_TESTS[op](value, limit) for op, limit in bounds[key])):
