@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixlab import cli
 from mixlab.registry import list_mixers
@@ -35,14 +36,54 @@ def test_constructor_errors_are_one_line(capsys, tmp_path, monkeypatch):
     assert not any("Union" in line or "Traceback" in line or "Namespace(" in line for line in err), err
 
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: 20}}}")
-    assert err[-2] == ("error: model: head_dim=32 is too small for GOAT with n_modes=20: needs "
-                       "2R+2=42 positional lanes plus at least one content dim")
+    assert err[-2] == ("error: --model.backbone.mixer_args.goat.position_args.n_modes: head_dim=32 is too small for "
+                       "GOAT with n_modes=20: needs 2R+2=42 positional lanes plus at least one content dim")
+
+
+def test_a_refused_value_names_the_config_file_and_key_that_set_it(capsys, tmp_path, monkeypatch):
+    """Found by a user test: a value refused by a class read ``error: backbone: ...`` without the file it came from."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  init_args:\n    backbone:\n      mixer: mesa\n      mixer_args:\n        mesa:\n"
+                   "          lambda_floor: -1\n")
+    err = _fail(capsys, monkeypatch, tmp_path, "--config", str(bad))
+    assert err[-2] == (f"error: {bad}: model.init_args.backbone.mixer_args.mesa.lambda_floor: mixer 'mesa': "
+                       "lambda_floor must be finite and > 0; got -1")
+    # the command line, read after the file, sets it again: the command line is named
+    err = _fail(capsys, monkeypatch, tmp_path, "--config", str(bad),
+                "--model.init_args.backbone.mixer_args.mesa.lambda_floor=0")
+    assert err[-2].startswith("error: --model.init_args.backbone.mixer_args.mesa.lambda_floor: mixer 'mesa': ")
+    assert err[-2].endswith("got 0")
+    # a cross-argument error names every place that set one of its values (d_model's default is not named)
+    bad.write_text("model:\n  init_args:\n    backbone:\n      mixer: mesa\n      mixer_args:\n        mesa:\n"
+                   "          lambda_floor: 0.25\n")
+    err = _fail(capsys, monkeypatch, tmp_path, "--config", str(bad),
+                "--model.init_args.backbone.mixer_args.mesa.lambda_init=0.1")
+    assert err[-2] == (f"error: model: mesa mixer: lambda_init=0.1 must exceed lambda_floor=0.25 (set at {bad}: "
+                       "model.init_args.backbone.mixer_args.mesa.lambda_floor; "
+                       "--model.init_args.backbone.mixer_args.mesa.lambda_init)")
+
+
+@pytest.mark.parametrize(("message", "field", "words", "line"), [
+    # a value shown as 1 is not the -1 a message prints; a key is a whole word (n_heads is not heads)
+    ("x: heads must be > 0; got -1", "model", ["--model.heads=1", "--model.n_heads=-1"],
+     "model: x: heads must be > 0; got -1"),
+    # a path is named where the message prints it whole, not as the start of a longer path
+    ("no file in /data/run/x", "data", ["--data.root=/data/run"], "data: no file in /data/run/x"),
+    ("no file /data/run", "data", ["--data.root=/data/run"], "--data.root: no file /data/run"),
+    # command-line numbers as YAML reads them; keys of another field are not looked at
+    ("lr must be > 0; got 0.0001", "model", ["--data.lr=1e-4", "--model.lr=1.0e-4"],
+     "--model.lr: lr must be > 0; got 0.0001"),
+    # a message that names its option itself is left as it is
+    ("--ckpt_path /x: not found", None, ["--ckpt_path=/x"], "--ckpt_path /x: not found"),
+])
+def test_value_sources_match_whole_tokens_of_the_field(message, field, words, line):
+    assert cli.place_value_error(message, field, words) == line
 
 
 def test_missing_fasta_at_setup_is_one_line(capsys, tmp_path, monkeypatch):
     missing = tmp_path / "nonexistent.fa"
     err = _fail(capsys, monkeypatch, tmp_path, f"--data.fasta={missing}")
-    assert err[-2] == f"error: data: FASTA file not found: {missing}"
+    assert err[-2] == f"error: --data.fasta: FASTA file not found: {missing}"  # the option that set it
     assert not any("Traceback" in line for line in err)
 
 
@@ -76,6 +117,29 @@ def test_bad_input_error_walks_the_chain_and_skips_foreign_raises():
         assert cli.bad_input_error(foreign) is None
 
 
+def test_an_allocation_that_fails_is_one_line_with_the_sizes_to_lower():
+    """Found by a user test: ``rope head_dim 400000000`` printed the allocator's error inside jsonargparse's dump."""
+    try:
+        try:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 2457600000000 bytes. Error code 12")
+        except RuntimeError as inner:
+            raise ValueError("Does not validate against any of the Union subtypes") from inner
+    except ValueError as outer:
+        field, cause = cli.bad_input_error(outer)
+    assert field is None and isinstance(cause, MemoryError)
+    assert str(cause).startswith("out of memory: could not allocate 2,457.6 GB on the CPU; a size in the config (")
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity")
+    except torch.OutOfMemoryError as err:
+        assert str(cli.bad_input_error(err)[1]).startswith("out of memory: CUDA out of memory. Tried to allocate "
+                                                           "20.00 GiB; a size in the config")
+    try:
+        raise RuntimeError("shape mismatch")  # any other RuntimeError keeps its traceback
+    except RuntimeError as err:
+        assert cli.bad_input_error(err) is None
+
+
 def test_a_dataloader_workers_bad_input_error_is_its_own_one_line():
     """torch re-raises a worker's error with the worker's whole traceback as its message (a user test: 106 lines
     for a label out of range with num_workers 2); mixlab's own bad-input error inside it is the one line."""
@@ -105,7 +169,7 @@ def test_a_dataloader_workers_bad_input_error_is_its_own_one_line():
 
 def test_trainer_misconfiguration_is_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--trainer.strategy=dpp")
-    assert err[-2].startswith("error: trainer: You selected an invalid strategy name: `strategy='dpp'`")
+    assert err[-2].startswith("error: --trainer.strategy: You selected an invalid strategy name: `strategy='dpp'`")
     fsdp = Path(GOAT).parents[1] / "trainer" / "fsdp.yaml"
     err = _fail(capsys, monkeypatch, tmp_path, f"--config={fsdp}", "--trainer.accelerator=cpu", "--trainer.devices=1")
     assert err[-2] == ("error: trainer: configs/trainer/fsdp.yaml (FSDP) needs CUDA GPUs; on CPU use "
@@ -127,11 +191,13 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     assert err[-2].endswith("; did you mean 'n_modes' for 'n_mode'?") and not any("Union" in line for line in err)
     # a value of the wrong plain type was a jsonargparse "Union subtypes" traceback (TypeError inside the class)
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: abc}}}")
-    assert err[-2] == "error: backbone: mixer_args.goat: position_args of 'goat': n_modes must be int; got 'abc'"
+    # the line names the option that set it, inside the mapping given on the command line
+    assert err[-2] == ("error: --model.backbone.mixer_args.goat.position_args.n_modes: position_args of 'goat': "
+                       "n_modes must be int; got 'abc'")
     assert not any("Union" in line for line in err)
     for field, value in (("d_model", "-128"), ("n_heads", "0"), ("n_layers", "-1")):
         err = _fail(capsys, monkeypatch, tmp_path, f"--model.backbone.{field}={value}")
-        assert err[-2] == f"error: backbone: {field} must be an integer >= 1; got {value}"
+        assert err[-2] == f"error: --model.backbone.{field}: {field} must be an integer >= 1; got {value}"
     assert not any("Traceback" in line for line in err)
 
 

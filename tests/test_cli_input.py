@@ -193,7 +193,7 @@ def test_failed_runs_leave_no_version_folder(capsys, monkeypatch, tmp_path):
     assert err[-2].startswith("error: model.init_args.vocab_size=3 is smaller than")
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--data.init_args.context_length=100000",
                 "--run_root", str(runs))
-    assert err[-2].startswith("error: data: context_length=100000 needs")
+    assert err[-2].startswith("error: --data.init_args.context_length: context_length=100000 needs")
     assert sorted(p.name for p in runs.rglob("*")) == []
 
 
@@ -374,8 +374,8 @@ def test_text_file_in_another_encoding_is_one_line_naming_file_offset_and_option
     argv = ["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=1",
             f"--data.init_args.path={latin}", "--run_root", str(tmp_path / "runs")]
     err = _main(capsys, monkeypatch, *argv)
-    assert err[-2] == (f"error: data: {latin}: not utf-8 text: byte 0xe9 at byte offset 35 (invalid continuation "
-                       f"byte); set data.init_args.encoding (e.g. latin-1) to read it")
+    assert err[-2] == (f"error: --data.init_args.path: {latin}: not utf-8 text: byte 0xe9 at byte offset 35 "
+                       f"(invalid continuation byte); set data.init_args.encoding (e.g. latin-1) to read it")
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     cli.main([*argv, "--data.init_args.encoding=latin-1"])  # the option it names reads the file
     assert (tmp_path / "runs" / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
@@ -386,7 +386,7 @@ def test_empty_text_file_is_reported_as_empty(capsys, monkeypatch, tmp_path):
     empty.write_text("")
     err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), f"--data.init_args.path={empty}",
                 "--run_root", str(tmp_path / "runs"))
-    assert err[-2] == f"error: data: {empty}: file is empty"
+    assert err[-2] == f"error: --data.init_args.path: {empty}: file is empty"
     assert not (tmp_path / "runs" / "text").exists()
 
 

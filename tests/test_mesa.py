@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mixlab.mixers.mesa import Mesa
 from mixlab.ops.mesa import (
     conjugate_gradient,
     mesa_chunk,
@@ -215,11 +216,15 @@ def test_bad_solver_arguments_raise():
     (dict(lambda_floor=-0.1), "lambda_floor"),
     (dict(eval_cg_eps=0.0), "cg_eps"),
     (dict(cg_iters=0), "cg_iters"),
+    (dict(cg_iters=10**9), r"cg_iters must be finite and >= 1 and <= 1000; got 1000000000"),  # ran as a hang
     (dict(causal=False), "causal"),
 ])
 def test_mixer_bad_config_raises(kw, match):
     with pytest.raises(ValueError, match=match):
         build_mixer("mesa", **{**dict(d_model=16, n_heads=2, causal=True, layer_idx=0, n_layers=1), **kw})
+    if "cg_iters" in kw:  # the class itself, built directly, refuses it too
+        with pytest.raises(ValueError, match=r"cg_iters \(CG iteration count / cap\) must be an integer in \[1, 1000"):
+            Mesa(d_model=16, n_heads=2, **kw)
 
 
 # ---------------------------------------------------------------------------- mixer

@@ -78,7 +78,7 @@ def test_a_wrong_type_for_a_mesa_tolerance_is_one_line(monkeypatch, tmp_path, ca
         _run(monkeypatch, tmp_path, "--model.init_args.backbone.mixer", "mesa", f"{MIX}.mesa.cg_eps", "abc")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2] == "error: backbone: mixer_args.mesa: mixer 'mesa': cg_eps must be float or null; got 'abc'"
+    assert err[-2] == f"error: {MIX}.mesa.cg_eps: mixer 'mesa': cg_eps must be float or null; got 'abc'"
 
 
 def test_a_second_config_and_the_command_line_merge_in_the_order_given(monkeypatch, tmp_path):

@@ -252,7 +252,7 @@ def _band_attention_explicit(m, x, window):
 
 
 @pytest.mark.parametrize("t", LENGTHS, ids=lambda t: f"T{t}")
-@pytest.mark.parametrize("window", [1, 4, 64])
+@pytest.mark.parametrize("window", [1, 4, 64, 10**20])  # 10**20: past int64 (an OverflowError once), full attention
 @pytest.mark.parametrize("impl", ["mask", "reference"])
 @torch.no_grad()
 def test_swa_equals_banded_dense_attention(t, window, impl):
@@ -268,6 +268,7 @@ def test_swa_equals_banded_dense_attention(t, window, impl):
 def test_swa_decoding_equals_parallel_with_bounded_cache():
     m = _mixer("swa", window=3)
     _assert_decoding_equals_parallel(m, t=11, split=6)
+    _assert_decoding_equals_parallel(_mixer("swa", window=10**20), t=11, split=6)  # a window past int64
     cache: dict = {}
     with torch.no_grad():
         for i in range(7):

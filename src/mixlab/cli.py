@@ -43,6 +43,8 @@ a traceback:
   :func:`check_state_dict`), checked before anything is written;
 * bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
   FileNotFoundError raised in mixlab's source, at construction or in ``setup``):
+  ``error: <file>: <key>: <message>`` naming the config file (or ``--<key>`` on the command
+  line) that set the refused value, found from the message (:func:`place_value_error`), else
   ``error: <field>: <message>`` (``<field>`` is ``model``, ``data`` or
   ``trainer.callbacks``), instead of a traceback wrapped in jsonargparse's Union dump.
 
@@ -552,10 +554,11 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
     constructor's error in its Union error ``from`` the original, and returns the first
     ``ValueError`` / ``OSError`` whose ``raise`` statement is in mixlab's source. The field is
     ``model``, ``data`` or ``trainer.callbacks`` from the innermost LightningModule,
-    LightningDataModule or Callback method on its traceback. None for anything else (bugs,
+    LightningDataModule or Callback method on its traceback. Else an allocation that failed
+    (:func:`_memory_error`: one line on how much was asked for). None for anything else (bugs,
     errors of other libraries): those keep their traceback.
     """
-    roots, seen = _our_roots(), set()
+    roots, seen, first = _our_roots(), set(), exc
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         worker = _worker_error(exc, roots)
@@ -564,13 +567,44 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
         frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
         if (isinstance(exc, (ValueError, OSError)) and frames
                 and os.path.realpath(frames[-1].f_code.co_filename).startswith(roots)):
-            for frame in reversed(frames):
-                owner = frame.f_locals.get("self")
-                for cls, field in ((pl.LightningModule, "model"), (pl.LightningDataModule, "data"),
-                                   (BestCheckpoint, None), (pl.Callback, "trainer.callbacks")):
-                    if isinstance(owner, cls):
-                        return field, exc
-            return None, exc
+            return _owner_field(frames), exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return _memory_error(first)
+
+
+def _owner_field(frames: list[Any]) -> str | None:
+    """``model``, ``data`` or ``trainer.callbacks``: the innermost LightningModule / LightningDataModule / Callback
+    method among traceback ``frames``; None for none (or mixlab's own best-checkpoint callback)."""
+    for frame in reversed(frames):
+        owner = frame.f_locals.get("self")
+        for cls, field in ((pl.LightningModule, "model"), (pl.LightningDataModule, "data"),
+                           (BestCheckpoint, None), (pl.Callback, "trainer.callbacks")):
+            if isinstance(owner, cls):
+                return field
+    return None
+
+
+_ALLOC = re.compile(r"can't allocate memory: you tried to allocate (\d+) bytes|out of memory", re.I)
+
+
+def _memory_error(exc: BaseException | None) -> tuple[str | None, BaseException] | None:
+    """``(field, MemoryError)`` when ``exc``'s chain holds an allocation that failed (``MemoryError``,
+    ``torch.OutOfMemoryError``, the CPU allocator's RuntimeError), e.g. a size in the config far too large; its
+    message says how much was asked for and which sizes to lower. Else None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc).strip()
+        m = _ALLOC.search(text)
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (isinstance(exc, RuntimeError) and m):
+            frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+            if m and m.group(1):
+                asked = f"could not allocate {int(m.group(1)) / 1e9:,.1f} GB on the CPU"
+            else:
+                asked = (text.splitlines() or [type(exc).__name__])[0].split(". GPU")[0][:200]
+            return _owner_field(frames), MemoryError(
+                f"out of memory: {asked}; a size in the config (d_model, head_dim, n_modes, n_layers, vocab_size, "
+                f"chunk_size, data batch_size or context_length) needs more memory than this machine has")
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
 
@@ -789,6 +823,104 @@ def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | 
     if value is not None:
         found.sort(key=lambda f: str(f[2]) != value)  # stable: the usual order among equals
     return (found[0][0], found[0][1]) if found else (None, key)
+
+
+def _set_leaves(words: list[str]) -> Iterator[tuple[str | None, str, Any]]:
+    """``(config file or None, key as written, value)`` of every value ``words`` set, in the order jsonargparse
+    applies them (each ``--config`` file's leaves where it stands, command-line options where they stand; a later
+    one wins). Command-line values are the strings given (a YAML mapping such as ``--x {a: 1}`` gives its leaves,
+    ``x.a``); ``--config`` itself is not a leaf."""
+    trees = iter(_config_trees(words))
+    for i, word in enumerate(words):
+        name, eq, given = word[2:].partition("=")
+        if word in ("--config", "-c") or word.startswith("--config="):
+            path = word.split("=", 1)[1] if eq else (words[i + 1] if i + 1 < len(words) else None)
+            tree = next((t for p, t, _ in trees if p == path), None)
+            yield from ((path, key, leaf) for key, leaf in _leaves(tree))
+        elif word.startswith("--") and name:
+            value = given if eq else (words[i + 1] if i + 1 < len(words) else None)
+            tree = _yaml_mapping(value)
+            yield from ((None, f"{name}.{key}", leaf) for key, leaf in _leaves(tree)) if tree else [(None, name, value)]
+
+
+def _yaml_mapping(text: str | None) -> dict | None:
+    """A command-line value written as a YAML mapping (``{mesa: {cg_iters: 0}}``), parsed; else None."""
+    import yaml
+
+    if not (text or "").lstrip().startswith("{"):
+        return None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(dotted key, value)`` of each non-mapping value of a parsed YAML tree."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+
+
+def _forms(value: Any) -> set[str]:
+    """How an error message may print a config ``value``: ``str``/``repr``, and for a command-line string also as
+    YAML reads it (``--x 1e-4`` is shown as ``0.0001``)."""
+    import yaml
+
+    forms = {str(value), repr(value)}
+    if isinstance(value, str):
+        with contextlib.suppress(yaml.YAMLError):
+            read = yaml.safe_load(value)
+            forms |= {str(read), repr(read)}
+    return {f for f in forms if f}
+
+
+def _names_value(message: str, name: str, value: Any) -> bool:
+    """Whether ``message`` refuses option ``name`` set to ``value``: ``name=value``, ``name must ...; got value``,
+    or, for a file path (a string with a ``/``), the path itself (``FASTA file not found: data/x.fa``)."""
+    key = rf"(?<![\w.]){re.escape(name)}"
+    for form in _forms(value):
+        shown = rf"(?<![\w.\-]){re.escape(form)}(?!\w|\.\w)"
+        if re.search(rf"{key}\s*=\s*{shown}|{key}\s+must\b.*?\bgot\s+{shown}", message) \
+                or (isinstance(value, str) and "/" in value and form == value
+                    and re.search(rf"(?<![\w./-]){re.escape(value)}(?![\w./-])", message)):
+            return True
+    return False
+
+
+def value_sources(message: str, field: str | None, words: list[str]) -> list[tuple[str | None, str]]:
+    """Where the values named in a class's error ``message`` were set: ``(config file or None for the command line,
+    key as written)`` for each option under ``field`` (``model``, ``data``, ...; None: any) that ``message`` names
+    with the value it was last set to (:func:`_names_value`: ``lambda_floor must be > 0; got -1``). Values left at
+    their defaults are not found, nor options the message names itself (``--ckpt_path x: ...``). Used to point a
+    constructor's error at the file and key."""
+    latest: dict[str, tuple[str | None, str, Any]] = {}
+    for source, key, value in _set_leaves(words):
+        latest[_plain(key)] = (source, key, value)
+    return [(source, key) for plain, (source, key, value) in latest.items()
+            if (not field or (plain + ".").startswith(_plain(field) + "."))
+            and not re.search(rf"(?<![\w.-])(--)?({re.escape(key)}|{re.escape(plain)})(?![\w.])", message)  # named
+            and _names_value(message, plain.rsplit(".", 1)[-1], value)]
+
+
+def place_value_error(message: str, field: str | None, words: list[str]) -> str:
+    """A class's error ``message`` (raised for ``field``) as one line that names where the value was set.
+
+    One option found by :func:`value_sources`: ``<file>: <key>: <message>`` (``--<key>: <message>`` for the command
+    line), the message's leading ``part:`` labels that the key already spells dropped. Several:
+    ``<field>: <message> (set at <file>: <key>; --<key>)``. None: ``<field>: <message>`` as before.
+    """
+    sources = value_sources(message, field, words) if not re.match(r"--\w", message) else []  # it names its option
+    places = [f"{src}: {key}" if src else f"--{key}" for src, key in sources]
+    head = f"{field}: " if field else ""
+    if len(places) == 1:
+        parts = _plain(sources[0][1]).split(".")
+        while (m := re.match(r"([\w.]+): ", message)) and any(
+                parts[i:i + len(m.group(1).split("."))] == m.group(1).split(".") for i in range(len(parts))):
+            message = message[m.end():]
+        return f"{places[0]}: {message}"
+    return f"{head}{message} (set at {'; '.join(places)})" if places else f"{head}{message}"
 
 
 def _accepted(class_path: str) -> list[str]:
@@ -1047,7 +1179,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     try:
-        with one_line_errors():
+        with one_line_errors(None if words[:1] and words[0] in COMMANDS else words):
             if words and words[0] in COMMANDS:
                 try:
                     _resolve(COMMANDS[words[0]])(words[1:])
@@ -1074,11 +1206,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
+def one_line_errors(words: list[str] | None = None) -> Iterator[None]:
     """Bad input inside (what :func:`bad_input_error` recognises: a config value a class refuses, a missing file)
     leaves as one ``error: <field>: <cause>`` line on stderr and ``SystemExit(2)``; anything else, or any error with
-    ``MIXLAB_TRACEBACK=1``, propagates with its traceback. Used by :func:`main` and by ``scripts/bench_input.py``'s
-    up-front check of extra CLI arguments (the classes built, the subcommand not run)."""
+    ``MIXLAB_TRACEBACK=1``, propagates with its traceback. With the command line ``words``, the line names the
+    config file (or command-line option) and key that set the refused value (:func:`place_value_error`). Used by
+    :func:`main` and by ``scripts/bench_input.py``'s up-front check of extra CLI arguments (the classes built, the
+    subcommand not run)."""
     try:
         yield
     except SIGTERMException:
@@ -1088,10 +1222,9 @@ def one_line_errors() -> Iterator[None]:
         if found is None:
             raise
         field, cause = found
-        if re.match(r"(trainer|model|data|checkpoint)\.", str(cause)):  # the message names its option itself
-            field = None
-        print(f"error: {field + ': ' if field else ''}{cause}\n(MIXLAB_TRACEBACK=1 shows the full traceback)",
-              file=sys.stderr)
+        named = re.match(r"(trainer|model|data|checkpoint)\.", str(cause))  # the message names its option itself
+        line = place_value_error(str(cause), None if named else field, [] if named else words or [])
+        print(f"error: {line}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
 
 

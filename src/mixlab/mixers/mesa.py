@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay, resolve_head_dim
 from mixlab.mixers.layers import GatedRMSNorm, ShortConv, short_conv_step
-from mixlab.ops.mesa import check_solver_args, mesa_net, mesa_step, mesa_step_inplace
+from mixlab.ops.mesa import MAX_CG_ITERS, check_solver_args, mesa_net, mesa_step, mesa_step_inplace
 from mixlab.registry import register_mixer
 
 __all__ = ["Mesa"]
@@ -64,11 +64,11 @@ class Mesa(Mixer):
 
     Raises:
         ValueError: ``causal=False``; ``lambda_floor <= 0``; ``lambda_init <= lambda_floor``;
-            ``cg_iters < 1``; ``cg_eps``/``eval_cg_eps <= 0``; bad head sizes.
+            ``cg_iters`` outside ``[1, MAX_CG_ITERS]`` (1000); ``cg_eps``/``eval_cg_eps <= 0``; bad head sizes.
     """
 
     arg_bounds = {"head_dim": ((">=", 1),), "conv_size": ((">=", 0),), "lambda_floor": ((">", 0),),
-                  "lambda_init": ((">", 0),), "cg_iters": ((">=", 1),), "cg_eps": ((">", 0),),
+                  "lambda_init": ((">", 0),), "cg_iters": ((">=", 1), ("<=", MAX_CG_ITERS)), "cg_eps": ((">", 0),),
                   "eval_cg_eps": ((">", 0),), "chunk_size": ((">=", 1),), "norm_eps": ((">", 0),)}
     """Ranges of the numeric arguments, checked by the registry before the class is built."""
 

@@ -47,7 +47,9 @@ def sdpa(q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs: Any) -> Tens
 def band_mask(q_idx: Tensor, k_idx: Tensor, window: int, causal: bool = True) -> Tensor:
     """``[Tq, Tk]`` bool: True where query token ``q_idx[i]`` may see key ``k_idx[j]``
     (``q_idx [Tq]``, ``k_idx [Tk]`` absolute token positions): ``0 <= i - j < window`` (causal)
-    or ``|i - j| < window``."""
+    or ``|i - j| < window``. A window beyond any position difference (up to ``2**62``) is full attention: it is
+    clamped there, so any Python int is taken (``window: 1e20`` raised an OverflowError)."""
+    window = min(window, 2**62)
     d = q_idx[:, None] - k_idx[None, :]
     return (d >= 0) & (d < window) if causal else d.abs() < window
 
@@ -63,12 +65,13 @@ def flex_sliding_window(q: Tensor, k: Tensor, v: Tensor, window: int, causal: bo
 
     if "fn" not in _FLEX:
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    t = q.shape[2]
+    window = min(window, t)  # |qi - ki| < t: a longer window is full attention (and stays an int32 in the mask)
 
     def mask_mod(b, h, qi, ki):
         d = qi - ki
         return ((d >= 0) & (d < window)) if causal else ((d < window) & (d > -window))
 
-    t = q.shape[2]
     key = (t, window, causal, q.device)
     if _FLEX.get("mask_key") != key:
         _FLEX["mask"] = create_block_mask(mask_mod, B=None, H=None, Q_LEN=t, KV_LEN=t, device=q.device)

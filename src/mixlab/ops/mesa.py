@@ -83,10 +83,17 @@ def _cg_update(x: Tensor, r: Tensor, p: Tensor, delta: Tensor, ap: Tensor, activ
     p = torch.where(active.unsqueeze(-1), r + step.unsqueeze(-1) * p, p)
     return x, r, p, torch.where(active, delta_new, delta)
 
+MAX_CG_ITERS = 1000
+"""The largest CG iteration count / cap taken. CG on the ``K x K`` system of a head converges in at most ``K``
+iterations in exact arithmetic (the paper trains with 30 at K = 128); a count far above that only spends time
+(``cg_iters: 1e9`` ran as a hang)."""
+
+
 def check_solver_args(cg_iters: int, cg_eps: float | None, eps_name: str = "cg_eps") -> None:
-    """Raises ValueError for a CG cap < 1 or a non-positive tolerance (named ``eps_name``)."""
-    if not isinstance(cg_iters, int) or cg_iters < 1:
-        raise ValueError(f"mesa: cg_iters (CG iteration count / cap) must be an integer >= 1; got {cg_iters!r}")
+    """Raises ValueError for a CG cap outside ``[1, MAX_CG_ITERS]`` or a non-positive tolerance (named ``eps_name``)."""
+    if not isinstance(cg_iters, int) or not 1 <= cg_iters <= MAX_CG_ITERS:
+        raise ValueError(f"mesa: cg_iters (CG iteration count / cap) must be an integer in [1, {MAX_CG_ITERS}] (CG "
+                         f"converges in at most head_dim iterations in exact arithmetic); got {cg_iters!r}")
     if cg_eps is not None and (isinstance(cg_eps, bool) or not isinstance(cg_eps, (int, float)) or not cg_eps > 0):
         raise ValueError(f"mesa: {eps_name} (adaptive CG tolerance) must be > 0 or None (fixed count); got {cg_eps!r}")
 
