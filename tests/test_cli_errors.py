@@ -30,8 +30,8 @@ def _fail(capsys, monkeypatch, tmp_path, *overrides: str) -> list[str]:
 
 def test_constructor_errors_are_one_line(capsys, tmp_path, monkeypatch):
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer=goatx")
-    assert err[-2] == (f"error: model: unknown mixer 'goatx'; registered mixers: {', '.join(list_mixers())}; "
-                       "did you mean 'goat'?")
+    assert err[-2] == (f"error: --model.backbone.mixer: unknown mixer 'goatx'; registered mixers: "
+                       f"{', '.join(list_mixers())}; did you mean 'goat'?")
     assert err[-1].startswith("(MIXLAB_TRACEBACK=1")
     assert not any("Union" in line or "Traceback" in line or "Namespace(" in line for line in err), err
 
