@@ -63,6 +63,7 @@ import re
 import shutil
 import signal
 import sys
+import threading
 import traceback
 import warnings
 from pathlib import Path
@@ -1182,13 +1183,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with one_line_errors(None if words[:1] and words[0] in COMMANDS else words):
             if words and words[0] in COMMANDS:
-                try:
-                    _resolve(COMMANDS[words[0]])(words[1:])
-                except KeyboardInterrupt:
-                    if os.environ.get("MIXLAB_TRACEBACK"):
-                        raise
-                    print(f"mixlab {words[0]}: interrupted (Ctrl-C)", file=sys.stderr)
-                    raise SystemExit(128 + signal.SIGINT) from None
+                _run_command(words[0], words[1:])
                 return
             lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
             if words and not words[0].startswith("-") and words[0] not in lightning:
@@ -1204,6 +1199,34 @@ def main(argv: list[str] | None = None) -> None:
             MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
     except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
+
+
+class CommandTerminated(BaseException):
+    """SIGTERM during an extra command (:data:`COMMANDS`), raised by its signal handler so that the command's
+    ``undo_on_failure`` puts its outputs back, as for Ctrl-C; a BaseException, as KeyboardInterrupt."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise CommandTerminated()
+
+
+def _run_command(name: str, args: list[str]) -> None:
+    """Run the extra command ``name``. Ctrl-C and SIGTERM end it in one line (``mixlab <name>: interrupted
+    (Ctrl-C)`` / ``terminated (SIGTERM)``) with exit status 130 / 143, after the command has put back the outputs
+    it had begun (with ``MIXLAB_TRACEBACK=1``: the traceback)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        _resolve(COMMANDS[name])(args)
+    except (KeyboardInterrupt, CommandTerminated) as err:
+        if os.environ.get("MIXLAB_TRACEBACK"):
+            raise
+        term = isinstance(err, CommandTerminated)
+        print(f"mixlab {name}: {'terminated (SIGTERM)' if term else 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        raise SystemExit(128 + (signal.SIGTERM if term else signal.SIGINT)) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits", "undo_on_failure", "OneLineParser", "output_problem", "refuse_below"]
+           "chunked_logits", "undo_on_failure", "OneLineParser", "output_problem", "refuse_below", "check_device"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -85,6 +85,27 @@ def refuse_below(*checks: tuple[str, Any, int | float]) -> None:
     for option, value, least in checks:
         if value is not None and value < least:
             raise ValueError(f"{option} must be >= {least}; got {value}")
+
+
+def check_device(device: str | torch.device, option: str = "--device") -> torch.device:
+    """The ``torch.device`` a command-line ``option`` names, checked before anything is loaded.
+
+    Raises:
+        ValueError: not a device name (``cpu``, ``cuda``, ``cuda:N``); CUDA on a machine without it; ``cuda:N``
+            past the visible GPUs. The message names ``option`` and the value.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{option} {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} {device}: the evaluation commands run on cpu or cuda; got {dev.type}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option} {device}: CUDA is not available on this machine; use {option} cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"{option} {device}: this machine has {torch.cuda.device_count()} GPU(s) (cuda:0 .. "
+                         f"cuda:{torch.cuda.device_count() - 1})")
+    return dev
 
 
 def import_class(path: str) -> type:
@@ -196,13 +217,13 @@ def load_run(ckpt: str | Path, device: str | torch.device = "cpu", head: type | 
 
     Raises:
         FileNotFoundError: no such file, or a directory (:func:`read_checkpoint`).
-        ValueError: the file is not a Lightning checkpoint; ``device`` is CUDA on a machine without it; the
-            checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint; <hint>"``).
+        ValueError: the file is not a Lightning checkpoint; ``device`` is not a device this machine has
+            (:func:`check_device`); the checkpoint's head is not a ``head`` (``"--ckpt <path>: a <class> checkpoint;
+            <hint>"``).
     """
     path = Path(ckpt)
+    check_device(device)
     raw = read_checkpoint(path, "--ckpt")
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     head_path, data, data_args = run_record_of(raw)
     if head_path is None:
         head_path = f"{head.__module__}.{head.__qualname__}" if head is not None else _DEFAULT_HEAD
@@ -273,12 +294,17 @@ def undo_on_failure(keep: tuple[str, ...] = (".png", ".csv", ".md")) -> Iterator
     back the earlier contents of its files with a suffix in ``keep`` (outputs the body may overwrite); all
     else in it stays (subfolders are their own ``note``). A folder that did not exist is removed with
     everything in it, and so are the parents created for it. Errors while cleaning up are ignored: the
-    body's error is the one raised.
+    body's error is the one raised. ``note(folder, replace=True)``: when the body succeeds, the TensorBoard event
+    files ``folder`` held when noted are removed, so that a repeated evaluation's scalars replace the earlier
+    ones instead of being shown twice (on failure they stay, as everything else).
     """
     noted: list[tuple[Path, set[str] | None, dict[Path, bytes]]] = []
+    replaced: list[Path] = []
 
-    def note(folder: str | Path) -> Path:
+    def note(folder: str | Path, replace: bool = False) -> Path:
         folder = Path(folder).absolute()
+        if replace and folder.is_dir():
+            replaced.extend(f for f in folder.glob("events.out.tfevents.*") if f.is_file())
         if folder.is_dir():
             files = list(folder.iterdir())
             noted.append((folder, {f.name for f in files},
@@ -306,3 +332,6 @@ def undo_on_failure(keep: tuple[str, ...] = (".png", ".csv", ".md")) -> Iterator
                     if not f.is_file() or f.read_bytes() != data:
                         f.write_bytes(data)
         raise
+    for f in replaced:  # the command succeeded: its events replace the earlier call's
+        with contextlib.suppress(OSError):
+            f.unlink()

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
-from mixlab.eval.common import OneLineParser, import_class, load_run, refuse_below
+from mixlab.eval.common import OneLineParser, check_device, import_class, load_run, refuse_below
 
 __all__ = ["Codec", "codec_for", "generate", "main"]
 
@@ -327,12 +327,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mixlab.heads.lm import CausalLM
 
     t0 = time.perf_counter()
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device {args.device!r} is not a device: use cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available on this machine; use --device cpu")
+    device = check_device(args.device)
     run = load_run(args.ckpt, "cpu", head=CausalLM, hint=_LM_HINT)
     model = run.model
     if getattr(model, "decoder", "lm") != "lm":
