@@ -112,13 +112,17 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
     assert err == ["error: --trainer.max_steps: Expected a <class 'int'>. Got value: abc"]
     from mixlab.cli import COMMANDS
 
-    every = ", ".join(["fit", "validate", "test", "predict", *sorted(COMMANDS)])
+    every = ", ".join(["fit", "validate", "test", *sorted(COMMANDS)])
     err = _main(capsys, monkeypatch, "fitt", "--config", str(GENOME))
     assert err == [f"error: unknown command 'fitt'; did you mean fit? (commands: {every})"]
     err = _main(capsys, monkeypatch, "reproducee", "mesa")  # an extra command: named too (user test)
     assert err == [f"error: unknown command 'reproducee'; did you mean reproduce? (commands: {every})"]
     err = _main(capsys, monkeypatch, "xyz")
     assert err == [f"error: unknown command 'xyz' (commands: {every})"]
+    # predict was offered and failed in every config (no head has a predict step; a user test)
+    err = _main(capsys, monkeypatch, "predict", "--config", str(GENOME))
+    assert err == ["error: predict is not offered: no mixlab head has a predict step; use test for metrics on the "
+                   "test split, or generate to sample from a language model (python -m mixlab generate --help)"]
 
 
 def test_typo_through_python_dash_m_names_the_command(tmp_path):
@@ -553,7 +557,22 @@ def test_ckpt_path_directory_is_one_line_naming_a_checkpoint_below_it(capsys, mo
     empty = tmp_path / "empty"
     empty.mkdir()
     err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(empty))
-    assert "a directory; give a checkpoint file (no .ckpt file is below it)" in err[0], err
+    assert "a directory; give a checkpoint file (no .ckpt file within 4 folders below it)" in err[0], err
+    assert not (tmp_path / "runs").exists()
+    # a user test: --ckpt_path / walked the whole tree (15 s) and named another user's checkpoint; the search
+    # goes 4 folders deep (a run root's <task>/<run>/version_N/checkpoints), no further
+    deep = empty / "a" / "b" / "c" / "d" / "e"
+    deep.mkdir(parents=True)
+    (deep / "x.ckpt").write_bytes(b"")
+    err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(empty))
+    assert "(no .ckpt file within 4 folders below it)" in err[0], err
+    (deep.parent / "y.ckpt").write_bytes(b"")
+    err = _main(capsys, monkeypatch, *argv, "--ckpt_path", str(empty))
+    assert err[0].endswith(f"(e.g. {deep.parent / 'y.ckpt'})"), err
+    # an empty --ckpt_path was Lightning's ValueError traceback
+    for blank in ("", " "):
+        err = _main(capsys, monkeypatch, *argv, "--ckpt_path", blank)
+        assert err[0] == "error: --ckpt_path is empty; give a checkpoint file, or last / best (this run's checkpoints)"
     assert not (tmp_path / "runs").exists()
 
 

@@ -163,7 +163,7 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
         ["--ckpt", str(plain), "--prompt", "a"], capsys)
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "a directory; give a checkpoint file (no .ckpt file is below it)" in _one_line_error(
+    assert "a directory; give a checkpoint file (no .ckpt file within 4 folders below it)" in _one_line_error(
         ["--ckpt", str(empty), "--prompt", "a"], capsys)
     # the hint names a checkpoint that exists (it named <dir>/last.ckpt, which a run never writes)
     run_dir = Path(text).parents[2]  # <run_root>/<task>/<run>/version_0/checkpoints/last.ckpt -> <run>

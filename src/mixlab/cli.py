@@ -1,4 +1,4 @@
-"""``python -m mixlab fit|validate|test|predict --config configs/...yaml`` (LightningCLI).
+"""``python -m mixlab fit|validate|test --config configs/...yaml`` (LightningCLI).
 
 Extra subcommands (``python -m mixlab <name> --help``) are registered in :data:`COMMANDS`
 and dispatched before LightningCLI parses the arguments.
@@ -126,6 +126,12 @@ class MixlabCLI(LightningCLI):
             **kwargs,
         )
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """Lightning's ``fit``, ``validate`` and ``test``; not ``predict``: no mixlab head or datamodule has a
+        predict step (``generate`` samples from a language model, ``test`` reports metrics)."""
+        return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
     def setup_parser(self, *args: Any, **kwargs: Any) -> None:
         super().setup_parser(*args, **kwargs)
         for parser in [self.parser, *getattr(self, "_subcommand_parsers", {}).values()]:
@@ -178,6 +184,8 @@ class MixlabCLI(LightningCLI):
         ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
+        if path is not None and not str(path).strip():
+            raise ValueError("--ckpt_path is empty; give a checkpoint file, or last / best (this run's checkpoints)")
         if path in ("last", "best"):  # resolve it now, so the model is built from that checkpoint as for a file
             path = self._resolve_named(sub, path) or path
             self.config[sub]["ckpt_path"] = path
@@ -1170,7 +1178,7 @@ def main(argv: list[str] | None = None) -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
     if words[:1] in (["-h"], ["--help"]) or not words:
-        print("mixlab: python -m mixlab {fit,validate,test,predict} --config configs/<task>/<name>.yaml [...]\n"
+        print("mixlab: python -m mixlab {fit,validate,test} --config configs/<task>/<name>.yaml [...]\n"
               f"extra commands: {', '.join(sorted(COMMANDS))} (python -m mixlab <command> --help)\n"
               "model options: python -m mixlab fit --model.help mixlab.heads.CausalLM\n")
     try:
@@ -1185,7 +1193,12 @@ def main(argv: list[str] | None = None) -> None:
             if words and words[0] in COMMANDS:
                 _run_command(words[0], words[1:])
                 return
-            lightning = list(MixlabCLI.subcommands())  # fit, validate, test, predict
+            lightning = list(MixlabCLI.subcommands())  # fit, validate, test
+            if words[:1] == ["predict"]:
+                print("error: predict is not offered: no mixlab head has a predict step; use test for metrics on the "
+                      "test split, or generate to sample from a language model (python -m mixlab generate --help)",
+                      file=sys.stderr)
+                raise SystemExit(2)
             if words and not words[0].startswith("-") and words[0] not in lightning:
                 close = difflib.get_close_matches(words[0], [*lightning, *COMMANDS], n=1)
                 print(f"error: unknown command {words[0]!r}" + (f"; did you mean {close[0]}?" if close else "")

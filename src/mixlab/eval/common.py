@@ -175,6 +175,27 @@ class Run:
         return import_class(path)(**{**self.data_args, **overrides})
 
 
+def _checkpoints_below(folder: Path, depth: int = 4, most: int = 2000) -> list[Path]:
+    """``.ckpt`` files at most ``depth`` folders below ``folder`` (a run root's ``<task>/<run>/version_N/checkpoints``
+    is 4), looking into at most ``most`` folders: a folder such as ``/`` is not walked whole."""
+    found: list[Path] = []
+    level, seen = [folder], 0
+    for _ in range(depth + 1):
+        below: list[Path] = []
+        for d in level:
+            seen += 1
+            if seen > most:
+                return found
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            found += [Path(e.path) for e in entries if e.name.endswith(".ckpt") and e.is_file()]
+            below += [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+        level = below
+    return found
+
+
 def read_checkpoint(path: str | Path, option: str = "--ckpt") -> dict:
     """The Lightning checkpoint dict at ``path`` (memory-mapped, tensors not copied), for the command-line
     option ``option`` that named it (``--ckpt``, ``--ckpt_path``), which every error message starts with.
@@ -186,8 +207,8 @@ def read_checkpoint(path: str | Path, option: str = "--ckpt") -> dict:
     """
     path = Path(path)
     if path.is_dir():
-        found = sorted(path.rglob("*.ckpt"), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
-        example = f"e.g. {found[-1]}" if found else "no .ckpt file is below it"
+        found = sorted(_checkpoints_below(path), key=lambda p: (p.name == "last.ckpt", p.stat().st_mtime))
+        example = f"e.g. {found[-1]}" if found else "no .ckpt file within 4 folders below it"
         raise FileNotFoundError(f"{option} {path}: a directory; give a checkpoint file ({example})")
     if not path.is_file():
         raise FileNotFoundError(f"{option} {path}: file not found")
