@@ -351,6 +351,53 @@ def test_ctrl_c_in_an_evaluation_command_is_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "mixlab length-extrapolation: interrupted (Ctrl-C)"
 
 
+def test_sigterm_in_an_evaluation_command_puts_its_outputs_back_and_is_one_line(capsys, monkeypatch, tmp_path):
+    """A user test: SIGTERM (``timeout``, a batch system) ended passkey and length-extrapolation silently, leaving a
+    partial event file that ``compare`` then read. The command's ``undo_on_failure`` now runs, as for Ctrl-C."""
+    import os
+    import signal
+
+    from mixlab.eval.common import undo_on_failure
+
+    out = tmp_path / "out"
+
+    def command(argv):
+        with undo_on_failure() as note:
+            note(out).mkdir()
+            (out / "events.out.tfevents.1").write_bytes(b"partial")
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread: the handler raises here
+
+    monkeypatch.setattr(cli, "_resolve", lambda target: command)
+    monkeypatch.delenv("MIXLAB_TRACEBACK", raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["passkey", "--ckpt", "x.ckpt"])
+    assert info.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.strip() == "mixlab passkey: terminated (SIGTERM)"
+    assert not out.exists()  # the folder it created is gone
+    assert signal.getsignal(signal.SIGTERM) is before  # the process's own handler is back
+
+
+def test_a_repeated_evaluation_replaces_its_earlier_events_only_when_it_succeeds(tmp_path):
+    """``note(folder, replace=True)``: a second call's scalars replace the first call's (TensorBoard showed both,
+    and ``compare`` took the newest by wall time); a failed call keeps them."""
+    from mixlab.eval.common import undo_on_failure
+
+    tb = tmp_path / "tb"
+    tb.mkdir()
+    (tb / "events.out.tfevents.1").write_bytes(b"first")
+    (tb / "notes.txt").write_text("kept")
+    with pytest.raises(RuntimeError), undo_on_failure() as note:
+        note(tb, replace=True)
+        (tb / "events.out.tfevents.2").write_bytes(b"failed")
+        raise RuntimeError("evaluation failed")
+    assert sorted(p.name for p in tb.iterdir()) == ["events.out.tfevents.1", "notes.txt"]
+    with undo_on_failure() as note:
+        note(tb, replace=True)
+        (tb / "events.out.tfevents.3").write_bytes(b"second")
+    assert sorted(p.name for p in tb.iterdir()) == ["events.out.tfevents.3", "notes.txt"]
+
+
 def test_an_unwritable_run_root_is_one_line(capsys, tmp_path, monkeypatch):
     """``--run_root`` under a file, a file, or empty: one line naming it (was the logger's OSError traceback after
     the model was built), and nothing is written."""
