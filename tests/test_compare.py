@@ -151,3 +151,38 @@ def test_real_fit_run_and_hparams(tmp_path: Path) -> None:
     assert share == pytest.approx(float(spec[0]["antisym_share"]))
     batch = heldout_batches(ckpt, 1)[0]
     assert batch.dtype == torch.long and tuple(batch.shape) == (2, 33)
+
+
+def test_percent_units_and_a_file_or_bad_out_is_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A user test: the tables named no units; ``compare <file>`` said "does not exist"."""
+    import sys
+
+    from mixlab import cli
+
+    root = tmp_path / "runs"
+    _write(root / "digits/goat2d/version_0", {"test/top1": [(30, 91.5)]})
+    _write(root / "digits/goat2d/version_0/resolution", {"resolution/goat2d/top1": [(8, 40.0), (16, 80.0)]})
+    cmp = compare(root, out=tmp_path / "cmp", plots=False)
+    assert [(t, lab) for t, lab, _ in cmp.columns] == [("digits", "top-1 (%)"), ("digits", "top-1@8px (%)"),
+                                                      ("digits", "top-1@16px (%)")]
+    assert cmp.table["goat2d"] == {("digits", "top-1 (%)"): 91.5, ("digits", "top-1@8px (%)"): 40.0,
+                                   ("digits", "top-1@16px (%)"): 80.0}
+    md = (tmp_path / "cmp" / "compare.md").read_text()
+    assert "| mixer | digits: top-1 (%) | digits: top-1@8px (%) | digits: top-1@16px (%) |" in md
+    assert next(csv.reader(open(tmp_path / "cmp" / "compare.csv"))) == [
+        "mixer", "digits:top-1 (%)", "digits:top-1@8px (%)", "digits:top-1@16px (%)"]
+
+    afile = tmp_path / "compare.md"
+    afile.write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file; compare needs the run root folder"):
+        collect(afile)
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    for argv, line in (([str(afile)], f"error: compare: {afile} is a file; compare needs the run root folder, "
+                                      f"<logdir>/<task>/<mixer>/version_N (e.g. runs/)"),
+                       ([str(root), "--out", str(afile)], f"error: --out {str(afile)!r} is a file; give a folder")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as info:
+            cli.main(["compare", *argv])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[0] == line
+    assert afile.read_text() == ""

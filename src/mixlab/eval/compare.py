@@ -8,7 +8,9 @@ output) are not runs. Writes into ``--out`` (default ``<logdir>/compare``):
 * ``compare.md`` / ``compare.csv``: one row per mixer (run name), one column per task metric
   holding its final value (the last event by wall time over all versions and all event
   files under ``<task>/<mixer>/``, so evaluation outputs written inside a run directory,
-  e.g. ``length-extrapolation`` and ``resolution`` results, are picked up too).
+  e.g. ``length-extrapolation`` and ``resolution`` results, are picked up too; ``resolution``
+  records only its standard protocol there: the whole val split at square sizes).
+  Column labels name the unit where the value has one (``top-1 (%)``, ``top-1@<res>px (%)``).
   The best value of each column (with two or more values) is bold in the Markdown table. Which metric each task
   reports is :data:`mixlab.eval.metrics.TASK_METRICS`; a task matching no entry reports ``test/loss``.
   MAD tasks (``mad_*``) also give the derived ``MAD score`` column (mean ``test/acc``
@@ -16,7 +18,8 @@ output) are not runs. Writes into ``--out`` (default ``<logdir>/compare``):
 * ``curves_<task>.png``: ``train/loss``, ``val/loss`` and the task's metrics against the
   step, one line per mixer (matplotlib, Agg backend).
 
-Runs lacking a metric are named in one message (stderr and the Markdown file).
+Runs lacking a metric are named in one message (stderr and the Markdown file). A ``<logdir>`` that is a
+file, a missing one, or an ``--out`` that cannot be a folder is one ``error:`` line (exit status 2).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mixlab.eval.common import OneLineParser, pyplot
+from mixlab.eval.common import OneLineParser, output_problem, pyplot
 from mixlab.eval.metrics import TASK_METRICS, Metric, task_metrics
 from mixlab.registry import did_you_mean
 
@@ -110,8 +113,12 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
     Raises:
         FileNotFoundError: ``logdir`` does not exist or holds no run with event files
             (the message names the directory and the filters).
+        NotADirectoryError: ``logdir`` is a file (compare needs the run root folder).
     """
     root = Path(logdir)
+    if root.exists() and not root.is_dir():
+        raise NotADirectoryError(f"compare: {root} is a file; compare needs the run root folder, "
+                                 f"<logdir>/<task>/<mixer>/version_N (e.g. runs/)")
     if not root.is_dir():
         raise FileNotFoundError(f"compare: log directory {root} does not exist (<logdir>)")
     columns: list[tuple[str, str, bool]] = []
@@ -244,7 +251,15 @@ def plot_curves(cmp: Comparison, out: Path) -> list[Path]:
 
 def compare(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str] | None = None,
             out: str | Path | None = None, plots: bool = True) -> Comparison:
-    """Collect, write ``compare.md``/``compare.csv`` (and the curve PNGs) into ``out``; print the table."""
+    """Collect, write ``compare.md``/``compare.csv`` (and the curve PNGs) into ``out``; print the table.
+
+    Raises:
+        FileNotFoundError / NotADirectoryError: see :func:`collect`.
+        ValueError: ``out`` is (or is under) a file, checked before anything is read (names ``--out``).
+    """
+    problem = output_problem("--out", out, folder=True)
+    if problem:
+        raise ValueError(problem)
     cmp = collect(logdir, tasks, mixers)
     out = Path(out) if out is not None else Path(logdir) / "compare"
     out.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ class Metric:
     Attributes:
         tag: scalar tag; may be an ``fnmatch`` pattern (``resolution/*/top1``): the first
             matching tag in sorted order is used.
-        label: column label; ``{step}`` is replaced by the step for ``by_step`` metrics.
+        label: column label, with the unit where the value has one (``top-1 (%)``); ``{step}`` is replaced
+            by the step for ``by_step`` metrics.
         higher_is_better: direction (bold = best).
         by_step: one column per logged step (the step is a length or a resolution, e.g.
             ``length/ppl`` at step = context length), instead of the final value.
@@ -35,8 +36,10 @@ class Metric:
 TASK_METRICS: dict[str, list[Metric]] = {
     "genome": [Metric("test/bits_per_base", "bits/base", False)],
     "text": [Metric("test/ppl", "PPL", False), Metric("length/ppl", "PPL@{step}", False, by_step=True)],
-    "imagenet": [Metric("test/top1", "top-1", True), Metric("resolution/*/top1", "top-1@{step}px", True, by_step=True)],
-    "digits": [Metric("test/top1", "top-1", True), Metric("resolution/*/top1", "top-1@{step}px", True, by_step=True)],
+    "imagenet": [Metric("test/top1", "top-1 (%)", True),
+                 Metric("resolution/*/top1", "top-1@{step}px (%)", True, by_step=True)],
+    "digits": [Metric("test/top1", "top-1 (%)", True),
+               Metric("resolution/*/top1", "top-1@{step}px (%)", True, by_step=True)],
     "vqa_*": [Metric("test/acc_heldout", "held-out acc", True), Metric("test/acc_seen", "seen acc", True)],
     "mad_*": [Metric("test/acc", "acc", True)],
     "regbench": [Metric("test/regbench_acc", "acc", True)],
