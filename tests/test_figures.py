@@ -269,3 +269,262 @@ def test_figure_on_a_synthetic_checkpoint(tmp_path: Path, monkeypatch, name: str
         assert cond.shape[0] == n and np.isfinite(cond).all() and (cond >= 1 - 1e-6).all()
         assert np.isfinite(iters).all() and (iters >= 0).all()
         assert np.isfinite(layer["lamb"]).all() and (np.asarray(layer["lamb"]) > 0).all()
+
+
+# ---------------------------------------------------------------------------- user test: figure / copy-prior
+def _lane_prior(pos, coords) -> np.ndarray:
+    """``[H, T, T]`` log-prior the attention adds on ``coords``: the q.k of the GOAT lanes over SDPA's ``sqrt(d_c)``
+    (the forward's path, not the formula :func:`goat_prior_panels` reads)."""
+    with torch.no_grad():
+        ql, kl = pos.lanes(coords, coords, torch.float64)
+        return (ql @ kl.transpose(-1, -2) / math.sqrt(pos.content_dim))[0].numpy()
+
+
+def _vit_ckpt(tmp_path: Path) -> Path:
+    """The digits goat2d fixture (ViT, 6x6 patches + [CLS], one GOAT layer of 2 heads, integer patch coordinates)
+    with a random prior, in a run folder ``v0/checkpoints``."""
+    ck = torch.load(FIXTURES / "digits_goat2d.ckpt", map_location="cpu", weights_only=False)
+    key = "model.backbone.blocks.0.mixer.pos.prior"
+    g = torch.Generator().manual_seed(3)
+    ck["state_dict"][key] = 0.5 * torch.randn(ck["state_dict"][key].shape, generator=g)
+    (tmp_path / "v0" / "checkpoints").mkdir(parents=True)
+    torch.save(ck, tmp_path / "v0" / "checkpoints" / "vit.ckpt")
+    return tmp_path / "v0" / "checkpoints" / "vit.ckpt"
+
+
+def test_goat_prior_of_a_2d_checkpoint_is_drawn_on_its_own_grid(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A user test: without --grid, a 2-D ViT checkpoint's prior was drawn over a 1-D sequence of 64 positions
+    (only its y modes); it is now drawn on the model's 6x6 training grid, with the values its attention adds."""
+    from mixlab.eval import figures
+    from mixlab.eval.common import load_run
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = _vit_ckpt(tmp_path)
+    res = figures.main(["goat-prior", "--ckpt", str(ckpt), "--head", "1"])
+    assert res["grid"].tolist() == [6, 6] and int(res["query"]) == 3 * 6 + 3 and res["total"].shape == (36, 36)
+    _png(tmp_path / "v0" / "figures" / "goat_prior_l0_h1.png")
+    vit = load_run(ckpt).model.model
+    pos = vit.backbone.blocks[0].mixer.pos
+    own = vit.log_prior_image(0)[1].numpy()  # the model's own rendering, from the centre patch
+    assert np.abs(own).max() > 0.1  # a prior worth comparing
+    np.testing.assert_allclose(res["total"][21].reshape(6, 6), own, atol=1e-12)
+    lanes = _lane_prior(pos, vit.coords(6, 6, torch.device("cpu")))[1]  # [CLS] + 36 patches
+    np.testing.assert_allclose(res["total"], lanes[1:, 1:], atol=1e-6)
+    np.testing.assert_allclose(res["key_only"] + res["relative"], res["total"], atol=1e-12)
+    # another grid, and the alias
+    other = figures.copy_prior(["--ckpt", str(ckpt), "--head", "1", "--grid", "3", "5", "--out", str(tmp_path / "cp")])
+    assert other["grid"].tolist() == [3, 5] and int(other["query"]) == 1 * 5 + 2
+    np.testing.assert_allclose(other["total"][7].reshape(3, 5), vit.log_prior_image(0, (3, 5))[1].numpy(), atol=1e-12)
+    # --length is refused for a 2-D prior, as --grid is for a 1-D one; nothing written
+    before = _tree(tmp_path)
+    assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), "--length", "10") == (
+        "error: --length 10: this model's GOAT prior has 2 axes (a patch grid); draw it with --grid H W (default: its "
+        "training grid 6 6)")
+    assert _tree(tmp_path) == before
+
+
+def test_goat_prior_of_a_scaled_vit_off_its_training_grid(tmp_path: Path) -> None:
+    """``patch_coords: scaled``: off the training grid the ViT reads patch (y, x) as training-grid units; the figure
+    draws that prior (not the one of integer patch indices)."""
+    from mixlab.eval.figures import goat_prior_figure, goat_prior_panels
+    from mixlab.heads.vit import ImageClassifier
+
+    torch.manual_seed(0)
+    cfg = BackboneConfig(d_model=32, n_layers=1, n_heads=2, mixer="goat", causal=False,
+                         mixer_args={"goat": {"position_args": {"n_modes": 4, "key_mlp_hidden": 4}}})
+    model = ImageClassifier(num_classes=3, img_size=12, patch_size=4, in_chans=1, backbone=cfg).double().eval()
+    vit = model.model
+    pos = vit.backbone.blocks[0].mixer.pos
+    with torch.no_grad():
+        pos.prior.copy_(torch.randn(pos.prior.shape, generator=torch.Generator().manual_seed(2), dtype=pos.prior.dtype))
+    res = goat_prior_figure(model, head=0, out=tmp_path)  # the training grid: 3x3
+    assert res["grid"].tolist() == [3, 3]
+    np.testing.assert_allclose(res["total"][4].reshape(3, 3), vit.log_prior_image(0)[0].numpy(), atol=1e-12)
+    res = goat_prior_figure(model, head=0, grid=(6, 6), out=tmp_path)
+    _png(tmp_path / "goat_prior_l0_h0.png")
+    assert vit.coord_scale(6, 6) == (0.5, 0.5)
+    np.testing.assert_allclose(res["total"][21].reshape(6, 6), vit.log_prior_image(0, (6, 6))[0].numpy(), atol=1e-12)
+    np.testing.assert_allclose(res["total"], _lane_prior(pos, vit.coords(6, 6, torch.device("cpu")))[0, 1:, 1:],
+                               atol=1e-6)
+    integer = goat_prior_panels(pos, 0, None, (6, 6))  # what the figure drew before: integer indices
+    assert np.abs(integer["relative"] - res["relative"]).max() > 0.1
+    with pytest.raises(ValueError, match=r"^--length 8: this model's GOAT prior has 2 axes .* training grid 3 3\)$"):
+        goat_prior_figure(model, length=8, out=tmp_path)
+    bare = Backbone(cfg.with_position_axes(2)).double()  # a 2-axis prior in a model that records no patch grid
+    assert bare.blocks[0].mixer.pos.axes == 2
+    with pytest.raises(ValueError, match=r"^--grid: the GOAT prior of this Backbone has 2 axes .*give --grid H W$"):
+        goat_prior_figure(bare, out=tmp_path)
+
+
+def test_goat_prior_of_a_3_axis_prior_reads_the_sequence_or_the_patch_axes(tmp_path: Path) -> None:
+    """Text + patches (``axes: 3``, coordinates (sequence, y, x)): ``length`` draws the sequence axis, ``grid`` the
+    y, x axes (before, a grid's y was read as the sequence axis and its x as y)."""
+    from mixlab.eval.figures import goat_prior_panels
+
+    torch.manual_seed(0)
+    cfg = BackboneConfig(d_model=32, n_layers=1, n_heads=2, mixer="goat", causal=False,
+                         mixer_args={"goat": {"position_args": {"n_modes": 3, "axes": 3, "key_mlp_hidden": 0}}})
+    pos = Backbone(cfg).double().blocks[0].mixer.pos
+    _randomise_goat(pos)
+    w, a, b = pos.freqs().numpy(), pos.alpha[1].detach().numpy(), pos.beta[1].detach().numpy()  # mode r: axis r
+    term = lambda r, d: a[r] * np.cos(w[r] * d) + b[r] * np.sin(w[r] * d)  # noqa: E731
+    seq = goat_prior_panels(pos, 1, 5)
+    i = np.arange(5)
+    np.testing.assert_allclose(seq["relative"], term(0, i[:, None] - i[None, :]), atol=1e-12)
+    grid = goat_prior_panels(pos, 1, None, (2, 3))
+    ys, xs = np.divmod(np.arange(6), 3)
+    rel = term(1, ys[:, None] - ys[None, :]) + term(2, xs[:, None] - xs[None, :])
+    np.testing.assert_allclose(grid["relative"], rel, atol=1e-12)
+
+
+def test_figure_refuses_bad_outputs_devices_sizes_and_options_in_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A user test: an --out / --tb that is a file or lies under one gave NotADirectoryError / FileExistsError
+    tracebacks, --length 1000000 tried to allocate 16 TB, options another figure reads were silently ignored.
+    Each is now one line before anything is written."""
+    import shutil
+
+    from mixlab.eval.figures import PRIOR_MEMORY_BYTES, goat_prior_panels, prior_bytes
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "v0" / "checkpoints").mkdir(parents=True)
+    ckpt = tmp_path / "v0" / "checkpoints" / "goat.ckpt"
+    shutil.copy(FIXTURES / "copy_mixture_goat.ckpt", ckpt)  # SyntheticLM, one causal GOAT layer (0) of 2 heads
+    (tmp_path / "afile").write_text("not a folder")
+    fig = "python -m mixlab figure: error:"
+    most = math.isqrt(PRIOR_MEMORY_BYTES // prior_bytes(1))
+    assert prior_bytes(10 ** 6) == 8 * 10 ** 12 * 8 and most == 5792
+    cases = [
+        (["--out", "afile"], f"{fig} --out 'afile' is a file; give a folder"),
+        (["--out", "afile/png"], f"{fig} --out 'afile/png' cannot be written: 'afile' is a file, not a folder"),
+        (["--tb", "afile"], f"{fig} --tb 'afile' is a file; give a folder"),
+        (["--tb", "afile/tb"], f"{fig} --tb 'afile/tb' cannot be written: 'afile' is a file, not a folder"),
+        (["--out", ""], f"{fig} --out is empty; give a folder path"),
+        (["--tb", " "], f"{fig} --tb is empty; give a folder path"),
+        (["--device", "foo"], "error: --device 'foo' is not a device: use cpu, cuda or cuda:N"),
+        (["--length", "1000000"], "error: --length 1000000: the prior matrices for 1 head need 58.3 TiB (8 float64 "
+                                  "[T, T], T = 1000000 positions), over the 2.0 GiB limit; draw at most 5792 "
+                                  "positions"),
+        (["--length", "5793"], "error: --length 5793: the prior matrices for 1 head need 2.1 GiB (8 float64 [T, T], "
+                               "T = 5793 positions), over the 2.0 GiB limit; draw at most 5792 positions"),
+        (["--all-heads", "--length", "5000"], "error: --length 5000: the prior matrices for 2 heads need 2.3 GiB "
+                                              "(12 float64 [T, T], T = 5000 positions), over the 2.0 GiB limit; draw "
+                                              "at most 4729 positions with --all-heads, 5792 with one --head"),
+        (["--head", "1", "--all-heads"], f"{fig} --head 1 and --all-heads: give one"),
+        (["--batches", "2"], f"{fig} --batches applies to write-rates and mesa-solver only, not to goat-prior"),
+    ]
+    before = _tree(tmp_path)
+    for argv, says in cases:
+        assert _cli(capsys, monkeypatch, "figure", "goat-prior", "--ckpt", str(ckpt), *argv) == \
+            says + (" (--help lists the options)" if says.startswith(fig) else ""), argv
+        assert _tree(tmp_path) == before, argv
+    for argv, says in ((["goat-spectrum", "--head", "1"], "--head applies to goat-prior only, not to goat-spectrum"),
+                       (["write-rates", "--layer", "0"], "--layer applies to goat-prior only, not to write-rates"),
+                       (["mesa-solver", "--grid", "2", "2"], "--grid applies to goat-prior only, not to mesa-solver"),
+                       (["goat-spectrum", "--all-heads"], "--all-heads applies to goat-prior only, not to "
+                                                          "goat-spectrum"),
+                       (["write-rates", "--batches", "-1"], "--batches must be >= 1; got -1"),
+                       (["goat-spectrum", "--ckpt", ""], "--ckpt is empty; give a checkpoint file")):
+        line = _cli(capsys, monkeypatch, "figure", argv[0], "--ckpt", str(ckpt), *argv[1:])
+        assert line == f"{fig} {says} (--help lists the options)", argv
+        assert _tree(tmp_path) == before, argv
+    # the run's default figures/ folder is a file: named as the default
+    (tmp_path / "v0" / "figures").write_text("a file")
+    default = str(tmp_path / "v0" / "figures")
+    assert _cli(capsys, monkeypatch, "figure", "goat-spectrum", "--ckpt", str(ckpt)) == \
+        f"{fig} the default --out {default!r} is a file; give a folder (--help lists the options)"
+    from mixlab.eval.common import load_run
+
+    pos = next(iter(load_run(ckpt).model.backbone.blocks)).mixer.pos
+    for length in (0, -2):
+        with pytest.raises(ValueError, match=f"^--length must be >= 1; got {length}$"):
+            goat_prior_panels(pos, 0, length)
+    with pytest.raises(ValueError, match=r"^--grid 3000 3000: the prior matrices for 1 head need 4.7 PiB \(8 float64 "):
+        goat_prior_panels(pos, 0, None, (3000, 3000))
+
+
+def test_copy_prior_has_its_own_usage(capsys, monkeypatch) -> None:
+    """A user test: ``copy-prior --help`` printed figure's usage with its required ``{goat-prior,...}`` name."""
+    import sys
+
+    from mixlab import cli
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["copy-prior", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m mixlab copy-prior [-h] --ckpt CKPT ")
+    assert "{goat-prior" not in out and "--batches" not in out and "alias of 'python -m mixlab figure goat-prior'" \
+        in " ".join(out.split())
+    with pytest.raises(SystemExit) as info:
+        cli.main(["copy-prior", "goat-prior", "--ckpt", "x.ckpt"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("python -m mixlab copy-prior: error: unrecognized arguments: goat-prior "
+                                       "(--help lists the options)\n")
+
+
+def test_a_repeated_figure_command_replaces_its_events_and_pngs(tmp_path: Path, monkeypatch) -> None:
+    """A user test: running a figure twice into the same folder added another TensorBoard event file (each scalar
+    and image twice). The new event file now replaces the earlier one of the same figure; other figures' and other
+    writers' event files stay, and the PNGs are overwritten."""
+    import shutil
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mixlab.eval import figures
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "v0" / "checkpoints").mkdir(parents=True)
+    ckpt = tmp_path / "v0" / "checkpoints" / "goat.ckpt"
+    shutil.copy(FIXTURES / "copy_mixture_goat.ckpt", ckpt)
+    fig = tmp_path / "v0" / "figures"
+    other = SummaryWriter(str(fig))  # another writer's events in the same folder
+    other.add_scalar("train/loss", 1.5, 0)
+    other.close()
+    (fig / "goat_prior_l0_h1.png").write_bytes(b"old png")
+
+    def events() -> dict[str, int]:
+        """How many times each scalar and image tag shows in TensorBoard (all the folder's event files)."""
+        acc = EventAccumulator(str(fig))
+        acc.Reload()
+        return {**{t: len(acc.Scalars(t)) for t in acc.Tags()["scalars"]},
+                **{t: len(acc.Images(t)) for t in acc.Tags()["images"]}}
+
+    for _ in range(2):
+        spec = figures.main(["goat-spectrum", "--ckpt", str(ckpt)])
+        figures.main(["goat-prior", "--ckpt", str(ckpt), "--head", "1"])
+    _png(fig / "goat_prior_l0_h1.png")
+    assert len(list(fig.glob("events.out.tfevents.*"))) == 3
+    assert events() == {"train/loss": 1, "figures/goat_spectrum/mean_amplitude": 1, "figures/goat_spectrum": 1,
+                        "figures/goat_spectrum/antisym_share": 1, "figures/goat_spectrum/median_ratio": 1,
+                        "figures/goat_prior_l0_h1": 1}  # one GOAT layer: one step per scalar
+    acc = EventAccumulator(str(fig))
+    acc.Reload()
+    assert acc.Scalars("figures/goat_spectrum/antisym_share")[0].value == pytest.approx(float(spec[0]["antisym_share"]))
+    figures.main(["goat-prior", "--ckpt", str(ckpt), "--all-heads"])  # rewrites head 1: replaces that file
+    assert len(list(fig.glob("events.out.tfevents.*"))) == 3
+    assert events()["figures/goat_prior_l0_h0"] == events()["figures/goat_prior_l0_h1"] == 1
+    figures.main(["goat-prior", "--ckpt", str(ckpt), "--head", "0"])  # head 1 of the --all-heads file stays
+    assert len(list(fig.glob("events.out.tfevents.*"))) == 4
+    assert sorted(p.name for p in fig.glob("*.png")) == ["goat_prior_l0_h0.png", "goat_prior_l0_h1.png",
+                                                          "goat_spectrum.png"]
+
+
+def test_a_long_sequence_prior_is_drawn_thinned_with_whole_numbers(tmp_path: Path, monkeypatch) -> None:
+    """Past :data:`DRAWN_POSITIONS` a sequence panel draws every k-th position (a picture shows some 500 across;
+    drawing 5000^2 pixels took minutes); the numbers returned are whole."""
+    from mixlab.eval import figures
+
+    model = _lm("goat", {"position_args": {"n_modes": 2, "key_mlp_hidden": 0}})
+    pos = model.backbone.blocks[0].mixer.pos
+    _randomise_goat(pos)
+    monkeypatch.setattr(figures, "DRAWN_POSITIONS", 8)
+    res = figures.goat_prior_figure(model, head=1, length=20, out=tmp_path)
+    _png(tmp_path / "goat_prior_l0_h1.png")
+    whole = figures.goat_prior_panels(pos, 1, 20)
+    assert res["total"].shape == (20, 20)
+    for k in ("key_only", "relative", "total", "causal_prior"):
+        np.testing.assert_allclose(res[k], whole[k], atol=1e-12)
+    np.testing.assert_allclose(res["causal_prior"].sum(1), 1.0)
+    assert (res["causal_prior"][np.triu_indices(20, 1)] == 0).all()

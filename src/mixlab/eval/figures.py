@@ -9,7 +9,8 @@ as a TensorBoard image (tag ``figures/<name>``) and its summary numbers as scala
 ``goat-prior``     :func:`goat_prior_figure`: the learned GOAT log-prior of one layer and
                    head, split into key-only, relative and total terms, plus for causal
                    1D priors the causal prior softmax (GOAT paper Fig. 1 style), for 1D
-                   sequences (``Coords.seq(T)``) and 2D grids (``Coords.grid(h, w)``: the
+                   sequences (``Coords.seq(T)``) and 2D grids (``Coords.grid(h, w)``, by
+                   default the model's training grid, with its patch coordinate scale: the
                    prior seen from the centre query). ``copy-prior`` is an alias.
 ``goat-spectrum``  :func:`goat_spectrum_figure`: spectral statistics of the GOAT heads
                    (GOAT "learned structure" slide): amplitude per head, the share of heads
@@ -55,11 +56,20 @@ from lightning.pytorch.utilities import move_data_to_device
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
-from mixlab.eval.common import OneLineParser, goat_layers, load_run, pyplot, undo_on_failure
+from mixlab.eval.common import (
+    OneLineParser,
+    check_device,
+    goat_layers,
+    load_run,
+    output_problem,
+    pyplot,
+    undo_on_failure,
+)
 
 __all__ = [
     "goat_layers", "goat_prior_panels", "goat_prior_figure", "goat_spectrum", "goat_spectrum_figure", "write_rates",
     "write_rate_figure", "mesa_solver_stats", "mesa_solver_figure", "FIGURES", "heldout_batches", "main", "copy_prior",
+    "prior_view", "prior_bytes", "PRIOR_MEMORY_BYTES", "DRAWN_POSITIONS",
 ]
 
 
@@ -105,66 +115,211 @@ def _check_head(prior: nn.Module, head: int) -> None:
         raise ValueError(f"--head {head}: the GOAT layer has {prior.n_heads} heads")
 
 
+PRIOR_MEMORY_BYTES = 2 * 2 ** 30
+"""Most memory the goat-prior matrices may take (:func:`prior_bytes`), 2 GiB: about 5800 positions for one head
+(``--length``, or ``H * W`` of ``--grid``). A picture shows some 500 positions across anyway."""
+
+
+DRAWN_POSITIONS = 1024
+"""Most positions a sequence panel draws per side: a longer ``--length`` draws every k-th query and key (a picture
+shows some 500 across); the numbers returned are whole."""
+
+
+def prior_bytes(n_tokens: int, heads: int = 1) -> int:
+    """Bytes of the float64 ``[T, T]`` matrices the goat-prior figure holds for ``T = n_tokens`` positions and
+    ``heads`` heads drawn: 4 per head kept (``key_only``, ``relative``, ``total``, ``causal_prior``) and 4 more
+    while one head is computed and drawn (the softmax's and the masked drawing's copies)."""
+    return 8 * n_tokens ** 2 * (4 * heads + 4)
+
+
+def _bytes(n: float, up: bool = False) -> str:
+    """``n`` bytes as a short number with a binary unit (``58.2 TiB``, ``2.0 GiB``), rounded up with ``up`` (a need
+    just over a limit does not read as the limit)."""
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if n < 1024 or unit == "EiB":
+            if unit == "bytes" or n >= 1e4:
+                return f"{n:.3g} {unit}"
+            return f"{math.ceil(n * 10) / 10 if up else n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _check_prior_size(length: int | None, grid: tuple[int, int] | None, heads: int = 1) -> None:
+    """Refuse a ``--length`` / ``--grid`` whose goat-prior matrices (:func:`prior_bytes` for ``heads`` heads) are
+    over :data:`PRIOR_MEMORY_BYTES`, or a size below 1; one line naming the option, the bytes and the most
+    positions that fit.
+
+    Raises:
+        ValueError: ``--length 1000000: the prior matrices for 1 head need 58.3 TiB ...``.
+    """
+    what = f"--grid {grid[0]} {grid[1]}" if grid is not None else f"--length {length}"
+    t = grid[0] * grid[1] if grid is not None else length
+    if min(grid if grid is not None else (length,)) < 1:
+        raise ValueError(f"{what.split()[0]} must be >= 1; got {what.split(' ', 1)[1]}")
+    need = prior_bytes(t, heads)
+    if need > PRIOR_MEMORY_BYTES:
+        most = math.isqrt(PRIOR_MEMORY_BYTES // prior_bytes(1, heads))
+        per = f"{heads} head{'s' if heads > 1 else ''}"
+        raise ValueError(f"{what}: the prior matrices for {per} need {_bytes(need, up=True)} ({4 * heads + 4} float64 "
+                         f"[T, T], T = {t} positions), over the {_bytes(PRIOR_MEMORY_BYTES)} limit; draw at most "
+                         f"{most} positions" + (" (H * W)" if grid is not None else "")
+                         + (f" with --all-heads, {math.isqrt(PRIOR_MEMORY_BYTES // prior_bytes(1))} with one --head"
+                            if heads > 1 else ""))
+
+
+def _prior_coords(prior: nn.Module, length: int | None, grid: tuple[int, int] | None,
+                  scale: tuple[float, float] | None = None) -> Coords:
+    """The coordinates goat-prior draws: ``Coords.seq(length)``, or the ``grid`` row-major ``(y, x)`` with the
+    model's ``scale`` (``Coords.scale``); for a 3-axis prior (sequence, y, x: text + patches) the grid lies on
+    the last two axes, without a sequence coordinate."""
+    dev = prior.mode_axis.device
+    if grid is None:
+        return Coords.seq(length, device=dev)
+    c = Coords.grid(*grid, device=dev)
+    if getattr(prior, "axes", 2) == 3:
+        pos = F.pad(c.pos, (1, 0))
+        c = Coords(pos, torch.arange(3, device=dev).expand_as(pos) > 0)
+    return c.with_scale(scale) if scale is not None and c.axes == 2 else c
+
+
 @torch.no_grad()
-def goat_prior_panels(prior: nn.Module, head: int, length: int = 64,
-                      grid: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+def goat_prior_panels(prior: nn.Module, head: int, length: int | None = 64, grid: tuple[int, int] | None = None,
+                      scale: tuple[float, float] | None = None) -> dict[str, np.ndarray]:
     """The numbers of the goat-prior figure for one head of a :class:`~mixlab.mixers.positions.GoatPrior`.
+
+    Args:
+        length: ``T`` of ``Coords.seq(T)`` (used when ``grid`` is None; None: 64).
+        grid: ``(h, w)``: coordinates ``Coords.grid(h, w)`` (on the y, x axes of a 3-axis prior).
+        scale: the grid's ``Coords.scale`` ``(sy, sx)`` (a ViT's ``patch_coords: scaled`` off its training
+            grid, :meth:`~mixlab.heads.vit.MixViT.coord_scale`); None: integer patch indices.
 
     Returns:
         ``{"key_only", "relative", "total"}``, each float64 ``[Tq, Tk]`` (nats, additive
         log-prior before softmax, from the formula; unmasked), over ``Coords.seq(length)`` or
         ``Coords.grid(*grid)``; for a causal prior on a sequence also ``"causal_prior"``
         ``[T, T]``: ``softmax_j`` of ``total`` over ``j <= i`` (0 above the diagonal), what
-        attention does with no content contrast (GOAT Theorem 5.1).
+        attention does with no content contrast (GOAT Theorem 5.1). Computed a block of query rows at a time
+        (a few hundred MB at most besides the results).
+
+    Raises:
+        ValueError: a size below 1, or matrices over :data:`PRIOR_MEMORY_BYTES` (:func:`_check_prior_size`).
     """
-    dev = prior.mode_axis.device
-    coords = Coords.grid(*grid, device=dev) if grid is not None else Coords.seq(length, device=dev)
-    terms = prior.prior_terms(coords, coords, torch.float64)
-    res = {k: terms[k][0, head].cpu().numpy() for k in ("key_only", "relative", "total")}
+    length = 64 if length is None and grid is None else length
+    _check_prior_size(length, grid)
+    coords = _prior_coords(prior, length, grid, scale)
+    t = coords.length
+    # relative_logits holds ~5 float64 [rows, T, R] arrays and prior_terms 3 [H, rows, T] ones per block
+    rows = max(1, (256 * 2 ** 20) // (8 * t * (5 * max(prior.n_modes, 1) + 3 * prior.n_heads)))
+    parts: dict[str, list[np.ndarray]] = {"key_only": [], "relative": [], "total": []}
+    for s in range(0, t, rows):
+        terms = prior.prior_terms(coords.slice(s, min(t, s + rows)), coords, torch.float64)
+        for k, v in parts.items():
+            v.append(terms[k][0, head].cpu().numpy())
+    res = {k: np.concatenate(v) for k, v in parts.items()}
     if grid is None and prior.causal:
-        total = np.where(np.tril(np.ones((length, length), dtype=bool)), res["total"], -np.inf)
-        p = np.exp(total - total.max(-1, keepdims=True))
+        total = np.where(np.tril(np.ones((t, t), dtype=bool)), res["total"], -np.inf)
+        total -= total.max(-1, keepdims=True)
+        p = np.exp(total, out=total)
         res["causal_prior"] = p / p.sum(-1, keepdims=True)
     return res
 
 
+def _patch_layout(model: nn.Module) -> nn.Module | None:
+    """The module of ``model`` that lays out its image patches (a :class:`~mixlab.heads.vit.MixViT`, with
+    ``grid_size`` = the training grid ``(gh, gw)`` and ``coord_scale(gh, gw)``), or None (no image model)."""
+    return next((m for m in model.modules() if hasattr(m, "grid_size") and callable(getattr(m, "coord_scale", None))),
+                None)
+
+
+def prior_view(model: nn.Module, prior: nn.Module, length: int | None = None, grid: tuple[int, int] | None = None
+               ) -> tuple[int | None, tuple[int, int] | None, tuple[float, float] | None]:
+    """``(length, grid, scale)`` that goat-prior draws for ``prior`` (a GOAT layer of ``model``) given the
+    ``--length`` / ``--grid`` asked for (None: not given): the coordinates the model itself uses.
+
+    * 1 axis (sequences): ``Coords.seq(length)``, 64 positions by default; no ``grid``.
+    * 2 axes (patch grids): ``grid``, by default the model's training grid (a ViT's ``grid_size``), with the
+      ``Coords.scale`` the model reads that grid with (``patch_coords: scaled`` off the training grid); no
+      ``length``.
+    * 3 axes (text + patches): the sequence axis by default (``length``, 64), or the patch axes with ``grid``.
+
+    Raises:
+        ValueError: ``--grid`` for a 1-axis prior, ``--length`` for a 2-axis one, both for a 3-axis one, no
+            ``--grid`` for a 2-axis prior of a model that records no patch grid.
+    """
+    axes = getattr(prior, "axes", 1)
+    vit = _patch_layout(model)
+    if axes == 1:
+        if grid is not None:
+            raise ValueError(f"--grid {grid[0]} {grid[1]}: this model's GOAT prior has 1 axis (sequences); "
+                             f"draw it with --length")
+        return (64 if length is None else length), None, None
+    if axes == 2:
+        if length is not None:
+            own = f" (default: its training grid {vit.grid_size[0]} {vit.grid_size[1]})" if vit is not None else ""
+            raise ValueError(f"--length {length}: this model's GOAT prior has 2 axes (a patch grid); draw it "
+                             f"with --grid H W{own}")
+        if grid is None:
+            if vit is None:
+                raise ValueError(f"--grid: the GOAT prior of this {type(model).__name__} has 2 axes (a patch grid) "
+                                 f"and the model records no training grid; give --grid H W")
+            grid = (int(vit.grid_size[0]), int(vit.grid_size[1]))
+        grid = (int(grid[0]), int(grid[1]))
+        scale = vit.coord_scale(*grid) if vit is not None and min(grid) >= 1 else None
+        return None, grid, (tuple(scale) if scale is not None else None)
+    if grid is None:
+        return (64 if length is None else length), None, None
+    if length is not None:
+        raise ValueError(f"--length {length} and --grid {grid[0]} {grid[1]}: give one (this model's GOAT prior "
+                         f"has {axes} axes: --length draws the sequence axis, --grid the patch axes)")
+    return None, (int(grid[0]), int(grid[1])), None
+
+
 @torch.no_grad()
-def goat_prior_figure(model: nn.Module, layer: int | None = None, head: int = 0, length: int = 64,
+def goat_prior_figure(model: nn.Module, layer: int | None = None, head: int = 0, length: int | None = None,
                       grid: tuple[int, int] | None = None, out: str | Path = "figures", writer: Any = None,
                       step: int = 0) -> dict[str, np.ndarray]:
-    """Learned GOAT log-prior of one layer and head (GOAT paper Sec. 4, Eqs. 11-22; Fig. 1 style).
+    """Learned GOAT log-prior of one layer and head (GOAT paper Sec. 4, Eqs. 11-22; Fig. 1 style), over the
+    coordinates the model uses (:func:`prior_view`).
 
     Args:
         model: a head containing GOAT attention layers.
         layer, head: which prior to draw (``layer=None``: the first GOAT layer).
-        length: ``T`` of the 1D coordinates ``Coords.seq(T)`` (used when ``grid`` is None).
-        grid: ``(h, w)`` for a 2D model: coordinates ``Coords.grid(h, w)`` (the prior must
-            read 2 axes); the figure shows the prior from the centre query over the grid.
-        out: folder of ``goat_prior_l<layer>_h<head>.png``.
+        length: ``T`` of the 1D coordinates ``Coords.seq(T)`` for a sequence prior (None: 64); refused for a
+            2-axis prior.
+        grid: ``(h, w)`` for a 2D prior: coordinates ``Coords.grid(h, w)`` (None: the model's training grid,
+            e.g. a ViT's 6x6 patches; off it with the model's ``Coords.scale``); the figure shows the prior
+            from the centre query over the grid. A ViT's ``[CLS]`` (no coordinates) is not drawn.
+        out: folder of ``goat_prior_l<layer>_h<head>.png`` (overwritten by a repeated call).
 
     Returns:
-        :func:`goat_prior_panels` (the causal mask is only drawn) and ``"query"`` (the centre
-        query index for grids, else ``-1``).
+        :func:`goat_prior_panels` (the causal mask is only drawn), ``"query"`` (the centre query index for
+        grids, else ``-1``) and ``"grid"`` (``[h, w]`` int, ``[]`` for a sequence).
 
     Raises:
-        ValueError: no GOAT layer, bad ``layer``/``head``.
+        ValueError: no GOAT layer, bad ``layer``/``head``, ``length``/``grid`` the prior does not read
+            (:func:`prior_view`), a size below 1 or too large to hold (:data:`PRIOR_MEMORY_BYTES`).
     """
     layer, pos = _goat(model, layer)
     _check_head(pos, head)
-    res = goat_prior_panels(pos, head, length, grid)
+    length, grid, scale = prior_view(model, pos, length, grid)
+    res = goat_prior_panels(pos, head, length, grid, scale)
     plt = pyplot()
     names = {"key_only": "key-only u(j)", "relative": "relative K_rel(i, j)", "total": "total log-prior"}
     if "causal_prior" in res:
         names["causal_prior"] = "causal prior softmax(total)"
     fig, axes = plt.subplots(1, len(names), figsize=(4.4 * len(names), 4))
     if grid is None:
-        causal = np.triu(np.ones((length, length), dtype=bool), 1) if pos.causal else np.zeros((length, length), bool)
+        every = -(-length // DRAWN_POSITIONS)  # draw every k-th position of a long sequence (the numbers are whole)
+        idx = np.arange(0, length, every)
+        causal = idx[None, :] > idx[:, None] if pos.causal else np.zeros((idx.size, idx.size), bool)
+        ends = (-every / 2, idx.size * every - every / 2)
         for ax, k in zip(axes, names):
-            img = ax.imshow(np.ma.masked_array(res[k], causal), cmap="magma" if k == "causal_prior" else "RdBu_r",
-                            aspect="auto")
+            img = ax.imshow(np.ma.masked_array(res[k][::every, ::every], causal), aspect="auto",
+                            cmap="magma" if k == "causal_prior" else "RdBu_r", extent=(*ends, *ends[::-1]))
             ax.set(title=names[k], xlabel="key j", ylabel="query i")
             fig.colorbar(img, ax=ax, fraction=0.046)
-        res["query"] = np.array(-1)
+        res["query"], res["grid"] = np.array(-1), np.zeros(0, dtype=np.int64)
+        where = f"positions 0..{length - 1}" + (f", every {every}th drawn" if every > 1 else "")
     else:
         h, w = grid
         qi = (h // 2) * w + w // 2
@@ -173,8 +328,10 @@ def goat_prior_figure(model: nn.Module, layer: int | None = None, head: int = 0,
             ax.plot([w // 2], [h // 2], "k+")
             ax.set(title=f"{names[k]}, query at centre", xlabel="x", ylabel="y")
             fig.colorbar(img, ax=ax, fraction=0.046)
-        res["query"] = np.array(qi)
-    fig.suptitle(f"GOAT log-prior, layer {layer}, head {head}")
+        res["query"], res["grid"] = np.array(qi), np.array([h, w], dtype=np.int64)
+        where = f"{h}x{w} patch grid"
+        where += f", steps ({scale[0]:.3g}, {scale[1]:.3g}) of the training grid" if scale else ""
+    fig.suptitle(f"GOAT log-prior, layer {layer}, head {head} ({where})")
     _save(fig, out, f"goat_prior_l{layer}_h{head}", writer, step)
     return res
 
@@ -519,15 +676,15 @@ def _default_tb(ckpt: Path) -> Path | None:
 
 def _check_model(a: argparse.Namespace, model: nn.Module) -> None:
     """Raise the ValueError figure ``a.name`` would raise for ``model`` (no layer of the kind it reads,
-    a ``--layer`` / ``--head`` it does not have) before anything is written."""
+    a ``--layer`` / ``--head`` it does not have, a ``--length`` / ``--grid`` its prior does not read or that is too
+    large to hold) before anything is written; fills in ``a.length`` / ``a.grid`` for goat-prior
+    (:func:`prior_view`)."""
     if a.name == "goat-prior":
         _, pos = _goat(model, a.layer)
         if not a.all_heads:
             _check_head(pos, a.head)
-        axes = getattr(pos, "axes", None)
-        if a.grid and axes == 1:
-            raise ValueError(f"--grid {a.grid[0]} {a.grid[1]}: this model's GOAT prior has 1 axis (sequences); "
-                             f"draw it with --length")
+        a.length, a.grid, _ = prior_view(model, pos, a.length, a.grid)
+        _check_prior_size(a.length, a.grid, pos.n_heads if a.all_heads else 1)
     elif a.name == "goat-spectrum":
         _goat(model, None)
     elif a.name == "write-rates":
@@ -536,65 +693,143 @@ def _check_model(a: argparse.Namespace, model: nn.Module) -> None:
         _mesa_layers(model)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """CLI entry (``python -m mixlab figure <name> --ckpt ...``); returns the figure's numbers.
+_ONLY = {"--layer": ("goat-prior",), "--head": ("goat-prior",), "--all-heads": ("goat-prior",),
+         "--length": ("goat-prior",), "--grid": ("goat-prior",), "--batches": ("write-rates", "mesa-solver")}
+"""Options that only some figures read (the others would ignore them): refused for the rest."""
 
-    Arguments are checked before anything is written: a size below 1 (``--length``, ``--grid``,
-    ``--batches``) is an argparse error (exit status 2); a checkpoint that cannot be read, a model without
-    the layers the figure reads, a ``--layer`` / ``--head`` it does not have, ``--grid`` for a 1-D prior,
-    held-out batches that cannot be loaded raise ValueError / OSError before any folder or event file is
-    created. An error while drawing leaves ``--out`` and ``--tb`` as they were (:func:`undo_on_failure`).
-    """
-    p = OneLineParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
-    p.add_argument("name", choices=sorted(FIGURES))
+
+def _parser(figure: str | None = None) -> OneLineParser:
+    """The command line of ``figure`` (``figure`` None) or of its alias ``copy-prior`` (``figure="goat-prior"``:
+    no figure name, no ``--batches``)."""
+    if figure is None:
+        p = OneLineParser(prog="python -m mixlab figure", description=__doc__.split("\n\n")[0])
+        p.add_argument("name", choices=sorted(FIGURES))
+    else:
+        p = OneLineParser(prog="python -m mixlab copy-prior",
+                          description=f"The learned GOAT log-prior of one layer and head: an alias of "
+                                      f"'python -m mixlab figure {figure}' (the same options).")
     p.add_argument("--ckpt", required=True, help="Lightning checkpoint of a mixlab run")
     p.add_argument("--out", default=None, help="folder of the PNGs (default: <version_N>/figures of the "
                    "checkpoint's run, else runs/figures/<checkpoint name>)")
     p.add_argument("--tb", default=None, help="TensorBoard log dir for the images "
                    "(default: <version_N>/figures of the checkpoint's run, else <out>/tb)")
     p.add_argument("--layer", type=int, default=None, help="goat-prior: layer index (default: the first GOAT layer)")
-    p.add_argument("--head", type=int, default=0, help="goat-prior: head index")
+    p.add_argument("--head", type=int, default=None, help="goat-prior: head index (default: 0)")
     p.add_argument("--all-heads", action="store_true", help="goat-prior: one figure per head of the layer")
-    p.add_argument("--length", type=int, default=64, help="goat-prior: 1D length T")
-    p.add_argument("--grid", type=int, nargs=2, default=None, metavar=("H", "W"), help="goat-prior: 2D grid")
-    p.add_argument("--batches", type=int, default=1, help="write-rates/mesa-solver: held-out validation batches")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--length", type=int, default=None, help="goat-prior, sequence priors: 1D length T (default: 64; "
+                   f"at most {math.isqrt(PRIOR_MEMORY_BYTES // prior_bytes(1))} for one head)")
+    p.add_argument("--grid", type=int, nargs=2, default=None, metavar=("H", "W"),
+                   help="goat-prior, patch-grid priors: 2D grid (default: the model's training grid)")
+    if figure is None:
+        p.add_argument("--batches", type=int, default=None,
+                       help="write-rates/mesa-solver: held-out validation batches (default: 1)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    return p
+
+
+def _event_tags(path: Path) -> set[str]:
+    """Tags of the summaries in one TensorBoard event file; empty when it cannot be read or is over 64 MiB (not a
+    figure command's: a few PNGs and scalars)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        if path.stat().st_size > 64 * 2 ** 20:
+            return set()
+        return {v.tag for e in EventFileLoader(str(path)).Load() if e.HasField("summary") for v in e.summary.value}
+    except Exception:  # a damaged or foreign file: keep it
+        return set()
+
+
+def _replace_events(tb: Path, earlier: set[Path]) -> list[Path]:
+    """After a command succeeded: remove the event files of ``tb`` that were there before it (``earlier``) and hold
+    only tags it has just written again (the same figure run again), so TensorBoard shows its images and scalars
+    once. Event files with other tags (other figures, heads, training logs) or none stay. Returns those removed."""
+    new = set(tb.glob("events.out.tfevents.*")) - earlier
+    tags = set().union(*(_event_tags(f) for f in new))
+    removed = []
+    for f in sorted(earlier):
+        old = _event_tags(f)
+        if old and old <= tags:
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
+
+
+def main(argv: list[str] | None = None, figure: str | None = None) -> dict:
+    """CLI entry (``python -m mixlab figure <name> --ckpt ...``; with ``figure``, the alias that draws that figure,
+    ``copy-prior``); returns the figure's numbers.
+
+    Arguments are checked before anything is written: a size below 1 (``--length``, ``--grid``, ``--batches``),
+    an empty ``--ckpt``, an option the figure does not read (``--batches`` for goat-prior, ``--head`` for
+    write-rates, ...), ``--head`` with ``--all-heads``, an ``--out`` / ``--tb`` that is a file, lies under one or
+    cannot be written are argparse errors (one line, exit status 2); a ``--device`` this machine does not have, a
+    checkpoint that cannot be read, a model without the layers the figure reads, a ``--layer`` / ``--head`` it
+    does not have, ``--grid`` for a 1-D prior or ``--length`` for a 2-D one, prior matrices over
+    :data:`PRIOR_MEMORY_BYTES`, held-out batches that cannot be loaded raise ValueError / OSError before any
+    folder or event file is created. An error while drawing leaves ``--out`` and ``--tb`` as they were
+    (:func:`undo_on_failure`). Run again with the same options, the command overwrites its PNGs and its new event
+    file replaces the one the earlier run wrote (:func:`_replace_events`).
+    """
+    p = _parser(figure)
     a = p.parse_args(argv)
-    for name, value in (("--length", [a.length]), ("--grid", a.grid or [1]), ("--batches", [a.batches])):
+    if figure is not None:
+        a.name, a.batches = figure, None
+    for name, value in (("--length", [a.length] if a.length is not None else [1]), ("--grid", a.grid or [1]),
+                        ("--batches", [a.batches] if a.batches is not None else [1])):
         if min(value) < 1:
             p.error(f"{name} must be >= 1; got {' '.join(map(str, value))}")
+    given = {"--layer": a.layer is not None, "--head": a.head is not None, "--all-heads": a.all_heads,
+             "--length": a.length is not None, "--grid": a.grid is not None, "--batches": a.batches is not None}
+    for option, readers in _ONLY.items():
+        if given[option] and a.name not in readers:
+            p.error(f"{option} applies to {' and '.join(readers)} only, not to {a.name}")
+    if a.all_heads and a.head is not None:
+        p.error(f"--head {a.head} and --all-heads: give one")
+    a.head = 0 if a.head is None else a.head
+    a.batches = 1 if a.batches is None else a.batches
+    if not a.ckpt.strip():
+        p.error("--ckpt is empty; give a checkpoint file")
+    dev = check_device(a.device)
+    ckpt = Path(a.ckpt)
+    run_tb = _default_tb(ckpt)
+    out = Path(a.out) if a.out is not None else (run_tb or Path("runs") / "figures" / ckpt.stem)
+    tb = Path(a.tb) if a.tb is not None else (run_tb or out / "tb")
+    for option, given_path, path in (("--out", a.out, out), ("--tb", a.tb, tb)):
+        problem = output_problem(option if given_path is not None else f"the default {option}",
+                                 given_path if given_path is not None else path, folder=True)
+        if problem:
+            p.error(problem)
     from torch.utils.tensorboard import SummaryWriter
 
-    ckpt = Path(a.ckpt)
-    run = load_run(ckpt, a.device)
+    run = load_run(ckpt, dev)
     model, step = run.model, run.step
     _check_model(a, model)
     batches: list[Any] = []
     if a.name in ("write-rates", "mesa-solver"):
-        dev = torch.device(a.device)
         batches = [move_data_to_device(b, dev) for b in heldout_batches(ckpt, a.batches)]  # tensors, tuples, dicts
-    run_tb = _default_tb(ckpt)
-    a.out = a.out or str(run_tb or Path("runs") / "figures" / ckpt.stem)
-    tb = Path(a.tb) if a.tb else (run_tb or Path(a.out) / "tb")
     with undo_on_failure() as note:
-        note(a.out)
+        note(out)
+        earlier = set(tb.glob("events.out.tfevents.*")) if tb.is_dir() else set()
         writer = SummaryWriter(str(note(tb)))
         try:
             if a.name == "goat-prior":
-                grid = tuple(a.grid) if a.grid else None
                 heads = range(_goat(model, a.layer)[1].n_heads) if a.all_heads else [a.head]
-                res = {h: goat_prior_figure(model, a.layer, h, a.length, grid, a.out, writer, step) for h in heads}
+                res = {h: goat_prior_figure(model, a.layer, h, a.length, a.grid, out, writer, step) for h in heads}
                 res = res if a.all_heads else res[a.head]
             elif a.name == "goat-spectrum":
-                res = goat_spectrum_figure(model, a.out, writer, step)
+                res = goat_spectrum_figure(model, out, writer, step)
             else:
-                res = FIGURES[a.name](model, batches, a.out, writer, step)
+                res = FIGURES[a.name](model, batches, out, writer, step)
         finally:
             writer.close()
-    print(f"wrote {a.out}/ ({a.name}) and TensorBoard images under {tb}")
+    _replace_events(tb, earlier)
+    fewer = f"; the validation set has {len(batches)} batch(es), not {a.batches}" if len(batches) < a.batches \
+        and batches else ""
+    print(f"wrote {out}/ ({a.name}) and TensorBoard images under {tb}{fewer}")
     return res
 
 
 def copy_prior(argv: list[str] | None = None) -> dict:
-    """``python -m mixlab copy-prior ...``: an alias of ``python -m mixlab figure goat-prior ...``."""
-    return main(["goat-prior", *(argv or [])])
+    """``python -m mixlab copy-prior ...``: an alias of ``python -m mixlab figure goat-prior ...`` with its own
+    usage line (no figure name, no ``--batches``)."""
+    return main(argv, figure="goat-prior")
