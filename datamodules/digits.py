@@ -154,8 +154,10 @@ class DigitsDataModule(ResumableDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        if not 0 < val_fraction + test_fraction < 1:
-            raise ValueError("DigitsDataModule: val_fraction + test_fraction must be in (0, 1)")
+        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(f"DigitsDataModule: data.init_args.val_fraction must be in (0, 1), test_fraction in "
+                             f"[0, 1) and their sum < 1; got val_fraction={val_fraction}, "
+                             f"test_fraction={test_fraction}")  # a negative one put val images into train
         smallest = lambda size: None if size is None else min([size] if isinstance(size, int) else size)  # noqa: E731
         check_at_least(image_size=(smallest(image_size), 1), eval_size=(smallest(eval_size), 1),
                        batch_size=(batch_size, 1), num_workers=(num_workers, 0))

@@ -279,7 +279,7 @@ class MADDataModule(SyntheticDataModule):
         n_test: test examples (1,280); ``n_val``: validation examples.
 
     Raises:
-        ValueError: unknown task.
+        ValueError: unknown task; ``vocab`` or ``seq_len`` < 1; ``frac_noise`` outside [0, 1).
     """
 
     def __init__(self, task: Literal["in_context_recall", "noisy_recall", "fuzzy_recall", "selective_copy",
@@ -296,8 +296,13 @@ class MADDataModule(SyntheticDataModule):
         self.save_hyperparameters()
         self.task = task
         self.task_name = f"mad_{task}"
-        self.vocab_size = vocab or base["vocab_size"]
-        self.seq_len = seq_len or base["seq_len"]
+        for name, value in (("vocab", vocab), ("seq_len", seq_len)):  # 0 was read as "the task's default"
+            if value is not None and value < 1:
+                raise ValueError(f"data.init_args.{name} must be >= 1 (null: the task's default); got {value}")
+        if not 0 <= frac_noise < 1:  # NaN fails too
+            raise ValueError(f"data.init_args.frac_noise must be in [0, 1) (a probability); got {frac_noise}")
+        self.vocab_size = base["vocab_size"] if vocab is None else vocab
+        self.seq_len = base["seq_len"] if seq_len is None else seq_len
         self.frac_noise, self.num_tokens_to_copy = frac_noise, num_tokens_to_copy
         self.kv_map = memorization_map(self.vocab_size, seed) if task == "memorization" else None
         self.sample(np.random.default_rng(0), "train")  # validate the settings now

@@ -198,7 +198,8 @@ class RegBenchDataModule(SyntheticDataModule):
         n_train, n_val, n_test: samples per split (each draws an automaton of its split).
 
     Raises:
-        ValueError: fewer than 1 automaton for a split.
+        ValueError: fewer than 1 automaton for a split; string counts or lengths not ``1 <= min <= max``;
+            ``context_length < 1``.
     """
 
     task_name = "regbench"
@@ -216,8 +217,15 @@ class RegBenchDataModule(SyntheticDataModule):
         if min(counts.values()) < 1:
             raise ValueError(f"RegBench needs >= 1 automaton per split; got {counts}")
         self.counts = counts
+        for (low, lo), (high, hi) in ((("min_strings", min_strings), ("max_strings", max_strings)),
+                                      (("min_string_len", min_string_len), ("max_string_len", max_string_len))):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"data.init_args.{low} and {high} must satisfy 1 <= {low} <= {high}; got {lo}, {hi}")
+        if context_length is not None and context_length < 1:  # 0 was read as "the default"
+            raise ValueError(f"data.init_args.context_length must be >= 1 tokens (null: max_strings * "
+                             f"(max_string_len + 1)); got {context_length}")
         self.shape = (min_strings, max_strings, min_string_len, max_string_len)
-        self.context_length = context_length or max_strings * (max_string_len + 1)
+        self.context_length = max_strings * (max_string_len + 1) if context_length is None else context_length
         self._automata: dict[str, list[np.ndarray]] | None = None
 
     @property

@@ -484,7 +484,10 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
             raise ValueError(f"data.init_args.source must be 'digits' or 'cifar10'; got {source!r}")
         self.source, self.root = source, root
         self.n_train, self.n_val, self.n_test = int(n_train), int(n_val), int(n_test)
-        self.patch_size = patch_size or (4 if source == "digits" else 8)
+        if patch_size is not None and patch_size < 1:  # 0 was read as "the default"
+            raise ValueError(f"data.init_args.patch_size must be >= 1 pixel (null: 4 for digits, 8 for cifar10); "
+                             f"got {patch_size}")
+        self.patch_size = (4 if source == "digits" else 8) if patch_size is None else patch_size
         image_size = 8 if source == "digits" else 32
         if image_size % self.patch_size:
             raise ValueError(f"data.init_args.patch_size={self.patch_size} does not divide the {source} "

@@ -688,3 +688,26 @@ def test_validate_without_a_checkpoint_warns_that_the_weights_are_untrained(capl
         cli.main(["validate", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16",
                   "--trainer.limit_val_batches=1", "--run_root", str(tmp_path)])
     assert "validate without --ckpt_path evaluates the model's initial (untrained) weights" in caplog.text
+
+
+def test_a_run_on_no_batch_is_one_line_and_leaves_no_run_folder(capsys, monkeypatch, tmp_path):
+    """A user test: a batch size above the training split's size, or ``limit_train_batches 0``, ended with
+    Lightning's "No training batches" (or nothing) and exit status 0, leaving a run folder without a checkpoint;
+    ``validate`` on an empty val split printed no metric, exit 0."""
+    runs = tmp_path / "runs"
+    base = ["--config", str(GENOME), *TINY, "--trainer.max_steps=1", "--run_root", str(runs)]
+    err = _main(capsys, monkeypatch, "fit", *base, "--data.init_args.batch_size=1000000000")
+    assert err[-2].startswith("error: data: the train split gives no batch: its ") and err[-2].endswith(
+        " samples make no batch of data.init_args.batch_size=1000000000 (the last partial batch is dropped); fit "
+        "trained nothing (lower data.init_args.batch_size or give the train split data)"), err
+    err = _main(capsys, monkeypatch, "fit", *base, "--trainer.limit_train_batches=0")
+    assert err[-2] == "error: trainer.limit_train_batches is 0: fit ran on no batch and trained nothing"
+    err = _main(capsys, monkeypatch, "validate", *base, "--trainer.limit_val_batches=0")
+    assert err[-2] == "error: trainer.limit_val_batches is 0: validate ran on no batch and measured nothing"
+    assert sorted(p.name for p in runs.rglob("*")) == []
+    from mixlab.cli import no_batches
+
+    class Trainer:  # a split with data
+        interrupted, limit_test_batches, num_test_batches = False, 1.0, [3]
+
+    assert no_batches("test", Trainer()) is None and no_batches("predict", Trainer()) is None

@@ -367,3 +367,12 @@ def test_cli_fit_fast_dev_run(tmp_path):
           "--trainer.default_root_dir", str(tmp_path), "--run_root", str(tmp_path),
           "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
           "--data.init_args.batch_size", "4"])
+
+
+def test_a_zero_patch_size_is_refused_not_read_as_the_default():
+    """A user test: ``patch_size 0`` trained with 4 while config.yaml said 0."""
+    from mixlab.datamodules.spatial_vqa import SpatialVQADataModule
+
+    with pytest.raises(ValueError, match=r"data.init_args.patch_size must be >= 1 pixel \(null: 4 for digits, 8 for "
+                                         r"cifar10\); got 0"):
+        SpatialVQADataModule(patch_size=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -416,3 +417,21 @@ def test_sample_cache_returns_the_generated_samples_and_generates_each_once(monk
     small[0], small[1], small[1]
     assert list(small._cache) == [0]
     assert torch.equal(small[1]["inputs"], fresh.make.__self__.dataset("val")[1]["inputs"])
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "message"), [
+    # a user test: 0 was read as "the default" (the config still said 0), negatives and NaN were accepted
+    ("mad", dict(vocab=0), "data.init_args.vocab must be >= 1 (null: the task's default); got 0"),
+    ("mad", dict(seq_len=0), "data.init_args.seq_len must be >= 1 (null: the task's default); got 0"),
+    ("mad", dict(task="noisy_recall", frac_noise=5), "data.init_args.frac_noise must be in [0, 1)"),
+    ("mad", dict(task="noisy_recall", frac_noise=float("nan")), "data.init_args.frac_noise must be in [0, 1)"),
+    ("regbench", dict(context_length=0), "data.init_args.context_length must be >= 1 tokens"),
+    ("regbench", dict(min_string_len=-3), "1 <= min_string_len <= max_string_len; got -3, 49"),
+    ("regbench", dict(min_strings=20, max_strings=19), "1 <= min_strings <= max_strings; got 20, 19"),
+])
+def test_synthetic_sizes_of_zero_or_out_of_range_are_refused(cls, kwargs, message):
+    from mixlab.datamodules.mad import MADDataModule
+    from mixlab.datamodules.regbench import RegBenchDataModule
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        (MADDataModule if cls == "mad" else RegBenchDataModule)(**kwargs)

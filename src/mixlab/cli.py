@@ -362,6 +362,9 @@ class MixlabCLI(LightningCLI):
             return
         try:
             super()._run_subcommand(subcommand)
+            empty = no_batches(subcommand, self.trainer)
+            if empty:
+                raise ValueError(empty)
         except BaseException:
             run_dir = self._fresh_run_dir
             trainer = getattr(self, "trainer", None)
@@ -380,6 +383,32 @@ class MixlabCLI(LightningCLI):
                         break
                     parent.rmdir()
             raise
+
+
+def no_batches(subcommand: str, trainer: pl.Trainer) -> str | None:
+    """Why ``subcommand`` ran on no data, in one line, or None. Lightning ends such a ``fit`` with "No training
+    batches" and such a ``validate`` / ``test`` with no metrics, both with exit status 0 (a user test: a
+    ``batch_size`` above the training split's size, ``limit_train_batches 0``, ``val_fraction 0``)."""
+    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand)
+    if split is None or trainer.interrupted:
+        return None
+    done = "trained" if split == "train" else "measured"
+    if getattr(trainer, f"limit_{split}_batches") == 0:  # Lightning skips the loop: its batch count stays unset
+        return f"trainer.limit_{split}_batches is 0: {subcommand} ran on no batch and {done} nothing"
+    count = trainer.num_training_batches if split == "train" else sum(
+        getattr(trainer, f"num_{split}_batches") or [0])
+    if count:
+        return None
+    loaders = getattr(trainer, f"{split}_dataloader" if split == "train" else f"{split}_dataloaders")
+    loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+    size = batch = None
+    with contextlib.suppress(TypeError, AttributeError):
+        size, batch = len(loader.dataset), loader.batch_size
+    why = (f"its {size} samples make no batch of data.init_args.batch_size={batch}"
+           + (" (the last partial batch is dropped)" if getattr(loader, "drop_last", False) else "")
+           if size is not None and batch else "it is empty")
+    return (f"data: the {split} split gives no batch: {why}; {subcommand} {done} nothing (lower "
+            f"data.init_args.batch_size or give the {split} split data)")
 
 
 def _restore_run_dir(run_dir: Path, before: dict[Path, bytes | None]) -> None:
