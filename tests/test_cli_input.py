@@ -711,3 +711,19 @@ def test_a_run_on_no_batch_is_one_line_and_leaves_no_run_folder(capsys, monkeypa
         interrupted, limit_test_batches, num_test_batches = False, 1.0, [3]
 
     assert no_batches("test", Trainer()) is None and no_batches("predict", Trainer()) is None
+
+
+def test_out_of_range_seed_and_trainer_counts_are_one_line(capsys, monkeypatch, tmp_path):
+    """A user test: ``--seed_everything -1`` / ``10**20`` were Lightning tracebacks, ``accumulate_grad_batches 0`` a
+    ZeroDivisionError, and ``-1`` for it or for ``log_every_n_steps`` trained without a word."""
+    runs = tmp_path / "runs"
+    base = ["--config", str(GENOME), *TINY, "--trainer.max_steps=1", "--run_root", str(runs)]
+    for seed in ("-1", str(10**20)):
+        err = _main(capsys, monkeypatch, "fit", *base, f"--seed_everything={seed}")
+        assert err[-2] == f"error: --seed_everything {seed}: a seed in [0, 4294967295] (true: a random one, false: " \
+                          "no seeding)"
+    for option, value, least in (("accumulate_grad_batches", 0, 1), ("accumulate_grad_batches", -1, 1),
+                                 ("log_every_n_steps", -1, 0)):
+        err = _main(capsys, monkeypatch, "fit", *base, f"--trainer.{option}={value}")
+        assert err[-2] == f"error: trainer.{option}={value}: give an integer >= {least}"
+    assert sorted(p.name for p in runs.rglob("*")) == []

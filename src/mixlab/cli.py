@@ -132,6 +132,15 @@ class MixlabCLI(LightningCLI):
         predict step (``generate`` samples from a language model, ``test`` reports metrics)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
 
+    def _set_seed(self) -> None:
+        """LightningCLI's seeding, after a one-line check of the range numpy takes (``-1`` and ``10**20`` were
+        Lightning's traceback)."""
+        seed = self._get(self.config, "seed_everything")
+        if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed < 2**32:
+            raise ValueError(f"--seed_everything {seed}: a seed in [0, {2**32 - 1}] (true: a random one, false: "
+                             f"no seeding)")
+        super()._set_seed()
+
     def setup_parser(self, *args: Any, **kwargs: Any) -> None:
         super().setup_parser(*args, **kwargs)
         for parser in [self.parser, *getattr(self, "_subcommand_parsers", {}).values()]:
@@ -264,6 +273,10 @@ class MixlabCLI(LightningCLI):
             logging.getLogger("mixlab.cli").warning(
                 "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
                 "best, or a file) evaluates a trained run", self.subcommand)
+        for option, least in (("accumulate_grad_batches", 1), ("log_every_n_steps", 0)):  # -1 passed, 0 divided
+            value = cfg["trainer"].get(option)
+            if isinstance(value, int) and not isinstance(value, bool) and value < least:
+                raise ValueError(f"trainer.{option}={value}: give an integer >= {least}")
         clip = cfg["trainer"].get("gradient_clip_val")
         if clip is not None and not clip >= 0:  # Lightning clips to a negative norm without a word
             raise ValueError(f"trainer.gradient_clip_val={clip}: give a norm (or value) >= 0, or null for no clipping")
