@@ -711,6 +711,8 @@ def test_a_run_on_no_batch_is_one_line_and_leaves_no_run_folder(capsys, monkeypa
         interrupted, limit_test_batches, num_test_batches = False, 1.0, [3]
 
     assert no_batches("test", Trainer()) is None and no_batches("predict", Trainer()) is None
+    Trainer.num_test_batches = []  # the loop did not run (a test that stubs Trainer.test): nothing to say
+    assert no_batches("test", Trainer()) is None
 
 
 def test_out_of_range_seed_and_trainer_counts_are_one_line(capsys, monkeypatch, tmp_path):

@@ -408,9 +408,9 @@ def no_batches(subcommand: str, trainer: pl.Trainer) -> str | None:
     done = "trained" if split == "train" else "measured"
     if getattr(trainer, f"limit_{split}_batches") == 0:  # Lightning skips the loop: its batch count stays unset
         return f"trainer.limit_{split}_batches is 0: {subcommand} ran on no batch and {done} nothing"
-    count = trainer.num_training_batches if split == "train" else sum(
-        getattr(trainer, f"num_{split}_batches") or [0])
-    if count:
+    # counts Lightning sets once the loop has read its dataloaders (unset: inf for fit, [] for validate/test)
+    counts = [trainer.num_training_batches] if split == "train" else list(getattr(trainer, f"num_{split}_batches"))
+    if not counts or any(counts):
         return None
     loaders = getattr(trainer, f"{split}_dataloader" if split == "train" else f"{split}_dataloaders")
     loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
