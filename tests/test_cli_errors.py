@@ -398,6 +398,39 @@ def test_a_repeated_evaluation_replaces_its_earlier_events_only_when_it_succeeds
     assert sorted(p.name for p in tb.iterdir()) == ["events.out.tfevents.3", "notes.txt"]
 
 
+def test_replace_by_tags_keeps_event_files_with_other_tags(tmp_path):
+    """``note(folder, replace="tags")`` (a run's shared TensorBoard folder, e.g. ``figure``): after success only the
+    earlier event files whose tags the new files all hold again go; training logs, another figure's tags and
+    unreadable files stay; an unknown ``replace`` is refused."""
+    import time
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mixlab.eval.common import undo_on_failure
+
+    tb = tmp_path / "tb"
+
+    def write(*tags):
+        with SummaryWriter(str(tb)) as w:
+            for t in tags:
+                w.add_scalar(t, 1.0, 0)
+        time.sleep(1.1)  # one event file per second and host
+        return max(tb.glob("events.out.tfevents.*"), key=lambda f: f.stat().st_mtime_ns)
+
+    train = write("train/loss", "val/loss")
+    figure = write("goat_prior/layer0")
+    other = write("goat_prior/layer0", "write_rates/layer0")
+    (tb / "events.out.tfevents.broken").write_bytes(b"not an event file")
+    with undo_on_failure() as note:
+        note(tb, replace="tags")
+        new = write("goat_prior/layer0")
+    assert set(tb.glob("events.out.tfevents.*")) == {train, other, new, tb / "events.out.tfevents.broken"}
+    assert figure not in set(tb.iterdir())
+    with pytest.raises(ValueError, match="replace must be False, True or 'tags'; got 'all'"), \
+            undo_on_failure() as note:
+        note(tb, replace="all")
+
+
 def test_an_unwritable_run_root_is_one_line(capsys, tmp_path, monkeypatch):
     """``--run_root`` under a file, a file, or empty: one line naming it (was the logger's OSError traceback after
     the model was built), and nothing is written."""

@@ -305,14 +305,14 @@ def test_bad_values_are_one_line_errors_before_anything_is_written(run_ckpt, tmp
 def test_lengths_that_cannot_fit_in_memory_are_refused_naming_the_number(run_ckpt, tmp_path, capsys, monkeypatch):
     """A user test: ``passkey --lengths 100000000`` was OOM-killed after 88 s at 23 GB. Each length's memory is
     estimated up front (:func:`forward_bytes`) against the memory free on --device."""
-    from mixlab.eval import decode
+    from mixlab.eval import common
     from mixlab.eval.common import load_run
 
     model = load_run(run_ckpt).model
     before = tree(run_ckpt.parents[4])
     base = ["--ckpt", str(run_ckpt), "--device", "cpu", "--out", str(tmp_path / "out")]
     need = L.forward_bytes(model, 2, 16 * 10**9, 16, L._PER_TOKEN)
-    free = decode._free_bytes(torch.device("cpu"))
+    free = common.free_bytes("cpu")
     assert need > free
     err = _cli_error(capsys, monkeypatch, [*base, "--lengths", "1e9", "--max-windows", "4"])
     assert err == (f"error: --lengths 1e+09 (16000000000 tokens): the evaluation needs about {need / 2**30:.3g} GiB (2 "
@@ -321,7 +321,7 @@ def test_lengths_that_cannot_fit_in_memory_are_refused_naming_the_number(run_ckp
     # with a batch of 2 windows over the free memory and one window under it: --batch-size is the way out
     one, two = (L.forward_bytes(model, b, 32, 16, L._PER_TOKEN) for b in (1, 2))
     assert max(one, L.forward_bytes(model, 2, 16, 16, L._PER_TOKEN)) < two - 1
-    monkeypatch.setattr(decode, "_free_bytes", lambda device: two - 1)
+    monkeypatch.setattr(common, "free_bytes", lambda device: two - 1)
     err = _cli_error(capsys, monkeypatch, [*base, "--lengths", "1", "2", "--max-windows", "2"])
     assert err.startswith(f"error: --lengths 2 (32 tokens): the evaluation needs about {two / 2**30:.3g} GiB (2 "
                           "sequence(s) of 32 tokens") and err.endswith(

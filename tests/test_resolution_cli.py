@@ -149,14 +149,14 @@ BAD = [
 
 @pytest.mark.parametrize(("args", "line"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_input_is_one_line_before_any_evaluation(capsys, monkeypatch, tmp_path, tiny, args, line):
-    import mixlab.eval.decode
+    import mixlab.eval.common
     import mixlab.eval.resolution
 
     ck = _in_run(tmp_path, tiny)
     run = ck.parents[1]
     (tmp_path / "file").write_text("")
     fill = {"file": str(tmp_path / "file"), "ckpt": str(ck), "run": str(run)}
-    monkeypatch.setattr(mixlab.eval.decode, "_free_bytes", lambda device: 16 * 2**30)
+    monkeypatch.setattr(mixlab.eval.common, "free_bytes", lambda device: 16 * 2**30)
 
     def evaluated(*a, **k):
         raise AssertionError("evaluated")

@@ -170,7 +170,7 @@ def test_outputs_texts_and_sizes_are_checked_before_anything_is_written(ckpts, t
     """A user test: an --out that is a file (or under one) failed after the whole evaluation; an empty --text file
     said "haystack 'essay' needs text (essay_path)"; --lengths 100000000 was OOM-killed after 88 s at 23 GB, leaving
     --out/tb. Each is now one line before anything is written."""
-    from mixlab.eval import decode
+    from mixlab.eval import common
     from mixlab.eval.common import load_run
     from mixlab.eval.length import forward_bytes
 
@@ -200,7 +200,7 @@ def test_outputs_texts_and_sizes_are_checked_before_anything_is_written(ckpts, t
              f"--text {tmp_path / 'none.txt'}: not found; give a text file (prose for --haystack essay)")):
         assert _one_line_error(capsys, monkeypatch, [*base, *argv]) == f"error: {message}", argv
     model = load_run(ckpts["passkey"]).model
-    free = decode._free_bytes(torch.device("cpu"))
+    free = common.free_bytes("cpu")
     need = forward_bytes(model, 1, 10**8, 64, E._PER_TOKEN)
     assert need > free
     assert _one_line_error(capsys, monkeypatch, [*base, *out, "--lengths", "100000000"]) == (
@@ -208,7 +208,7 @@ def test_outputs_texts_and_sizes_are_checked_before_anything_is_written(ckpts, t
         f"tokens: caches, activations and logits of the chunked forward), more than the {free / 2**30:.3g} GiB free "
         "on cpu; lower --lengths")
     one, four = (forward_bytes(model, b, 256, 64, E._PER_TOKEN) for b in (1, 4))
-    monkeypatch.setattr(decode, "_free_bytes", lambda device: four - 1)
+    monkeypatch.setattr(common, "free_bytes", lambda device: four - 1)
     err = _one_line_error(capsys, monkeypatch, [*base, *out, "--lengths", "256", "--samples", "4"])
     assert err == (f"error: --lengths 256: the evaluation needs about {four / 2**30:.3g} GiB (4 sequence(s) of 256 "
                    "tokens: caches, activations and logits of the chunked forward), more than the "

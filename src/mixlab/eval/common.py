@@ -20,7 +20,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["Run", "load_run", "read_checkpoint", "run_record_of", "import_class", "pyplot", "goat_layers",
-           "chunked_logits", "undo_on_failure", "OneLineParser", "output_problem", "refuse_below", "check_device"]
+           "chunked_logits", "undo_on_failure", "OneLineParser", "output_problem", "refuse_below", "check_device",
+           "free_bytes"]
 
 _DEFAULT_HEAD = "mixlab.heads.lm.CausalLM"
 
@@ -315,17 +316,24 @@ def undo_on_failure(keep: tuple[str, ...] = (".png", ".csv", ".md")) -> Iterator
     back the earlier contents of its files with a suffix in ``keep`` (outputs the body may overwrite); all
     else in it stays (subfolders are their own ``note``). A folder that did not exist is removed with
     everything in it, and so are the parents created for it. Errors while cleaning up are ignored: the
-    body's error is the one raised. ``note(folder, replace=True)``: when the body succeeds, the TensorBoard event
-    files ``folder`` held when noted are removed, so that a repeated evaluation's scalars replace the earlier
-    ones instead of being shown twice (on failure they stay, as everything else).
+    body's error is the one raised.
+
+    ``replace`` (TensorBoard folders): when the body succeeds, event files ``folder`` held when noted are removed,
+    so that a repeated evaluation's scalars replace the earlier ones instead of being shown twice (on failure
+    they stay, as everything else). ``replace=True``: all of them (a folder only the command writes);
+    ``replace="tags"``: those that hold only tags the body's new event files hold too (a run's shared folder:
+    training logs and other commands' tags stay; :func:`replace_events`).
     """
     noted: list[tuple[Path, set[str] | None, dict[Path, bytes]]] = []
-    replaced: list[Path] = []
+    replaced: list[tuple[Path, set[Path], bool]] = []  # (folder, its event files when noted, by tags)
 
-    def note(folder: str | Path, replace: bool = False) -> Path:
+    def note(folder: str | Path, replace: bool | str = False) -> Path:
+        if replace not in (False, True, "tags"):
+            raise ValueError(f"replace must be False, True or 'tags'; got {replace!r}")
         folder = Path(folder).absolute()
         if replace and folder.is_dir():
-            replaced.extend(f for f in folder.glob("events.out.tfevents.*") if f.is_file())
+            replaced.append((folder, {f for f in folder.glob("events.out.tfevents.*") if f.is_file()},
+                             replace == "tags"))
         if folder.is_dir():
             files = list(folder.iterdir())
             noted.append((folder, {f.name for f in files},
@@ -353,6 +361,55 @@ def undo_on_failure(keep: tuple[str, ...] = (".png", ".csv", ".md")) -> Iterator
                     if not f.is_file() or f.read_bytes() != data:
                         f.write_bytes(data)
         raise
-    for f in replaced:  # the command succeeded: its events replace the earlier call's
+    for folder, earlier, by_tags in replaced:  # the command succeeded: its events replace the earlier call's
         with contextlib.suppress(OSError):
-            f.unlink()
+            replace_events(folder, earlier, by_tags)
+
+
+def _event_tags(path: Path) -> set[str]:
+    """Tags of the summaries in one TensorBoard event file; empty when it cannot be read or is over 64 MiB (not
+    an evaluation command's: a few PNGs and scalars)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    try:
+        if path.stat().st_size > 64 * 2 ** 20:
+            return set()
+        return {v.tag for e in EventFileLoader(str(path)).Load() if e.HasField("summary") for v in e.summary.value}
+    except Exception:  # a damaged or foreign file: keep it
+        return set()
+
+
+def replace_events(tb: str | Path, earlier: set[Path], by_tags: bool = True) -> list[Path]:
+    """After a command succeeded: remove the event files of ``tb`` that were there before it (``earlier``), so
+    TensorBoard shows its images and scalars once. ``by_tags``: only those that hold nothing but tags the
+    command has just written again (the same figure run again); event files with other tags (other figures,
+    heads, training logs) or none stay. Returns those removed (sorted)."""
+    tags = set().union(*(_event_tags(f) for f in set(Path(tb).glob("events.out.tfevents.*")) - earlier)) \
+        if by_tags else set()
+    removed = []
+    for f in sorted(earlier):
+        old = _event_tags(f) if by_tags else None
+        if not by_tags or (old and old <= tags):
+            f.unlink(missing_ok=True)
+            removed.append(f)
+    return removed
+
+
+def free_bytes(device: str | torch.device) -> int:
+    """Free memory on ``device`` in bytes: CUDA's free bytes (``torch.cuda.mem_get_info``); on the host
+    ``MemAvailable`` of ``/proc/meminfo`` (page cache counts as free), else the available physical pages; ``2**62``
+    (no check) where neither can be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
+        return 1 << 62

@@ -45,7 +45,6 @@ so the capture cost is paid per call.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -79,23 +78,6 @@ def static_states(model, caches: list[dict], capacity: int) -> list[dict[str, Te
     return states
 
 
-def _free_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: CUDA's free bytes; on the host ``MemAvailable`` (page cache counts as free)."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):  # not a POSIX system: no check
-        return 1 << 62
-
-
 def check_memory(model, batch: int, capacity: int, device: torch.device, static: bool = True) -> int:
     """Bytes decoding ``capacity`` positions (prompt + new tokens) for ``batch`` sequences allocates up front:
     the ``[B, max_new_tokens]`` int64 output ids and, with ``static``, every layer's
@@ -109,7 +91,9 @@ def check_memory(model, batch: int, capacity: int, device: torch.device, static:
     need = 8 * batch * capacity
     if static:
         need += sum(blk.mixer.static_cache_bytes(batch, capacity, dtype) for blk in model.backbone.blocks)
-    free = _free_bytes(torch.device(device))
+    from mixlab.eval.common import free_bytes
+
+    free = free_bytes(device)
     if need > free:
         what = "static caches and output ids" if static else "output ids"
         raise ValueError(f"generate: decoding {capacity} positions (prompt + max_new_tokens) for batch {batch} needs "

@@ -727,34 +727,6 @@ def _parser(figure: str | None = None) -> OneLineParser:
     return p
 
 
-def _event_tags(path: Path) -> set[str]:
-    """Tags of the summaries in one TensorBoard event file; empty when it cannot be read or is over 64 MiB (not a
-    figure command's: a few PNGs and scalars)."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
-
-    try:
-        if path.stat().st_size > 64 * 2 ** 20:
-            return set()
-        return {v.tag for e in EventFileLoader(str(path)).Load() if e.HasField("summary") for v in e.summary.value}
-    except Exception:  # a damaged or foreign file: keep it
-        return set()
-
-
-def _replace_events(tb: Path, earlier: set[Path]) -> list[Path]:
-    """After a command succeeded: remove the event files of ``tb`` that were there before it (``earlier``) and hold
-    only tags it has just written again (the same figure run again), so TensorBoard shows its images and scalars
-    once. Event files with other tags (other figures, heads, training logs) or none stay. Returns those removed."""
-    new = set(tb.glob("events.out.tfevents.*")) - earlier
-    tags = set().union(*(_event_tags(f) for f in new))
-    removed = []
-    for f in sorted(earlier):
-        old = _event_tags(f)
-        if old and old <= tags:
-            f.unlink(missing_ok=True)
-            removed.append(f)
-    return removed
-
-
 def main(argv: list[str] | None = None, figure: str | None = None) -> dict:
     """CLI entry (``python -m mixlab figure <name> --ckpt ...``; with ``figure``, the alias that draws that figure,
     ``copy-prior``); returns the figure's numbers.
@@ -768,7 +740,7 @@ def main(argv: list[str] | None = None, figure: str | None = None) -> dict:
     :data:`PRIOR_MEMORY_BYTES`, held-out batches that cannot be loaded raise ValueError / OSError before any
     folder or event file is created. An error while drawing leaves ``--out`` and ``--tb`` as they were
     (:func:`undo_on_failure`). Run again with the same options, the command overwrites its PNGs and its new event
-    file replaces the one the earlier run wrote (:func:`_replace_events`).
+    file replaces the one the earlier run wrote (:func:`~mixlab.eval.common.replace_events`).
     """
     p = _parser(figure)
     a = p.parse_args(argv)
@@ -809,8 +781,7 @@ def main(argv: list[str] | None = None, figure: str | None = None) -> dict:
         batches = [move_data_to_device(b, dev) for b in heldout_batches(ckpt, a.batches)]  # tensors, tuples, dicts
     with undo_on_failure() as note:
         note(out)
-        earlier = set(tb.glob("events.out.tfevents.*")) if tb.is_dir() else set()
-        writer = SummaryWriter(str(note(tb)))
+        writer = SummaryWriter(str(note(tb, replace="tags")))
         try:
             if a.name == "goat-prior":
                 heads = range(_goat(model, a.layer)[1].n_heads) if a.all_heads else [a.head]
@@ -822,7 +793,6 @@ def main(argv: list[str] | None = None, figure: str | None = None) -> dict:
                 res = FIGURES[a.name](model, batches, out, writer, step)
         finally:
             writer.close()
-    _replace_events(tb, earlier)
     fewer = f"; the validation set has {len(batches)} batch(es), not {a.batches}" if len(batches) < a.batches \
         and batches else ""
     print(f"wrote {out}/ ({a.name}) and TensorBoard images under {tb}{fewer}")

@@ -172,7 +172,7 @@ def _gib(n: float) -> str:
 def check_forward_memory(model, batch: int, length: int, chunk: int | None, device: str | torch.device,
                          what: str, per_token: int = 0) -> int:
     """Refuse an evaluation whose :func:`forward_bytes` is more than the memory free on ``device``
-    (:func:`mixlab.eval.decode._free_bytes`: CUDA's free bytes, the host's ``MemAvailable``), before anything is
+    (:func:`mixlab.eval.common.free_bytes`: CUDA's free bytes, the host's ``MemAvailable``), before anything is
     allocated; returns the estimate (bytes).
 
     Raises:
@@ -180,10 +180,10 @@ def check_forward_memory(model, batch: int, length: int, chunk: int | None, devi
             --lengths [or --batch-size ...]"``, one line (``what`` names the option and value, e.g.
             ``"--lengths 8 (1024 tokens)"``).
     """
-    from mixlab.eval.decode import _free_bytes
+    from mixlab.eval.common import free_bytes
 
     need = forward_bytes(model, batch, length, chunk, per_token)
-    free = _free_bytes(torch.device(device))
+    free = free_bytes(device)
     if need <= free:
         return need
     ways = ["lower --lengths"]

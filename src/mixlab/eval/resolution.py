@@ -192,12 +192,12 @@ def check_fits(model, hw: tuple[int, int], batch: int, device: torch.device, pre
     ``[B, C, H, W]`` and two ``[B, T, D]`` activations (the residual stream and one layer's output, 2 bytes an
     element under 16-bit precision, else 4 or 8), ``T`` the tokens per image (patches + prefix); a lower bound
     (attention and the datamodule's own buffers come on top), checked against the memory free on ``device``
-    (:func:`mixlab.eval.decode._free_bytes`) before anything is evaluated.
+    (:func:`mixlab.eval.common.free_bytes`) before anything is evaluated.
 
     Raises:
         ValueError: more than is free; the message names ``--resolutions``, the tokens and the sizes.
     """
-    from mixlab.eval.decode import _free_bytes
+    from mixlab.eval.common import free_bytes
 
     vit = model.model
     gh, gw = vit.grid(*hw)
@@ -205,7 +205,7 @@ def check_fits(model, hw: tuple[int, int], batch: int, device: torch.device, pre
     act = 2 if "16" in str(precision) else 8 if "64" in str(precision) else 4
     chans = vit.patch_embed.proj.in_channels
     need = batch * (chans * hw[0] * hw[1] * 4 + 2 * tokens * vit.embed_dim * act)
-    free = _free_bytes(device)
+    free = free_bytes(device)
     if need > free:
         prefix = f" + {vit.num_prefix_tokens} [CLS]" if vit.num_prefix_tokens else ""
         raise ValueError(f"--resolutions {_res_label(hw)}: {tokens:,} tokens per image ({gh}x{gw} patches of "
