@@ -475,6 +475,7 @@ def _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_la
     names_seen: dict[str, int] = {}
     call = _protocol(split, limit_batches, data_args)
     recorded: dict[Path, str] = {}  # run folder -> the --ckpt recorded there by this call
+    records: list[_RunRecord] = []
     limit = "" if limit_batches is None else str(limit_batches)
     try:
         for path, run in runs:
@@ -495,6 +496,7 @@ def _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_la
                 skipped = [f"--ckpt {recorded[version]} of the same run is recorded there by this call"]
             elif version is not None:
                 record = _RunRecord(version / "resolution", model.run_name, note)
+                records.append(record)
                 recorded[version] = str(path)
             for pc, hw in ((pc, hw) for pc in conventions for hw in resolutions):
                 model.model.patch_coords = pc
@@ -543,10 +545,13 @@ def _evaluate(runs, resolutions, out, split, batch_size, limit_batches, prior_la
                           f"for compare" + (f" (kept from before: {', '.join(map(str, kept))} px)" if kept else ""))
                 if skipped:
                     print(f"{base}: not recorded in {version}/resolution for compare: {', '.join(skipped)}")
-    finally:
+        _write_tables(rows, out, writer, call)
+    finally:  # on failure too: an open writer's thread would flush into the folders the undo removes
         lightning_info.setLevel(info_level)
-    _write_tables(rows, out, writer, call)
-    writer.close()
+        writer.close()
+        for record in records:
+            if record.writer is not None:
+                record.writer.close()
     return rows
 
 
