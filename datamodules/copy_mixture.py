@@ -47,7 +47,9 @@ class CopyMixtureDataModule(SyntheticDataModule):
         p_first, p_prev: mixture probabilities (noise gets the rest).
 
     Raises:
-        ValueError: probabilities outside ``[0, 1]`` or summing above 1.
+        ValueError: ``length`` or ``vocab`` below 1 (``length must be >= 1; got 0``); probabilities outside
+            ``[0, 1]`` or summing above 1; a ``seed``, split size or ``num_workers`` refused by
+            :class:`~mixlab.datamodules.synthetic.SyntheticDataModule`.
     """
 
     task_name = "copy_mixture"
@@ -58,7 +60,10 @@ class CopyMixtureDataModule(SyntheticDataModule):
                  cache: bool = True) -> None:
         super().__init__(batch_size, n_train, n_val, n_test, seed, num_workers, cache)
         self.save_hyperparameters()
-        if min(p_first, p_prev) < 0 or p_first + p_prev > 1:
+        for name, value in (("length", length), ("vocab", vocab)):  # 0: numpy's "high <= 0", an empty batch
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1; got {value}")
+        if not (p_first >= 0 and p_prev >= 0 and p_first + p_prev <= 1):  # NaN fails too
             raise ValueError(f"copy-mixture needs p_first, p_prev >= 0 and p_first + p_prev <= 1; "
                              f"got {p_first}, {p_prev}")
         self.length, self.vocab_size, self.p_first, self.p_prev = length, vocab, p_first, p_prev

@@ -15,12 +15,13 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import io
+import numbers
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from mixlab.distributed import ResumableDataModule, check_at_least
+from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers
 
 __all__ = ["load_uci_digits", "DigitsDataModule", "DigitsDataset"]
 
@@ -41,6 +42,7 @@ def load_uci_digits(path: str | Path | None = None) -> tuple[torch.Tensor, torch
 
     Raises:
         FileNotFoundError: the file does not exist.
+        IsADirectoryError: ``path`` is a directory.
         ValueError: a row does not have 65 columns, or a pixel/label is out of range (the message
             names the file).
     """
@@ -50,6 +52,8 @@ def load_uci_digits(path: str | Path | None = None) -> tuple[torch.Tensor, torch
         name = f"mixlab/data/{_DIGITS_FILE}"
     else:
         p = Path(path)
+        if p.is_dir():
+            raise IsADirectoryError(f"UCI digits path is a directory, not a CSV file: {p}")
         if not p.is_file():
             raise FileNotFoundError(f"UCI digits file not found: {p}")
         raw = p.read_bytes()
@@ -131,10 +135,19 @@ class DigitsDataModule(ResumableDataModule):
 
     Attributes: ``task_name = "digits"``, ``num_classes = 10``, ``in_chans = 3``.
 
+    Raises:
+        ValueError: split fractions out of range; ``image_size`` / ``eval_size`` not an int or ``[H, W]``
+            (``image_size must be an int or [H, W]; got [32, 32, 32]``) or below 1 pixel; ``batch_size`` below
+            1; ``num_workers`` outside ``[0, 64]`` (:func:`~mixlab.distributed.check_num_workers`);
+            ``path`` empty or a directory. At ``setup``: as :func:`load_uci_digits` (a missing or bad file).
+
     Under DDP rank r of W reads images r::W of one seeded order and the train position is
     saved in checkpoints (:class:`mixlab.distributed.ResumableDataModule`); the random
     shifts draw from torch's global generator and are not part of that state.
     """
+
+    split_arguments: tuple[str, ...] = ("seed", "val_fraction", "test_fraction")
+    """The seeded split fractions."""
 
     task_name = "digits"
     num_classes = 10
@@ -158,9 +171,20 @@ class DigitsDataModule(ResumableDataModule):
             raise ValueError(f"DigitsDataModule: data.init_args.val_fraction must be in (0, 1), test_fraction in "
                              f"[0, 1) and their sum < 1; got val_fraction={val_fraction}, "
                              f"test_fraction={test_fraction}")  # a negative one put val images into train
+        is_size = lambda v: isinstance(v, int) or (  # noqa: E731
+            isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, numbers.Integral) for x in v))
+        for name, size in (("image_size", image_size), ("eval_size", eval_size)):  # [32, 32, 32]: a TypeError later
+            if size is not None and not is_size(size):
+                shown = list(size) if isinstance(size, tuple) else size
+                raise ValueError(f"{name} must be an int or [H, W]; got {shown}")
         smallest = lambda size: None if size is None else min([size] if isinstance(size, int) else size)  # noqa: E731
         check_at_least(image_size=(smallest(image_size), 1), eval_size=(smallest(eval_size), 1),
-                       batch_size=(batch_size, 1), num_workers=(num_workers, 0))
+                       batch_size=(batch_size, 1))
+        check_num_workers(num_workers)
+        if path is not None and not str(path).strip():  # Path("") is "."
+            raise ValueError(f"path must name a CSV file (null: the shipped digits); got {str(path)!r}")
+        if path is not None and Path(path).is_dir():
+            raise ValueError(f"path must name a CSV file, not a directory; got {path} (a directory)")
         self.image_size = image_size
         self.eval_size = image_size if eval_size is None else eval_size
         self.batch_size = batch_size

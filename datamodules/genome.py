@@ -26,7 +26,7 @@ import torch
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule, SplitLoaders
+from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers
 
 log = logging.getLogger("mixlab.genome")
 
@@ -94,6 +94,8 @@ def encode_sequence(seq: str | bytes, lowercase: str = "fold", iupac: str = "n",
 
 
 def _check_file(path: Path) -> None:
+    if path.is_dir():
+        raise IsADirectoryError(f"FASTA path is a directory, not a file: {path} (name the FASTA files in it)")
     if not path.is_file():
         raise FileNotFoundError(f"FASTA file not found: {path}")
     if path.stat().st_size == 0:
@@ -124,10 +126,10 @@ def read_fasta(path: str | os.PathLike, lowercase: str = "fold", iupac: str = "n
     The file is read in text mode with newline translation, so LF, CRLF and bare-CR files
     parse alike; blank lines, trailing whitespace and spaces inside sequence lines are
     dropped (biopython). Records without bases are skipped (WARNING log naming them,
-    returned in ``skipped``). Raises FileNotFoundError (missing file) or ValueError naming
-    the file: empty, not FASTA (first non-empty line is not a '>' header; biopython alone
-    would skip such a preamble silently), unreadable gzip, no record with bases, or a bad
-    character such as a tab or digit (see :func:`encode_sequence`).
+    returned in ``skipped``). Raises FileNotFoundError (missing file), IsADirectoryError (a
+    directory) or ValueError naming the file: empty, not FASTA (first non-empty line is not a
+    '>' header; biopython alone would skip such a preamble silently), unreadable gzip, no
+    record with bases, or a bad character such as a tab or digit (see :func:`encode_sequence`).
     """
     path = Path(path)
     _check_file(path)
@@ -230,6 +232,30 @@ class GenomeEvalDataset(GenomeCropDataset):
         super().__init__(sequences, rec, start, length, context_length, context_length + 1)
 
 
+def _read_cache(npy: Path, meta: Path) -> tuple[tuple[np.ndarray, dict] | None, str]:
+    """``((memory-mapped uint8 tokens [n_bases], info), "")`` of a genome cache entry, or ``(None, what is
+    wrong)`` when it does not read back whole: a .json that is not the entry's record, a .npy that is not a
+    1-D uint8 array (a foreign or overwritten file), or one holding another number of bases than the record
+    (a copy cut short)."""
+    try:
+        info = json.loads(meta.read_text())
+        names = [(str(name), int(n)) for name, n in info["names"]]
+        skipped = list(info["skipped"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+        return None, f"{meta.name} is not a cache record: {type(err).__name__}: {err}"
+    try:
+        data = np.load(npy, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError) as err:  # numpy: "mmap length is greater than file size", bad header
+        return None, f"{npy.name} does not read as an array: {str(err).split('. ')[0]}"
+    total = sum(n for _, n in names)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.shape != (total,):
+        got = f"{data.dtype} {list(data.shape)}" if isinstance(data, np.ndarray) else type(data).__name__
+        if hasattr(data, "close"):  # an .npz archive holds its file open
+            data.close()
+        return None, f"{npy.name} holds {got}, its record {total} uint8 bases"
+    return (data, {**info, "names": names, "skipped": skipped}), ""
+
+
 class GenomeDataModule(SplitLoaders, ResumableDataModule):
     """FASTA genome(s) -> batches ``LongTensor [batch, context_length + 1]`` of base ids.
 
@@ -240,17 +266,24 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
     split with a fraction > 0 gets a region that fits a window when >= 3 regions do);
     regions with more than ``max_n_fraction`` N are dropped; ``train_stride`` spaces
     training crop starts (raise it for whole genomes: the sampler permutes all starts);
-    ``cache_dir`` stores encoded files as .npy (keyed by path, mtime, size, settings).
+    ``cache_dir`` stores encoded files as .npy (keyed by path, mtime, size, settings; created if
+    missing): a cache entry that does not read back whole (a truncated or overwritten .npy, a
+    damaged .json) is rebuilt from its FASTA file with a WARNING naming it; ``num_workers`` at most
+    :data:`~mixlab.distributed.MAX_NUM_WORKERS` (64).
 
     Under DDP/FSDP rank r of W reads items r::W of one seeded order (no duplicates; see
     :class:`mixlab.distributed.ResumableSampler`); the train order's position is saved in
     checkpoints (:meth:`state_dict`), so a run resumed mid-epoch sees the next unseen batch.
 
-    Raises ValueError naming the argument for invalid arguments; at :meth:`setup`,
+    Raises ValueError naming the argument for invalid arguments (also ``fasta`` naming an empty
+    path or a directory, ``cache_dir`` naming an existing file); at :meth:`setup`,
     FileNotFoundError / ValueError naming the file for bad input (see :func:`read_fasta`),
-    and ValueError naming ``context_length``, the split and its largest region when a split
-    has no window.
+    ValueError naming ``cache_dir`` when the cache cannot be written there, and ValueError
+    naming ``context_length``, the split and its largest region when a split has no window.
     """
+
+    split_arguments: tuple[str, ...] = ("seed", "region_size", "val_fraction", "test_fraction")
+    """The region hash: ``region_size``, the fractions and ``seed``."""
 
     task_name = "genome"
     token_unit = "base"
@@ -282,9 +315,18 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                              f"{val_fraction} + {test_fraction}")
         _check_choice("lowercase", lowercase, ("fold", "n", "error"))
         _check_choice("iupac", iupac, ("n", "error"))
+        check_num_workers(num_workers)
         files = default_fasta() if fasta is None else [fasta] if isinstance(fasta, str) else fasta
         if not files:
-            raise ValueError("fasta must name at least one file (or be None for the defaults)")
+            raise ValueError(f"fasta must name at least one file (null: the shipped ones); got {fasta!r}")
+        for f in files:
+            if not str(f).strip():  # Path("") is ".", which read as "FASTA file not found: ."
+                raise ValueError(f"fasta must name FASTA files (null: the shipped ones); got {str(f)!r}")
+            if Path(f).expanduser().is_dir():
+                raise ValueError(f"fasta must name FASTA files, not a directory; got {f} (a directory: name the "
+                                 f"files in it)")
+        if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
+            raise ValueError(f"cache_dir must be a directory (created if missing); got {cache_dir} (a file)")
         self.save_hyperparameters()
         self.fasta = [str(Path(f).expanduser()) for f in files]
         self.context_length, self.region_size, self.seed = context_length, region_size, seed
@@ -299,7 +341,16 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
 
     # -- reading ---------------------------------------------------------------------------
     def _load_file(self, path: Path) -> tuple[list[tuple[str, np.ndarray]], list[str]]:
-        """read_fasta, or with ``cache_dir`` a memory-mapped .npy of the encoded file."""
+        """read_fasta, or with ``cache_dir`` a memory-mapped .npy of the encoded file.
+
+        A cache entry that does not read back whole (:func:`_read_cache`) is rebuilt from ``path`` with a
+        WARNING naming it (only this entry's own ``genome-<key>`` files are replaced, each by an atomic rename of
+        a complete new file).
+
+        Raises:
+            ValueError: the cache cannot be written in ``cache_dir`` (names it and the reason); else as
+                :func:`read_fasta`.
+        """
         if not self.cache_dir:
             return read_fasta(path, self.lowercase, self.iupac)
         _check_file(path)
@@ -309,8 +360,14 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         digest = hashlib.sha256(key.encode()).hexdigest()[:20]
         stem = Path(self.cache_dir).expanduser() / f"genome-{digest}"
         npy, meta = stem.with_suffix(".npy"), stem.with_suffix(".json")
+        cached = None
         if npy.exists() and meta.exists():
-            info = json.loads(meta.read_text())
+            cached, damage = _read_cache(npy, meta)
+            if cached is None:
+                log.warning("%s: cached encoding %s is damaged (%s); rebuilding it from %s", path, npy, damage,
+                            path)
+        if cached is not None:
+            data, info = cached
             log.info("%s: using cached encoding %s", path, npy)
             for name in info["skipped"]:
                 log.warning("%s: record %r has no bases; skipped (cached)", path, name)
@@ -318,20 +375,25 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
             records, skipped = read_fasta(path, self.lowercase, self.iupac)
             info = {"source": str(path), "skipped": skipped,
                     "names": [(name, len(tokens)) for name, tokens in records]}
-            npy.parent.mkdir(parents=True, exist_ok=True)
             tmp = stem.with_suffix(".tmp.npy")  # written in place: no second copy in memory
-            total = sum(n for _, n in info["names"])
-            out = np.lib.format.open_memmap(tmp, "w+", np.uint8, (total,))
-            pos = 0
-            for _, tokens in records:
-                out[pos:pos + len(tokens)] = tokens
-                pos += len(tokens)
-            out.flush()
-            del out, records
-            os.replace(tmp, npy)
-            stem.with_suffix(".tmp.json").write_text(json.dumps(info))
-            os.replace(stem.with_suffix(".tmp.json"), meta)
-        data = np.load(npy, mmap_mode="r")
+            try:
+                npy.parent.mkdir(parents=True, exist_ok=True)
+                total = sum(n for _, n in info["names"])
+                out = np.lib.format.open_memmap(tmp, "w+", np.uint8, (total,))
+                pos = 0
+                for _, tokens in records:
+                    out[pos:pos + len(tokens)] = tokens
+                    pos += len(tokens)
+                out.flush()
+                del out, records
+                os.replace(tmp, npy)
+                stem.with_suffix(".tmp.json").write_text(json.dumps(info))
+                os.replace(stem.with_suffix(".tmp.json"), meta)
+            except OSError as err:  # a parent that is a file, no permission, a full disk
+                raise ValueError(f"cache_dir {self.cache_dir}: cannot write the genome cache there "
+                                 f"({err.strerror or err}: {err.filename or npy}); choose another cache_dir "
+                                 f"or none") from None
+            data = np.load(npy, mmap_mode="r")
         ends = np.cumsum([n for _, n in info["names"]])
         return ([(name, data[e - n:e]) for (name, n), e in zip(info["names"], ends)],
                 info["skipped"])

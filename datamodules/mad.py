@@ -26,6 +26,7 @@ Compression needs ``SyntheticLM(decoder="compression", max_len=seq_len)``.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import numpy as np
@@ -34,7 +35,7 @@ from mixlab.datamodules.synthetic import SyntheticDataModule
 
 __all__ = [
     "TASKS", "DEFAULTS", "in_context_recall", "fuzzy_recall", "selective_copy", "compression",
-    "memorization", "memorization_map", "mad_grid", "mad_score", "MADDataModule",
+    "memorization", "memorization_map", "task_minimums", "mad_grid", "mad_score", "MADDataModule",
 ]
 
 TASKS = ("in_context_recall", "noisy_recall", "fuzzy_recall", "selective_copy", "compression", "memorization")
@@ -112,7 +113,8 @@ def fuzzy_recall(rng: np.random.Generator, vocab_size: int = 16, seq_len: int = 
     targets: every value token of a pair whose key tuple occurred earlier.
 
     Raises:
-        ValueError: too few key tokens for the tuple sizes, or ``seq_len`` too short.
+        ValueError: too few key tokens for the tuple sizes or for ``n_pairs`` distinct keys (test keys:
+            ``perm(K, max_key_len) >= n_pairs``; the key draw would never end), or ``seq_len`` too short.
     """
     k = (vocab_size - 1) // 2
     pad = vocab_size - 1
@@ -120,6 +122,10 @@ def fuzzy_recall(rng: np.random.Generator, vocab_size: int = 16, seq_len: int = 
     if k < max_key_len or n_val_tok < 1 or seq_len < 2 * (max_key_len + max_value_len):
         raise ValueError(f"fuzzy_recall: vocab_size={vocab_size}, seq_len={seq_len} too small for "
                          f"keys of {max_key_len} and values of {max_value_len} tokens")
+    n_keys = math.perm(k, max_key_len) if test else sum(math.perm(k, n) for n in range(1, max_key_len + 1))
+    if n_keys < n_pairs:
+        raise ValueError(f"fuzzy_recall: vocab_size={vocab_size} gives {k} key tokens, {n_keys} distinct "
+                         f"{'test ' if test else ''}keys, fewer than n_pairs={n_pairs}")
     keys: list[tuple[int, ...]] = []
     while len(keys) < n_pairs:
         n = max_key_len if test else int(rng.integers(1, max_key_len + 1))
@@ -212,6 +218,33 @@ def memorization(rng: np.random.Generator, kv_map: np.ndarray, vocab_size: int =
     return {"inputs": inputs, "targets": targets, "eval_targets": targets.copy()}
 
 
+def task_minimums(task: str, num_tokens_to_copy: int = 16) -> dict[str, tuple[int, str]]:
+    """``{"vocab": (least, why), "seq_len": (least, why)}``: the smallest vocabulary and length ``task`` generates
+    samples for (:class:`MADDataModule` refuses less in one line naming the option).
+
+    Raises:
+        ValueError: unknown task.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown MAD task {task!r}; choose from {TASKS}")
+    if task == "in_context_recall":
+        return {"vocab": (4, "2 keys and 2 values"), "seq_len": (4, "2 key-value slots")}
+    if task == "noisy_recall":
+        return {"vocab": (7, "half of it noise tokens, then 2 keys and 2 values"),
+                "seq_len": (4, "2 key-value slots")}
+    if task == "fuzzy_recall":
+        return {"vocab": (9, "4 key tokens for 8 distinct 3-token test keys, a value token and the pad"),
+                "seq_len": (12, "a 3-token key and a 3-token value twice")}
+    if task == "selective_copy":
+        n = num_tokens_to_copy
+        return {"vocab": (3, "a content token, the blank and the copy marker"),
+                "seq_len": (2 * n + 1, f"2 * num_tokens_to_copy + 1 with num_tokens_to_copy={n}")}
+    if task == "compression":
+        return {"vocab": (2, "a content token and the compression token"),
+                "seq_len": (2, "a content token and the compression token")}
+    return {"vocab": (3, "a key, a value and the insert token"), "seq_len": (2, "one key-insert pair")}
+
+
 def mad_grid(task: str) -> dict[str, dict]:
     """Settings of one task: ``{"default": {}, "<factor>=<value>": overrides, ...}``.
 
@@ -279,7 +312,11 @@ class MADDataModule(SyntheticDataModule):
         n_test: test examples (1,280); ``n_val``: validation examples.
 
     Raises:
-        ValueError: unknown task; ``vocab`` or ``seq_len`` < 1; ``frac_noise`` outside [0, 1).
+        ValueError: unknown task; ``vocab`` or ``seq_len`` < 1, or below the task's least
+            (:func:`task_minimums`, e.g. ``vocab must be >= 2 for task compression (a content token and the
+            compression token); got 1``); ``num_tokens_to_copy`` < 1 (selective copy); ``frac_noise`` outside
+            [0, 1); a ``seed``, split size or ``num_workers`` refused by
+            :class:`~mixlab.datamodules.synthetic.SyntheticDataModule`.
     """
 
     def __init__(self, task: Literal["in_context_recall", "noisy_recall", "fuzzy_recall", "selective_copy",
@@ -303,6 +340,12 @@ class MADDataModule(SyntheticDataModule):
             raise ValueError(f"data.init_args.frac_noise must be in [0, 1) (a probability); got {frac_noise}")
         self.vocab_size = base["vocab_size"] if vocab is None else vocab
         self.seq_len = base["seq_len"] if seq_len is None else seq_len
+        if task == "selective_copy" and num_tokens_to_copy < 1:  # a negative one: numpy's "negative dimensions"
+            raise ValueError(f"num_tokens_to_copy must be >= 1 for task selective_copy; got {num_tokens_to_copy}")
+        for name, value in (("vocab", self.vocab_size), ("seq_len", self.seq_len)):
+            least, why = task_minimums(task, num_tokens_to_copy)[name]
+            if value < least:  # below it numpy's errors ("high <= 0") or a sample with nothing to score
+                raise ValueError(f"{name} must be >= {least} for task {task} ({why}); got {value}")
         self.frac_noise, self.num_tokens_to_copy = frac_noise, num_tokens_to_copy
         self.kv_map = memorization_map(self.vocab_size, seed) if task == "memorization" else None
         self.sample(np.random.default_rng(0), "train")  # validate the settings now

@@ -33,12 +33,18 @@ import torch
 from mixlab.datamodules.synthetic import SyntheticDataModule
 
 __all__ = [
-    "N_LETTERS", "DELIM", "PAD", "VOCAB_SIZE", "random_dfa", "minimize", "canonical", "accepts_walk",
-    "sample_strings", "regbench_example", "regbench_metrics", "RegBenchDataModule", "decode",
+    "N_LETTERS", "DELIM", "PAD", "VOCAB_SIZE", "MAX_AUTOMATA", "MAX_CONTEXT", "random_dfa", "minimize", "canonical",
+    "accepts_walk", "sample_strings", "regbench_example", "regbench_metrics", "RegBenchDataModule", "decode",
 ]
 
 N_LETTERS, DELIM, PAD = 18, 18, 19
 VOCAB_SIZE = 20
+MAX_AUTOMATA = 100_000
+"""Most automata one split may ask for: all are generated up front in memory (~0.3 ms and ~1 KB each), so
+100,000 take about 30 s; the paper's largest training set is 40,000."""
+MAX_CONTEXT = 65_536
+"""Most tokens a sample may hold (``context_length``, or its default ``max_strings * (max_string_len + 1)``):
+samples are built token by token in Python (~10 us a token), so 65,536 tokens take ~0.7 s a sample."""
 
 
 def canonical(trans: np.ndarray, start: int = 0) -> np.ndarray:
@@ -121,16 +127,29 @@ def accepts_walk(trans: np.ndarray, string: list[int] | np.ndarray) -> bool:
 
 
 def sample_strings(rng: np.random.Generator, trans: np.ndarray, min_strings: int = 10, max_strings: int = 19,
-                   min_len: int = 1, max_len: int = 49) -> list[list[int]]:
-    """Random walks from state 0 (uniform over outgoing edges)."""
-    out = []
+                   min_len: int = 1, max_len: int = 49, max_tokens: int | None = None) -> list[list[int]]:
+    """Random walks from state 0 (uniform over outgoing edges).
+
+    With ``max_tokens`` the walks stop once ``s1 | s2 | ...`` holds that many tokens (delimiters included): the
+    strings are those of the uncut draw, cut there (later random draws are not made), so
+    :func:`regbench_example` with ``context_length + 1 <= max_tokens`` gives the same sample, in time bounded by
+    ``max_tokens`` however large ``max_len`` or ``max_strings`` are.
+    """
+    out: list[list[int]] = []
+    total = 0
     for _ in range(int(rng.integers(min_strings, max_strings + 1))):
+        if max_tokens is not None and total >= max_tokens:
+            break
+        total += 1 if out else 0  # the delimiter before this string
         s, walk = 0, []
         for _ in range(int(rng.integers(min_len, max_len + 1))):
+            if max_tokens is not None and total >= max_tokens:
+                break
             edges = np.flatnonzero(trans[s] >= 0)
             a = int(rng.choice(edges))
             walk.append(a)
             s = int(trans[s, a])
+            total += 1
         out.append(walk)
     return out
 
@@ -198,9 +217,16 @@ class RegBenchDataModule(SyntheticDataModule):
         n_train, n_val, n_test: samples per split (each draws an automaton of its split).
 
     Raises:
-        ValueError: fewer than 1 automaton for a split; string counts or lengths not ``1 <= min <= max``;
-            ``context_length < 1``.
+        ValueError: fewer than 1 or more than :data:`MAX_AUTOMATA` automata for a split
+            (``n_train_automata must be <= 100000 ...; got 1000000000``); string counts or lengths not
+            ``1 <= min <= max``; ``context_length`` below 1 or above :data:`MAX_CONTEXT` tokens, or, with
+            ``context_length`` null, ``max_strings * (max_string_len + 1)`` above it (named as the larger of the
+            two options); a ``seed``, split size or ``num_workers`` refused by
+            :class:`~mixlab.datamodules.synthetic.SyntheticDataModule`.
     """
+
+    split_arguments: tuple[str, ...] = ("seed", "n_train_automata", "n_val_automata", "n_test_automata")
+    """The seed and the automata counts: which automata each split holds."""
 
     task_name = "regbench"
     vocab_size = VOCAB_SIZE
@@ -216,6 +242,11 @@ class RegBenchDataModule(SyntheticDataModule):
         counts = {"train": n_train_automata, "val": n_val_automata, "test": n_test_automata}
         if min(counts.values()) < 1:
             raise ValueError(f"RegBench needs >= 1 automaton per split; got {counts}")
+        for split, n in counts.items():  # generated up front: 10**9 ran for days, then out of memory
+            if n > MAX_AUTOMATA:
+                raise ValueError(f"n_{split}_automata must be <= {MAX_AUTOMATA} (distinct automata are generated "
+                                 f"up front in memory, ~0.3 ms each; the paper's largest training set is "
+                                 f"40000); got {n}")
         self.counts = counts
         for (low, lo), (high, hi) in ((("min_strings", min_strings), ("max_strings", max_strings)),
                                       (("min_string_len", min_string_len), ("max_string_len", max_string_len))):
@@ -224,6 +255,16 @@ class RegBenchDataModule(SyntheticDataModule):
         if context_length is not None and context_length < 1:  # 0 was read as "the default"
             raise ValueError(f"data.init_args.context_length must be >= 1 tokens (null: max_strings * "
                              f"(max_string_len + 1)); got {context_length}")
+        if context_length is not None and context_length > MAX_CONTEXT:
+            raise ValueError(f"context_length must be <= {MAX_CONTEXT} tokens (samples are built token by token, "
+                             f"~10 us each); got {context_length}")
+        if context_length is None and max_strings * (max_string_len + 1) > MAX_CONTEXT:
+            # the default context holds every string whole: max_string_len 10**9 never made a sample
+            name, value = (("max_string_len", max_string_len) if max_string_len + 1 >= max_strings
+                           else ("max_strings", max_strings))
+            raise ValueError(f"{name} must keep the default context_length max_strings * (max_string_len + 1) "
+                             f"<= {MAX_CONTEXT} tokens (here {max_strings} * {max_string_len + 1}); set "
+                             f"context_length (longer strings are cut there) or lower it; got {value}")
         self.shape = (min_strings, max_strings, min_string_len, max_string_len)
         self.context_length = max_strings * (max_string_len + 1) if context_length is None else context_length
         self._automata: dict[str, list[np.ndarray]] | None = None
@@ -255,7 +296,8 @@ class RegBenchDataModule(SyntheticDataModule):
     def sample(self, rng, split):
         autos = self.automata[split]
         trans = autos[int(rng.integers(len(autos)))]
-        return regbench_example(trans, sample_strings(rng, trans, *self.shape), self.context_length)
+        strings = sample_strings(rng, trans, *self.shape, max_tokens=self.context_length + 1)
+        return regbench_example(trans, strings, self.context_length)
 
     @staticmethod
     def task_metrics(logits: torch.Tensor, batch: dict) -> dict:

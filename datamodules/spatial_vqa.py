@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule, SplitLoaders
+from mixlab.distributed import MAX_SEED, ResumableDataModule, SplitLoaders, check_num_workers
 
 log = logging.getLogger("mixlab.spatial_vqa")
 
@@ -453,10 +453,16 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
     (ids ``< n_seen`` are training orders), ``question_types``, ``vocab``.
 
     Raises:
-        ValueError: unknown source / order / question type, an order both seen and held
-            out, or a held-out order whose permutation equals a training order's.
+        ValueError: unknown source / order / question type, no question type (``question_types must name at
+            least one of [...]; got []``), an order both seen and held out, or a held-out order whose
+            permutation equals a training order's; ``seed`` outside ``[0, 2**32 - 1]`` (numpy seeds the
+            scenes with it); ``num_workers`` outside ``[0, 64]``
+            (:func:`~mixlab.distributed.check_num_workers`).
         FileNotFoundError: CIFAR-10 files missing (download is disabled).
     """
+
+    split_arguments: tuple[str, ...] = ("seed", "train_orders", "heldout_orders", "test_image_fraction")
+    """The scene seed, the held-out scan orders and the digits images reserved for test scenes."""
 
     token_unit = "answer"
 
@@ -482,6 +488,10 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
         self.save_hyperparameters()  # recorded in checkpoints: evaluation commands rebuild the datamodule
         if source not in ("digits", "cifar10"):
             raise ValueError(f"data.init_args.source must be 'digits' or 'cifar10'; got {source!r}")
+        if not 0 <= seed <= MAX_SEED:  # numpy's SeedSequence refuses a negative one (at the first scene)
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (numpy seeds each scene with [seed, split, "
+                             f"index]); got {seed}")
+        check_num_workers(num_workers)
         self.source, self.root = source, root
         self.n_train, self.n_val, self.n_test = int(n_train), int(n_val), int(n_test)
         if patch_size is not None and patch_size < 1:  # 0 was read as "the default"
@@ -497,7 +507,9 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
         self.heldout_orders = list(DEFAULT_HELDOUT_ORDERS if heldout_orders is None else heldout_orders)
         self.question_types = list(QUESTION_TYPES if question_types is None else question_types)
         bad_q = [q for q in self.question_types if q not in QUESTION_TYPES]
-        if bad_q or not self.question_types:
+        if not self.question_types:  # the unknown-type message read "unknown []"
+            raise ValueError(f"question_types must name at least one of {list(QUESTION_TYPES)} (null: all); got []")
+        if bad_q:
             raise ValueError(f"data.init_args.question_types: unknown {bad_q}; choose from {QUESTION_TYPES}")
         if not self.train_orders:
             raise ValueError("data.init_args.train_orders is empty")

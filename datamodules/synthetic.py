@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule, SplitLoaders
+from mixlab.distributed import MAX_SEED, ResumableDataModule, SplitLoaders, check_num_workers
 
 __all__ = ["GeneratedDataset", "SyntheticDataModule", "SPLIT_IDS"]
 
@@ -70,10 +70,19 @@ class SyntheticDataModule(SplitLoaders, ResumableDataModule):
         batch_size: samples per batch.
         n_train, n_val, n_test: split sizes.
         seed: generator seed (the splits use disjoint seed streams).
-        num_workers: DataLoader workers (persistent: each keeps its own cache).
+        num_workers: DataLoader workers (persistent: each keeps its own cache); at most
+            :data:`~mixlab.distributed.MAX_NUM_WORKERS` (64).
         cache: keep generated samples in memory (:class:`GeneratedDataset`): same batches, generated once
             per process instead of once per epoch (up to 1 GiB per process).
+
+    Raises:
+        ValueError: a split size or ``batch_size`` below 1; ``seed`` outside ``[0, 2**32 - 1]`` (numpy seeds
+            every sample with it: ``seed must be in [0, 4294967295] ...; got -1``); ``num_workers`` below 0 or
+            above :data:`~mixlab.distributed.MAX_NUM_WORKERS` (64).
     """
+
+    split_arguments: tuple[str, ...] = ("seed",)
+    """The generator seed: it draws every split's samples (and a task's fixed tables, e.g. MAD memorization's map)."""
 
     task_name = "synthetic"
     vocab_size = 0
@@ -84,6 +93,10 @@ class SyntheticDataModule(SplitLoaders, ResumableDataModule):
         for name, v in (("batch_size", batch_size), ("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
             if v < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be >= 1; got {v}")
+        if not 0 <= seed <= MAX_SEED:  # numpy's SeedSequence refuses a negative one (at the first sample)
+            raise ValueError(f"seed must be in [0, {MAX_SEED}] (numpy seeds each sample with [seed, split, "
+                             f"index]); got {seed}")
+        check_num_workers(num_workers)
         self.batch_size, self.seed, self.num_workers, self.cache = batch_size, seed, num_workers, cache
         self.sizes = {"train": n_train, "val": n_val, "test": n_test}
 

@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mixlab.datamodules.files import expand_pattern
-from mixlab.distributed import ResumableDataModule, check_at_least
+from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers
 
 __all__ = [
     "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
@@ -72,6 +72,9 @@ class GPT2Tokenizer:
 
     Raises:
         FileNotFoundError: the ranks file does not exist.
+        ValueError: it is a directory, or not a tiktoken ranks file (``tokenizer_file must be a tiktoken ranks
+            file (lines of '<base64 token> <rank>'); got <path>: line b'...' is not ...``), holds no rank, or lacks
+            one of the 256 single-byte tokens (tiktoken would panic on a text holding that byte).
     """
 
     name = "gpt2"
@@ -79,12 +82,10 @@ class GPT2Tokenizer:
 
     def __init__(self, ranks_file: str | os.PathLike | None = None) -> None:
         import tiktoken
-        from tiktoken.load import load_tiktoken_bpe
 
         path = Path(ranks_file) if ranks_file else shipped_file("gpt2.tiktoken")
-        if not path.is_file():
-            raise FileNotFoundError(f"GPT-2 ranks file not found: {path} (tokenizer_file)")
-        ranks = load_tiktoken_bpe(str(path))
+        _check_ranks_path(path)
+        ranks = _read_ranks(path)
         self.eos_id = max(ranks.values(), default=-1) + 1  # GPT-2's ranks: 50256
         self.enc = tiktoken.Encoding(name="gpt2_offline", pat_str=GPT2_PAT, mergeable_ranks=ranks,
                                      special_tokens={"<|endoftext|>": self.eos_id})
@@ -99,6 +100,44 @@ class GPT2Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.enc.decode(list(ids))
+
+
+_RANKS_FORMAT = "a tiktoken ranks file (lines of '<base64 token> <rank>')"
+
+
+def _check_ranks_path(path: str | os.PathLike) -> None:
+    """Refuse a ``tokenizer_file`` that is a directory or missing.
+
+    Raises:
+        ValueError: a directory (``tokenizer_file must be a tiktoken ranks file ...; got <path> (a directory)``).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"tokenizer_file must be {_RANKS_FORMAT}; got {path} (a directory)")
+    if not path.is_file():
+        raise FileNotFoundError(f"GPT-2 ranks file not found: {path} (tokenizer_file)")
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """tiktoken's ``load_tiktoken_bpe`` of ``path``, its errors as one ValueError naming ``tokenizer_file``."""
+    from tiktoken.load import load_tiktoken_bpe
+
+    try:
+        ranks = load_tiktoken_bpe(str(path))
+    except ValueError as err:  # tiktoken: "Error parsing line b'...' in <path>" (a traceback through the CLI)
+        text = str(err).rsplit(" in ", 1)[0]
+        if text.startswith("Error parsing line "):
+            line = text.removeprefix("Error parsing line ")
+            text = f"line {line[:60]}{'...' if len(line) > 60 else ''} is not '<base64 token> <rank>'"
+        raise ValueError(f"tokenizer_file must be {_RANKS_FORMAT}; got {path}: {text[:200]}") from None
+    if not ranks:
+        raise ValueError(f"tokenizer_file must be {_RANKS_FORMAT}; got {path}: it holds no rank")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # tiktoken panics on the first text holding such a byte
+        raise ValueError(f"tokenizer_file must be {_RANKS_FORMAT}; got {path}: it lacks {len(missing)} of the 256 "
+                         f"single-byte tokens (e.g. {bytes(missing[:1])!r}) that byte-level BPE needs")
+    return ranks
 
 
 class ByteTokenizer:
@@ -368,13 +407,18 @@ class TextDataModule(ResumableDataModule):
     checkpoints, so a run resumed mid-epoch continues with the next unseen batch.
 
     Raises:
-        ValueError: bad tokenizer name or encoding; a size below its range (``context_length``, ``batch_size``,
-            ``train_stride``, ``max_val_windows`` >= 1, ``num_workers`` >= 0); ``tokenizer_file`` with the byte
-            tokenizer; at ``setup``: a file that is not
+        ValueError: bad tokenizer name or encoding; a size out of its range (``context_length``, ``batch_size``,
+            ``train_stride``, ``max_val_windows`` >= 1, ``num_workers`` in ``[0, 64]``:
+            :func:`~mixlab.distributed.check_num_workers`); ``tokenizer_file`` with the byte tokenizer, or a
+            directory (FileNotFoundError: missing); when the tokenizer is first read (``vocab_size``, ``setup``):
+            a ``tokenizer_file`` that is not a tiktoken ranks file; at ``setup``: a file that is not
             ``encoding`` text (names the file, the byte offset and ``data.init_args.encoding``),
             data holding no text (``"<file>: file is empty"``), a split too short for one window
             (names the split, its token count and the window length).
     """
+
+    split_arguments: tuple[str, ...] = ("seed", "val_fraction")
+    """``val_fraction`` and, with several documents, the seed that assigns documents to val."""
 
     task_name = "text"
 
@@ -404,6 +448,9 @@ class TextDataModule(ResumableDataModule):
         if tokenizer_file is not None and tokenizer != "gpt2":
             raise ValueError(f"data.init_args.tokenizer_file ({tokenizer_file}) is a BPE ranks file for tokenizer "
                              f"'gpt2'; tokenizer {tokenizer!r} does not read one: drop tokenizer_file")
+        if tokenizer_file is not None:  # its contents are read with the tokenizer (vocab_size, setup)
+            _check_ranks_path(tokenizer_file)
+        check_num_workers(num_workers)
         try:
             codecs.lookup(encoding)
         except LookupError:

@@ -58,7 +58,8 @@ __all__ = ["FSDPStrategy", "rank_world", "worker_init_ignoring_sigterm", "Resuma
            "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
-           "check_validation_on_optimizer_steps", "check_at_least", "changed_data_options", "LOADER_OPTIONS"]
+           "check_validation_on_optimizer_steps", "check_at_least", "check_num_workers", "MAX_NUM_WORKERS",
+           "changed_data_options", "LOADER_OPTIONS", "MAX_SEED"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -388,6 +389,11 @@ class ResumableDataModule(pl.LightningDataModule):
     checkpoint, equal options), :class:`ResumableSampler`'s own message.
     """
 
+    split_arguments: tuple[str, ...] = ()
+    """Arguments that decide which sample falls into which split (a seeded fraction, a hash seed): ``validate`` /
+    ``test`` of a checkpoint refuse other values than its run's (:func:`mixlab.cli.check_checkpoint_split`); empty
+    where the splits are files."""
+
     _train_sampler: ResumableSampler | None = None
     _train_batch_size: int = 1
     _pending_sampler_state: dict[str, Any] | None = None
@@ -429,11 +435,13 @@ class ResumableDataModule(pl.LightningDataModule):
             loader_kwargs: other DataLoader arguments (``collate_fn``, ``pin_memory``...).
 
         Raises:
-            ValueError: ``batch_size`` below 1 or ``num_workers`` below 0 (named as the datamodule's options);
+            ValueError: ``batch_size`` below 1 or ``num_workers`` outside ``[0, MAX_NUM_WORKERS]`` (named as the
+                datamodule's options: :func:`check_num_workers`);
                 a checkpoint state (``train``) whose dataset length or seed differs from this one, naming
                 the options that differ from the checkpoint's (see the class doc).
         """
-        check_at_least(batch_size=(batch_size, 1), num_workers=(num_workers, 0))
+        check_at_least(batch_size=(batch_size, 1))
+        check_num_workers(num_workers)
         sampler = ResumableSampler(dataset, shuffle=train, seed=self.order_seed(seed),
                                    drop_last=train, pad=not train and self._collective_forward())
         if train:
@@ -541,6 +549,31 @@ def check_at_least(nullable: tuple[str, ...] = (), **limits: tuple[int | None, i
         if value is not None and value < least:
             raise ValueError(f"data.init_args.{name} must be >= {least}{' (or null)' if name in nullable else ''}; "
                              f"got {value}")
+
+
+MAX_SEED = 2**32 - 1
+"""The largest data ``seed`` of the datamodules that seed numpy per sample (synthetic tasks, spatial VQA): the range
+of ``--seed_everything``; numpy refuses negative seeds."""
+MAX_NUM_WORKERS = 64
+"""The most DataLoader workers a datamodule accepts (:func:`check_num_workers`). Each worker is a process holding
+its own copy of the dataset, and a persistent train and val loader each start theirs: ``num_workers 1000`` spent
+minutes starting 2,000 processes before the first batch (64 start in about a second on 2 cores). A fixed number,
+not one per CPU core, so a config, or a checkpoint's recorded data arguments that evaluation commands rebuild the
+datamodule from, is accepted on every machine; more workers than cores only queue for them (torch warns)."""
+
+
+def check_num_workers(num_workers: int) -> None:
+    """Refuse a ``num_workers`` below 0 or above :data:`MAX_NUM_WORKERS`.
+
+    Raises:
+        ValueError: ``data.init_args.num_workers must be >= 0; got -1``, or ``num_workers must be <= 64
+            (DataLoader worker processes, each with its own copy of the dataset; this machine has 2 CPU cores);
+            got 1000``.
+    """
+    check_at_least(num_workers=(num_workers, 0))
+    if num_workers > MAX_NUM_WORKERS:
+        raise ValueError(f"num_workers must be <= {MAX_NUM_WORKERS} (DataLoader worker processes, each with its own "
+                         f"copy of the dataset; this machine has {os.cpu_count()} CPU cores); got {num_workers}")
 
 
 def _consumer(rank: int | None, world: int | None, worker: int | None,

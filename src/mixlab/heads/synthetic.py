@@ -70,7 +70,10 @@ class SyntheticLM(CausalLM):
         max_len: positions of the compression decoder.
 
     Raises:
-        ValueError: ``decoder="compression"`` without ``max_len``; unknown decoder.
+        ValueError: ``decoder="compression"`` without ``max_len``; unknown decoder. In ``setup``, as
+            :class:`CausalLM` (vocabulary), and for the compression decoder a datamodule whose ``seq_len`` exceeds
+            ``max_len`` (``max_len must be >= the datamodule's seq_len 64 ...; got 32``); in ``forward``, a
+            compression input longer than ``max_len``.
     """
 
     def __init__(
@@ -105,8 +108,11 @@ class SyntheticLM(CausalLM):
         """``tokens [B, T]`` -> logits ``[B, T, vocab]`` float32 (float64 for a float64 model)."""
         if self.decoder == "lm":
             return super().forward(tokens, coords, caches)
-        h = self.backbone(self.embed(tokens), coords, caches)  # [B, T, D]
         t = tokens.shape[1]
+        if t > self.dec_pos.num_embeddings:  # else a shape mismatch deep in the loss
+            raise ValueError(f"sequence of {t} tokens exceeds max_len={self.dec_pos.num_embeddings} (the compression "
+                             f"decoder's positions)")
+        h = self.backbone(self.embed(tokens), coords, caches)  # [B, T, D]
         z = h[:, -1:, :] + self.dec_pos.weight[:t].unsqueeze(0)
         return float_logits(self.lm_head(self.dec_mlp(z)))
 
@@ -125,6 +131,11 @@ class SyntheticLM(CausalLM):
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        seq_len = self.data_attr("seq_len") if self.decoder == "compression" else None
+        if isinstance(seq_len, int) and seq_len > self.dec_pos.num_embeddings:  # MAD compression's data length
+            raise ValueError(f"max_len must be >= the datamodule's seq_len {seq_len} (the compression decoder "
+                             f"reconstructs every position; raise max_len or lower data.init_args.seq_len); "
+                             f"got {self.dec_pos.num_embeddings}")
         self._task_metrics = self.data_attr("task_metrics")  # looked up once, not per batch
 
     def teardown(self, stage: str) -> None:
