@@ -65,6 +65,7 @@ def test_mixup_with_batches_of_one_is_refused_before_training(tmp_path, monkeypa
                   "--model.init_args.backbone.d_model=64", "--model.init_args.backbone.n_layers=1",
                   "--model.init_args.backbone.n_heads=1", "--data.init_args.image_size=32",
                   "--data.init_args.batch_size=1", "--trainer.max_steps=1", "--trainer.precision=32",
+                  "--trainer.limit_val_batches=0",  # random images have no val split: fit without one is refused
                   "--run_root", str(tmp_path)])
     assert exit_info.value.code != 0
     err = capsys.readouterr().err

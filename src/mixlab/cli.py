@@ -41,6 +41,16 @@ a traceback:
 * a ``--ckpt_path`` that is missing, not a checkpoint, or of another head, task or
   vocabulary than the config (:func:`read_checkpoint`, :func:`check_checkpoint_config`,
   :func:`check_state_dict`), checked before anything is written;
+* trainer values that parse but cannot run as asked, checked before anything is written
+  (:meth:`MixlabCLI._check_trainer_values`, e.g. ``--trainer.precision: 16-mixed (float16 mixed precision) needs
+  CUDA; ...`` on the CPU, a float ``val_check_interval`` above 1, ``validate`` on a datamodule without a val split),
+  or once the data is read (:func:`late_value_error`: ``val_check_interval`` above an epoch's batches), each naming
+  the file and key or the option that set the value (:func:`set_at`);
+* an empty split: ``validate`` / ``test`` on no batch (:func:`no_batches`), and ``fit`` on an empty validation
+  split unless ``trainer.limit_val_batches`` is 0 (:class:`ValSplitCheck`), naming the datamodule arguments that
+  size it (``--data.init_args.val_fraction: the val split is empty (val_fraction=0.0): ...``);
+* a ``validate`` / ``test`` of a checkpoint on a split other than its run's (another data seed or split
+  fraction: :func:`check_checkpoint_split`);
 * bad input found by mixlab's own code (a ``ValueError`` or ``OSError`` such as
   FileNotFoundError raised in mixlab's source, at construction or in ``setup``):
   ``error: <file>: <key>: <message>`` naming the config file (or ``--<key>`` on the command
@@ -84,6 +94,9 @@ from mixlab.tb import HParams
 
 __all__ = ["MixlabCLI", "main", "COMMANDS"]
 
+SEED_RANGE = f"a seed in [0, {2**32 - 1}] (true: a random one, false: no seeding)"
+"""What ``seed_everything`` takes (numpy's seed range), in the one-line errors about it."""
+
 COMMANDS: dict[str, str] = {}
 """Extra subcommand name -> ``"module:function"`` taking ``argv: list[str]``."""
 
@@ -100,6 +113,8 @@ class MixlabCLI(LightningCLI):
         overrides.install()  # nested mixer options deep-merge across sources (mixlab.overrides)
         self._words = list(sys.argv[1:] if args is None else args)
         quiet_library_notices()
+        # an empty split is mixlab's one-line error (no_batches, ValSplitCheck), not Lightning's warning before it
+        warnings.filterwarnings("ignore", message=r"Total length of `\w+` across ranks is zero")
         defaults = {
             "precision": "bf16-mixed" if torch.cuda.is_available() else "32-true",
             "log_every_n_steps": 10,
@@ -134,11 +149,17 @@ class MixlabCLI(LightningCLI):
 
     def _set_seed(self) -> None:
         """LightningCLI's seeding, after a one-line check of the range numpy takes (``-1`` and ``10**20`` were
-        Lightning's traceback)."""
+        Lightning's traceback).
+
+        Raises:
+            ValueError: a seed outside ``[0, 2**32 - 1]``: ``<place> <seed>: a seed in [0, 4294967295] (true: a
+                random one, false: no seeding)``, the place being ``--seed_everything`` or ``<file>:
+                seed_everything`` where the value was set (:func:`set_at`).
+        """
         seed = self._get(self.config, "seed_everything")
         if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed < 2**32:
-            raise ValueError(f"--seed_everything {seed}: a seed in [0, {2**32 - 1}] (true: a random one, false: "
-                             f"no seeding)")
+            raise ValueError(f"{set_at('seed_everything', self._words) or '--seed_everything'} {seed}: "
+                             f"{SEED_RANGE}")
         super()._set_seed()
 
     def setup_parser(self, *args: Any, **kwargs: Any) -> None:
@@ -188,7 +209,9 @@ class MixlabCLI(LightningCLI):
         """Check ``--ckpt_path`` before LightningCLI reads its hyperparameters into the model config
         (which would silently swap in the checkpoint's model): a missing file, a file that is not a
         checkpoint, or a checkpoint of another head, task or vocabulary is a one-line error
-        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written. Then
+        (:func:`read_checkpoint`, :func:`check_checkpoint_config`) before anything is written, as is a
+        ``validate`` / ``test`` whose data split differs from the checkpoint's run (:func:`check_checkpoint_split`:
+        its seed or split fractions). Then
         LightningCLI's step: the checkpoint's hyperparameters replace the config's model options (its
         ``mixer_args`` as a whole, not merged); each option this changes is named in one warning line."""
         sub = self.config.get("subcommand")
@@ -201,6 +224,8 @@ class MixlabCLI(LightningCLI):
         checkpoint = read_checkpoint(str(path)) if _own_checkpoint_file(path) else None
         if checkpoint is not None:
             check_checkpoint_config(str(path), checkpoint, self.config[sub])
+            if sub in ("validate", "test"):
+                check_checkpoint_split(str(path), checkpoint, self.config[sub], sub, self._words)
         before = self.config[sub].get("model") if sub else None
         with overrides.replacing_dicts():
             super()._parse_ckpt_path()
@@ -261,6 +286,20 @@ class MixlabCLI(LightningCLI):
                              "checkpoint.mode": "min", "checkpoint.save_top_k": 1})
 
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        """LightningCLI's trainer with mixlab's logger (the run folder), progress bar and :class:`ValSplitCheck`
+        (``fit``), after checking the trainer values and the run folder before anything is written.
+
+        Raises:
+            ValueError: one line for a trainer value Lightning would refuse with a traceback, run wrongly or
+                replace (``val_check_interval`` below 1 or a float outside ``(0, 1]``, ``accumulate_grad_batches``
+                below 1, ``log_every_n_steps`` below 0, a negative ``gradient_clip_val``, ``max_steps`` /
+                ``max_epochs`` 0 for ``fit``, ``precision 16-mixed`` on the CPU, a datamodule without the split the
+                command reads: :meth:`_check_trainer_values`), a ``--run_name`` that is not one folder name, a
+                ``--run_root`` that cannot be written, a ``--ckpt_path`` whose weights do not fit the model or
+                whose run cannot be resumed, and Lightning's own refusal of a strategy or accelerator
+                (``trainer: ...``).
+            FileNotFoundError: ``--ckpt_path last|best`` without such a checkpoint.
+        """
         cfg = self.config_init[self.subcommand] if self.subcommand else self.config_init
         if self.subcommand and self.subcommand != "fit":  # keep the training run's config.yaml
             self.save_config_kwargs["config_filename"] = f"config_{self.subcommand}.yaml"
@@ -269,6 +308,7 @@ class MixlabCLI(LightningCLI):
         if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # Lightning: a modulo by 0
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
+        self._check_trainer_values(cfg["trainer"])
         if self.subcommand in ("validate", "test") and not cfg.get("ckpt_path"):
             logging.getLogger("mixlab.cli").warning(
                 "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
@@ -319,9 +359,12 @@ class MixlabCLI(LightningCLI):
             self._note_run_dir(Path(kwargs["logger"].log_dir))
         given = cfg["trainer"].get("callbacks") or []
         given = given if isinstance(given, list) else [given]
+        extra: list[pl.Callback] = [ValSplitCheck()] if self.subcommand == "fit" else []  # an empty val split
         if cfg["trainer"].get("enable_progress_bar") is not False and not any(
                 isinstance(c, pl.callbacks.ProgressBar) for c in given):  # train/loss on the bar without a sync
-            kwargs["callbacks"] = [*given, LossProgressBar()]
+            extra.append(LossProgressBar())
+        if extra:
+            kwargs["callbacks"] = [*given, *extra]
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
@@ -336,6 +379,57 @@ class MixlabCLI(LightningCLI):
             # a resume writes into the run's own checkpoint folder, which holds its checkpoints by design
             warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         return trainer
+
+    def _check_trainer_values(self, trainer: Any) -> None:
+        """Trainer values that parse but that Lightning refuses with a traceback, refuses naming another option, or
+        silently replaces, checked before anything is written. Each error names where the value was set
+        (:func:`set_at`: ``<file>: <key>`` or ``--<key>``).
+
+        Raises:
+            ValueError: one line for
+
+                * ``val_check_interval`` a float outside ``(0, 1]`` (Lightning's error named no file, or blamed the
+                  file that set ``check_val_every_n_epoch: null``), or a float while ``check_val_every_n_epoch`` is
+                  null (validation then counts training batches across epochs);
+                * ``precision`` ``16-mixed`` (or ``16``) on the CPU, which Lightning turns into ``bf16-mixed`` with
+                  one warning: ``--trainer.precision: 16-mixed needs CUDA (...); use bf16-mixed or 32-true on the
+                  CPU``;
+                * ``validate`` / ``test`` with a datamodule that has no such split (no ``val_dataloader`` /
+                  ``test_dataloader``, e.g. ``configs/data/random_images.yaml``: Lightning's
+                  MisconfigurationException traceback), and ``fit`` with one that has no validation split unless
+                  ``trainer.limit_val_batches`` is 0 (Lightning skipped validation with one warning: no val
+                  metrics, no best checkpoint).
+        """
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        where = lambda key: set_at(key, self._words) or key  # noqa: E731
+        interval, every = trainer.get("val_check_interval"), trainer.get("check_val_every_n_epoch")
+        if isinstance(interval, float) and not 0 < interval <= 1:
+            raise ValueError(f"{where('trainer.val_check_interval')}: {interval} is not a fraction of an epoch in "
+                             f"(0, 1]; give such a fraction (a float) or a number of training batches (an int >= 1)")
+        if isinstance(interval, float) and every is None:
+            raise ValueError(f"{where('trainer.val_check_interval')}: {interval} is a fraction of an epoch, but "
+                             f"trainer.check_val_every_n_epoch is null (set at "
+                             f"{where('trainer.check_val_every_n_epoch')}), which counts training batches across "
+                             f"epochs: give a number of training batches (an int >= 1), or set "
+                             f"check_val_every_n_epoch (e.g. 1)")
+        precision = trainer.get("precision")
+        if str(precision) in ("16-mixed", "16") and _runs_on_cpu(trainer.get("accelerator")):
+            raise ValueError(f"{where('trainer.precision')}: {precision} (float16 mixed precision) needs CUDA; on "
+                             f"the CPU Lightning would run bf16-mixed instead: use bf16-mixed or 32-true on the CPU")
+        split = {"fit": "val", "validate": "val", "test": "test"}.get(self.subcommand or "")
+        if split is None or self.datamodule is None or is_overridden(f"{split}_dataloader", self.datamodule):
+            return
+        limit = trainer.get("limit_val_batches")
+        if self.subcommand == "fit" and (limit == 0 or not is_overridden("validation_step", self.model)):
+            return  # training without validation, as asked
+        place = set_at("data.class_path", self._words) or set_at("data", self._words) or "data.class_path"
+        head = f"{place}: {type(self.datamodule).__name__} has no {split} split (no {split}_dataloader)"
+        if self.subcommand == "fit":
+            raise ValueError(f"{head}: fit would train without validation (no val metrics, no best checkpoint); "
+                             f"pass --trainer.limit_val_batches 0 to train without validation")
+        raise ValueError(f"{head}: {self.subcommand} would measure nothing; use a data config with a {split} split "
+                         f"(e.g. the task config's own data)")
 
     # ------------------------------------------------------------------ the run folder
     _nothing_to_train: str | None = None
@@ -368,13 +462,26 @@ class MixlabCLI(LightningCLI):
         puts back the config files it rewrote (``config_test.yaml`` of the last good test).
 
         A ``fit`` whose checkpoint has nothing left to train (:func:`nothing_to_train`) does not run: it
-        prints that line (rank 0) and returns, the run folder untouched."""
+        prints that line (rank 0) and returns, the run folder untouched.
+
+        Raises:
+            ValueError: the subcommand ran on no batch (:func:`no_batches`), or Lightning refused a trainer value
+                only the data could refute (:func:`late_value_error`: ``val_check_interval`` above the batches of
+                an epoch), in one line naming where the value was set; any other error of the subcommand as it
+                was raised.
+        """
         if subcommand == "fit" and self._nothing_to_train:
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
         try:
-            super()._run_subcommand(subcommand)
+            try:
+                super()._run_subcommand(subcommand)
+            except ValueError as err:
+                late = None if os.environ.get("MIXLAB_TRACEBACK") else late_value_error(err, self.trainer, self._words)
+                if late is None:
+                    raise
+                raise ValueError(late) from None
             empty = no_batches(subcommand, self.trainer)
             if empty:
                 raise ValueError(empty)
@@ -398,14 +505,29 @@ class MixlabCLI(LightningCLI):
             raise
 
 
-def no_batches(subcommand: str, trainer: pl.Trainer) -> str | None:
-    """Why ``subcommand`` ran on no data, in one line, or None. Lightning ends such a ``fit`` with "No training
-    batches" and such a ``validate`` / ``test`` with no metrics, both with exit status 0 (a user test: a
-    ``batch_size`` above the training split's size, ``limit_train_batches 0``, ``val_fraction 0``)."""
-    split = {"fit": "train", "validate": "val", "test": "test"}.get(subcommand)
+def _runs_on_cpu(accelerator: Any) -> bool:
+    """Whether a ``trainer.accelerator`` value puts the run on the CPU: ``cpu`` (or a CPUAccelerator), or
+    ``auto`` / unset on a machine without CUDA or MPS."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    if isinstance(accelerator, CPUAccelerator) or str(accelerator) == "cpu":
+        return True
+    mps = getattr(torch.backends, "mps", None)
+    return accelerator in (None, "auto") and not torch.cuda.is_available() and not (mps and mps.is_available())
+
+
+def no_batches(subcommand: str, trainer: pl.Trainer, split: str | None = None) -> str | None:
+    """Why ``subcommand`` ran (or, for ``fit``'s ``split="val"``, would run) on no data, in one line, or None.
+    Lightning ends such a ``fit`` with "No training batches" and such a ``validate`` / ``test`` with no metrics,
+    both with exit status 0 (a user test: a ``batch_size`` above the training split's size, ``limit_train_batches
+    0``, ``val_fraction 0``), and trains a ``fit`` whose validation split is empty without validation (one
+    warning). ``split``: ``train`` for ``fit``, ``val`` for ``validate``, ``test`` for ``test`` unless given. An
+    empty split names the datamodule's arguments that size it (:func:`split_arguments`, e.g. ``val_fraction=0.0``),
+    which :func:`place_value_error` turns into the file or option that set them."""
+    split = split or {"fit": "train", "validate": "val", "test": "test"}.get(subcommand)
     if split is None or trainer.interrupted:
         return None
-    done = "trained" if split == "train" else "measured"
+    done = "trained" if subcommand == "fit" and split == "train" else "measured"
     if getattr(trainer, f"limit_{split}_batches") == 0:  # Lightning skips the loop: its batch count stays unset
         return f"trainer.limit_{split}_batches is 0: {subcommand} ran on no batch and {done} nothing"
     # counts Lightning sets once the loop has read its dataloaders (unset: inf for fit, [] for validate/test)
@@ -417,11 +539,81 @@ def no_batches(subcommand: str, trainer: pl.Trainer) -> str | None:
     size = batch = None
     with contextlib.suppress(TypeError, AttributeError):
         size, batch = len(loader.dataset), loader.batch_size
-    why = (f"its {size} samples make no batch of data.init_args.batch_size={batch}"
-           + (" (the last partial batch is dropped)" if getattr(loader, "drop_last", False) else "")
-           if size is not None and batch else "it is empty")
-    return (f"data: the {split} split gives no batch: {why}; {subcommand} {done} nothing (lower "
-            f"data.init_args.batch_size or give the {split} split data)")
+    if size and batch:
+        what = (f"the {split} split gives no batch: its {size} samples make no batch of "
+                f"data.init_args.batch_size={batch}"
+                + (" (the last partial batch is dropped)" if getattr(loader, "drop_last", False) else ""))
+        fix = f"lower data.init_args.batch_size or give the {split} split data"
+    else:
+        args = split_arguments(getattr(trainer, "datamodule", None), split)
+        what = f"the {split} split is empty" + (f" ({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+                                                if args else "")
+        fix = f"give the {split} split data"
+    if subcommand == "fit" and split == "val":
+        return (f"data: {what}: fit would train without validation (no val metrics, no best checkpoint); {fix}, or "
+                f"pass --trainer.limit_val_batches 0 to train without validation")
+    return f"data: {what}; {subcommand} {done} nothing ({fix})"
+
+
+def split_arguments(datamodule: Any, split: str) -> dict[str, Any]:
+    """The datamodule arguments (its ``hparams``) that size ``split`` (``val``, ``test``): a fraction or a count
+    named after it (``val_fraction``, ``n_val``, ``n_test_automata``, ``max_val_windows``,
+    ``test_image_fraction``); {} without such arguments."""
+    hparams = getattr(datamodule, "hparams", None) or {}
+    return {k: v for k, v in hparams.items() if isinstance(k, str) and split in k.split("_")
+            and (k.endswith("_fraction") or k.startswith(("n_", "max_")))}
+
+
+class ValSplitCheck(pl.Callback):
+    """Added by :class:`MixlabCLI` to every ``fit`` (and not listed in ``trainer.callbacks``): at the start of
+    fit, after the datamodule's ``setup``, load the validation dataloaders as Lightning's fit loop does for its
+    progress bar (they are then the ones validation uses) and refuse a validation split with no batch.
+
+    Raises:
+        ValueError: the validation split is empty, unless ``trainer.limit_val_batches`` is 0 (the user's way to
+            train without validation): one line from :func:`no_batches` naming the datamodule arguments that
+            size it (``data: the val split is empty (val_fraction=0.0): fit would train without validation ...``).
+    """
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        data = trainer.datamodule
+        if (trainer.limit_val_batches == 0 or not is_overridden("validation_step", pl_module) or data is None
+                or not is_overridden("val_dataloader", data)):
+            return
+        trainer.validating = True  # as the fit loop's on_run_start loads them (Lightning 2.x)
+        try:
+            trainer.fit_loop.epoch_loop.val_loop.setup_data()
+        finally:
+            trainer.training = True
+        empty = no_batches("fit", trainer, split="val")
+        if empty:
+            raise ValueError(empty)
+
+
+_LATE_INTERVAL = re.compile(r"`val_check_interval` \((\d+)\) must be less than or equal to the number of the "
+                            r"training batches \((\d+)\)")
+"""Lightning's error for an int ``val_check_interval`` above an epoch's batches (``fit_loop.setup_data``)."""
+
+
+def late_value_error(err: BaseException, trainer: pl.Trainer | None, words: list[str]) -> str | None:
+    """One line for a Lightning error about a trainer value that only the data could refute, naming where the
+    value was set (:func:`set_at`), or None: an int ``val_check_interval`` above the batches of one training epoch
+    while ``check_val_every_n_epoch`` is set, e.g. ``--trainer.val_check_interval: 1000 is more training batches
+    than one epoch has (39); give at most 39 (or a fraction of an epoch in (0, 1]), or set
+    trainer.check_val_every_n_epoch to null to count 1000 batches across epochs``."""
+    m = _LATE_INTERVAL.search(str(err)) if isinstance(err, ValueError) else None
+    if m is None:
+        return None
+    interval, batches = m.groups()
+    limit = getattr(trainer, "limit_train_batches", None)
+    after = "" if limit is None or (isinstance(limit, float) and limit == 1.0) else \
+        f", after trainer.limit_train_batches={limit}"
+    return (f"{set_at('trainer.val_check_interval', words) or 'trainer.val_check_interval'}: {interval} is more "
+            f"training batches than one epoch has ({batches}{after}); give at most {batches} (or a fraction of an "
+            f"epoch in (0, 1]), or set trainer.check_val_every_n_epoch to null to count {interval} batches across "
+            f"epochs")
 
 
 def _restore_run_dir(run_dir: Path, before: dict[Path, bytes | None]) -> None:
@@ -625,11 +817,12 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
 
 def _owner_field(frames: list[Any]) -> str | None:
     """``model``, ``data`` or ``trainer.callbacks``: the innermost LightningModule / LightningDataModule / Callback
-    method among traceback ``frames``; None for none (or mixlab's own best-checkpoint callback)."""
+    method among traceback ``frames``; None for none (or mixlab's own best-checkpoint callback); ``data`` for the
+    CLI's :class:`ValSplitCheck` (its errors are about the data)."""
     for frame in reversed(frames):
         owner = frame.f_locals.get("self")
         for cls, field in ((pl.LightningModule, "model"), (pl.LightningDataModule, "data"),
-                           (BestCheckpoint, None), (pl.Callback, "trainer.callbacks")):
+                           (BestCheckpoint, None), (ValSplitCheck, "data"), (pl.Callback, "trainer.callbacks")):
             if isinstance(owner, cls):
                 return field
     return None
@@ -767,6 +960,82 @@ def check_checkpoint_config(path: str, checkpoint: dict, config: Any) -> None:
     if mismatch:
         raise ValueError(f"--ckpt_path {path}: checkpoint of {_describe(head, data, data_args, sizes)} does not "
                          f"match the config's {_describe(cfg_head, cfg_data, cfg_args, cfg_sizes)}")
+
+
+def split_deciders(class_path: str | None) -> tuple[str, ...]:
+    """The ``split_arguments`` the datamodule class at ``class_path`` declares (which arguments decide the samples
+    of each split: :attr:`mixlab.distributed.ResumableDataModule.split_arguments`); ``()`` for none, or for a class
+    that cannot be imported."""
+    from mixlab.eval.common import import_class
+
+    if not class_path:
+        return ()
+    try:
+        return tuple(getattr(import_class(class_path), "split_arguments", ()))
+    except (ImportError, AttributeError, ValueError):
+        return ()
+
+
+def run_data_arguments(path: str, checkpoint: dict) -> tuple[str | None, dict[str, Any]]:
+    """``(datamodule class path or None, its arguments)`` of the run that wrote the checkpoint at ``path``: its run
+    record (:func:`mixlab.eval.common.run_record_of`), else, for a checkpoint without one, ``data`` of the run's
+    ``config.yaml`` next to it (``<run>/version_N/config.yaml`` for ``<run>/version_N/checkpoints/x.ckpt``);
+    ``(None, {})`` when neither says."""
+    import yaml
+
+    from mixlab.eval.common import run_record_of
+
+    _, data, recorded = run_record_of(checkpoint)
+    if recorded:
+        return data, recorded
+    config = Path(path).resolve().parent.parent / "config.yaml"
+    if Path(path).resolve().parent.name != "checkpoints" or not config.is_file():
+        return None, {}
+    try:
+        tree = yaml.safe_load(config.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None, {}
+    node = tree.get("data") if isinstance(tree, dict) else None
+    args = node.get("init_args") if isinstance(node, dict) else None
+    return (node.get("class_path"), dict(args)) if isinstance(args, dict) else (None, {})
+
+
+def check_checkpoint_split(path: str, checkpoint: dict, config: Any, subcommand: str, words: list[str]) -> None:
+    """Refuse to ``validate`` / ``test`` a checkpoint on a split other than its run's.
+
+    Compares the datamodule's :func:`split_deciders` of the run that wrote the checkpoint
+    (:func:`run_data_arguments`) with the config's ``data.init_args`` (options either side does not record are not
+    compared): another data seed or split fraction moves samples between the splits, so the evaluated split could
+    hold samples the checkpoint was trained on. The standard protocol is the checkpoint's own split. Sizes of
+    generated splits (``n_test``), windows and loader options are not compared: they change what is measured, not
+    which samples the run trained on.
+
+    Raises:
+        ValueError: one line naming each differing option with both values and where this command set it
+            (:func:`set_at`; ``the default`` when nothing did), e.g. ``--ckpt_path x.ckpt: the data is split
+            otherwise than in the checkpoint's run (data.init_args.seed: 0 in the checkpoint, 1 now, set at
+            --data.init_args.seed); its test split could hold samples the checkpoint was trained on: test on the
+            checkpoint's own split (give its values)``.
+    """
+    from mixlab.distributed import changed_data_options
+
+    data = _get(config, "data")
+    args = _get(data, "init_args")
+    now = args.as_dict() if hasattr(args, "as_dict") else dict(vars(args)) if hasattr(args, "__dict__") else \
+        dict(args or {})
+    cls, was = run_data_arguments(path, checkpoint)
+    if cls and _get(data, "class_path") and not _same_class(cls, _get(data, "class_path")):
+        return  # another datamodule: its options mean other things (check_checkpoint_config names a mismatch)
+    keys = split_deciders(_get(data, "class_path") or cls)
+    changed = changed_data_options({k: v for k, v in was.items() if k in keys},
+                                   {k: v for k, v in now.items() if k in keys})
+    if not changed:
+        return
+    split = "test" if subcommand == "test" else "val"
+    shown = [f"{line}, set at {set_at(line.split(':')[0], words) or 'the default'}" for line in changed]
+    raise ValueError(f"--ckpt_path {path}: the data is split otherwise than in the checkpoint's run "
+                     f"({'; '.join(shown)}); its {split} split could hold samples the checkpoint was trained on: "
+                     f"{subcommand} on the checkpoint's own split (give its values)")
 
 
 def check_state_dict(path: str, checkpoint: dict, model: torch.nn.Module) -> None:
@@ -915,15 +1184,19 @@ def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def _forms(value: Any) -> set[str]:
-    """How an error message may print a config ``value``: ``str``/``repr``, and for a command-line string also as
-    YAML reads it (``--x 1e-4`` is shown as ``0.0001``)."""
+    """How an error message may print a config ``value``: ``str``/``repr``, for a command-line string also as
+    YAML reads it (``--x 1e-4`` is shown as ``0.0001``), and an integer also as the float a ``float`` option made of
+    it (``--data.init_args.val_fraction 0`` is shown as ``0.0``)."""
     import yaml
 
     forms = {str(value), repr(value)}
+    read = value
     if isinstance(value, str):
         with contextlib.suppress(yaml.YAMLError):
             read = yaml.safe_load(value)
             forms |= {str(read), repr(read)}
+    if isinstance(read, int) and not isinstance(read, bool):  # a float option shows 0 as 0.0
+        forms.add(str(float(read)))
     return {f for f in forms if f}
 
 
@@ -956,14 +1229,29 @@ def value_sources(message: str, field: str | None, words: list[str]) -> list[tup
             and _names_value(message, plain.rsplit(".", 1)[-1], value)]
 
 
+def set_at(key: str, words: list[str]) -> str | None:
+    """Where the value in effect for the dotted option ``key`` (``trainer.precision``, ``data.class_path``; with or
+    without ``init_args``) was set on the command line ``words``: ``<file>: <key as written>`` for a ``--config``
+    file, ``--<key as written>`` for the command line; the last source that sets it (:func:`_set_leaves`, as
+    jsonargparse applies them). None when nothing sets it (its default). Used to name the place in a one-line
+    error about a value that parsed but cannot run (``--trainer.precision 16-mixed`` on the CPU)."""
+    found = None
+    for source, written, _ in _set_leaves(words):
+        if _plain(written) == _plain(key):
+            found = f"{source}: {written}" if source else f"--{written}"
+    return found
+
+
 def place_value_error(message: str, field: str | None, words: list[str]) -> str:
     """A class's error ``message`` (raised for ``field``) as one line that names where the value was set.
 
     One option found by :func:`value_sources`: ``<file>: <key>: <message>`` (``--<key>: <message>`` for the command
     line), the message's leading ``part:`` labels that the key already spells dropped. Several:
-    ``<field>: <message> (set at <file>: <key>; --<key>)``. None: ``<field>: <message>`` as before.
+    ``<field>: <message> (set at <file>: <key>; --<key>)``. None, or a message that starts with its own place
+    (``--<key>``, or one of the ``--config`` files of ``words``: :func:`set_at`): ``<field>: <message>``.
     """
-    sources = value_sources(message, field, words) if not re.match(r"--\w", message) else []  # it names its option
+    own = re.match(r"--\w", message) or any(message.startswith(f"{path}: ") for path in config_files(words))
+    sources = value_sources(message, field, words) if not own else []  # it names its option
     places = [f"{src}: {key}" if src else f"--{key}" for src, key in sources]
     head = f"{field}: " if field else ""
     if len(places) == 1:
@@ -1074,7 +1362,10 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
 
     Names the config file (or the command-line option) and the key, and for an unknown key the
     closest valid one (:func:`difflib.get_close_matches`): ``<file>: unknown key <key>; did you
-    mean <key>?``. ``words``: the command line; ``options``: the parser's dotted option names;
+    mean <key>?``. A value of the wrong type names the value and what the key takes:
+    ``--trainer.precision: one of 64, 32, ...; got ''`` (every value Lightning takes),
+    ``--seed_everything abc: a seed in [0, 4294967295] (true: a random one, false: no seeding)``.
+    ``words``: the command line; ``options``: the parser's dotted option names;
     ``command``: the subcommand (for the ``--help`` hint).
     """
     hint = f"python -m mixlab {command} --help lists the options"
@@ -1104,12 +1395,16 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
         unknown = re.fullmatch(r"Option '(.+)' is not accepted", leaf)
         if unknown is None:
             key = ".".join(path)
-            got = re.search(r"Got value: (.+)$", leaf)
-            where, shown = _where(key, words, got and got.group(1).strip()) if key else (None, "")
-            if key == "trainer.precision" and leaf.startswith("Expected a typing.Literal"):  # it names one of 4 kinds
-                given = [b for a, b in zip(words, words[1:]) if a == "--trainer.precision"]
-                given += [w.split("=", 1)[1] for w in words if w.startswith("--trainer.precision=")]
-                leaf = f"one of {', '.join(_precision_values())}" + (f"; got {given[-1]}" if given else "")
+            got = re.search(r"Got value: (.+)$", leaf) or re.search(r"^\s*Given value: ?(.*)$", message, re.M)
+            value = got.group(1).strip() if got else None  # a Union's errors name no value: its "Given value" line
+            where, shown = _where(key, words, value) if key else (None, "")
+            typed = [v for src, k, v in _set_leaves(words) if src is None and where is None and _plain(k) == key]
+            value = typed[-1] if typed and isinstance(typed[-1], str) else value  # as typed: 1e30, not 1e+30
+            shown_value = value or repr(value or "")  # an empty value as ''
+            if key == "trainer.precision":  # a union of literals: its first error names one kind (or int) only
+                leaf = f"one of {', '.join(_precision_values())}" + (f"; got {shown_value}" if got else "")
+            if key == "seed_everything" and got:  # a union of bool and int: "Expected a <class 'bool'>"
+                return f"{f'{where}: {shown}' if where else f'--{shown}'} {shown_value}: {SEED_RANGE}"
             missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
             if missing:  # a class_path typo
                 try:
