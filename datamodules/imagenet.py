@@ -87,6 +87,7 @@ from mixlab.distributed import (
     EpochSyncLoader,
     ResumableDataModule,
     SplitLoaders,
+    check_num_workers,
     consumer_slice,
     fit_progress,
     stream_seed,
@@ -652,6 +653,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       scale=scale, cpu_decode_fraction=cpu_decode_fraction, worker_nice=worker_nice,
                       decode_thread=decode_thread, cuda_graphs=cuda_graphs, priority_training=priority_training,
                       switch_interval_ms=switch_interval_ms)
+        check_num_workers(num_workers)  # the wds loaders do not go through resumable_loader's check
         self.worker_nice, self.decode_thread, self.switch_interval_ms = worker_nice, decode_thread, switch_interval_ms
         self._switch_interval_before: float | None = None
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs

@@ -311,3 +311,15 @@ def test_ranks_files_that_tiktoken_cannot_use_are_named(tmp_path):
              f"{head} {partial}: it lacks 254 of the 256 single-byte tokens (e.g. b'\\x00') that byte-level BPE "
              f"needs")
     assert partial.read_text() == "YQ== 0\nYg== 1\n"
+
+
+def test_imagenet_worker_count_is_capped_like_the_other_datamodules():
+    """The WebDataset loaders are built without ``resumable_loader``: the cap is checked in the constructor."""
+    from mixlab.datamodules.imagenet import ImageNetDataModule
+    from mixlab.distributed import MAX_NUM_WORKERS
+
+    with pytest.raises(ValueError, match=rf"^num_workers must be <= {MAX_NUM_WORKERS} \(DataLoader worker processes.*"
+                                         r"; got 1000$"):
+        ImageNetDataModule(format="wds", train_path="/nowhere/{0..3}.tar", num_workers=1000)
+    assert ImageNetDataModule(format="wds", train_path="/nowhere/{0..3}.tar", num_workers=MAX_NUM_WORKERS).num_workers \
+        == MAX_NUM_WORKERS
