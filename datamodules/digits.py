@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers
+from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers, check_seed
 
 __all__ = ["load_uci_digits", "DigitsDataModule", "DigitsDataset"]
 
@@ -181,6 +181,7 @@ class DigitsDataModule(ResumableDataModule):
         check_at_least(image_size=(smallest(image_size), 1), eval_size=(smallest(eval_size), 1),
                        batch_size=(batch_size, 1))
         check_num_workers(num_workers)
+        check_seed(seed)
         if path is not None and not str(path).strip():  # Path("") is "."
             raise ValueError(f"path must name a CSV file (null: the shipped digits); got {str(path)!r}")
         if path is not None and Path(path).is_dir():

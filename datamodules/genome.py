@@ -26,7 +26,7 @@ import torch
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers
+from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers, check_seed
 
 log = logging.getLogger("mixlab.genome")
 
@@ -316,6 +316,7 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         _check_choice("lowercase", lowercase, ("fold", "n", "error"))
         _check_choice("iupac", iupac, ("n", "error"))
         check_num_workers(num_workers)
+        check_seed(seed)
         files = default_fasta() if fasta is None else [fasta] if isinstance(fasta, str) else fasta
         if not files:
             raise ValueError(f"fasta must name at least one file (null: the shipped ones); got {fasta!r}")

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import MAX_SEED, ResumableDataModule, SplitLoaders, check_num_workers
+from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers, check_seed
 
 log = logging.getLogger("mixlab.spatial_vqa")
 
@@ -488,9 +488,7 @@ class SpatialVQADataModule(SplitLoaders, ResumableDataModule):
         self.save_hyperparameters()  # recorded in checkpoints: evaluation commands rebuild the datamodule
         if source not in ("digits", "cifar10"):
             raise ValueError(f"data.init_args.source must be 'digits' or 'cifar10'; got {source!r}")
-        if not 0 <= seed <= MAX_SEED:  # numpy's SeedSequence refuses a negative one (at the first scene)
-            raise ValueError(f"seed must be in [0, {MAX_SEED}] (numpy seeds each scene with [seed, split, "
-                             f"index]); got {seed}")
+        check_seed(seed, "numpy seeds each scene with [seed, split, index]")
         check_num_workers(num_workers)
         self.source, self.root = source, root
         self.n_train, self.n_val, self.n_test = int(n_train), int(n_val), int(n_test)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.distributed import MAX_SEED, ResumableDataModule, SplitLoaders, check_num_workers
+from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers, check_seed
 
 __all__ = ["GeneratedDataset", "SyntheticDataModule", "SPLIT_IDS"]
 
@@ -93,9 +93,7 @@ class SyntheticDataModule(SplitLoaders, ResumableDataModule):
         for name, v in (("batch_size", batch_size), ("n_train", n_train), ("n_val", n_val), ("n_test", n_test)):
             if v < 1:
                 raise ValueError(f"{type(self).__name__}: {name} must be >= 1; got {v}")
-        if not 0 <= seed <= MAX_SEED:  # numpy's SeedSequence refuses a negative one (at the first sample)
-            raise ValueError(f"seed must be in [0, {MAX_SEED}] (numpy seeds each sample with [seed, split, "
-                             f"index]); got {seed}")
+        check_seed(seed, "numpy seeds each sample with [seed, split, index]")
         check_num_workers(num_workers)
         self.batch_size, self.seed, self.num_workers, self.cache = batch_size, seed, num_workers, cache
         self.sizes = {"train": n_train, "val": n_val, "test": n_test}

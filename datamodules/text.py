@@ -43,7 +43,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mixlab.datamodules.files import expand_pattern
-from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers
+from mixlab.distributed import ResumableDataModule, check_at_least, check_num_workers, check_seed
 
 __all__ = [
     "GPT2Tokenizer", "ByteTokenizer", "get_tokenizer", "iter_documents", "expand_paths",
@@ -451,6 +451,7 @@ class TextDataModule(ResumableDataModule):
         if tokenizer_file is not None:  # its contents are read with the tokenizer (vocab_size, setup)
             _check_ranks_path(tokenizer_file)
         check_num_workers(num_workers)
+        check_seed(seed)
         try:
             codecs.lookup(encoding)
         except LookupError:

@@ -67,6 +67,12 @@ def _error_line(capsys, monkeypatch, tmp_path: Path, config: str, *argv: str) ->
      "seed must be in [0, 4294967295] (numpy seeds each sample with [seed, split, index]); got -1"),
     ("vqa/goat_digits.yaml", "seed", "-1",
      "seed must be in [0, 4294967295] (numpy seeds each scene with [seed, split, index]); got -1"),
+    # torch's "Overflow when unpacking long" when the first loader was built (the sample order's seed)
+    ("genome/goat.yaml", "seed", "100000000000000",
+     "seed must be in [0, 4294967295] (seeds the split and the sample order); got 100000000000000"),
+    ("text/goat.yaml", "seed", "-1", "seed must be in [0, 4294967295] (seeds the split and the sample order); got -1"),
+    ("vit/goat_digits.yaml", "seed", "4294967296",
+     "seed must be in [0, 4294967295] (seeds the split and the sample order); got 4294967296"),
     # numpy's "high <= 0", an attention reshape of 0 tokens, a run scoring nothing
     ("synthetic/mad_compression.yaml", "vocab", "1",
      "vocab must be >= 2 for task compression (a content token and the compression token); got 1"),

@@ -58,8 +58,8 @@ __all__ = ["FSDPStrategy", "rank_world", "worker_init_ignoring_sigterm", "Resuma
            "restore_sampler",
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
-           "check_validation_on_optimizer_steps", "check_at_least", "check_num_workers", "MAX_NUM_WORKERS",
-           "changed_data_options", "LOADER_OPTIONS", "MAX_SEED"]
+           "check_validation_on_optimizer_steps", "check_at_least", "check_num_workers", "check_seed",
+           "MAX_NUM_WORKERS", "changed_data_options", "LOADER_OPTIONS", "MAX_SEED"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -552,14 +552,25 @@ def check_at_least(nullable: tuple[str, ...] = (), **limits: tuple[int | None, i
 
 
 MAX_SEED = 2**32 - 1
-"""The largest data ``seed`` of the datamodules that seed numpy per sample (synthetic tasks, spatial VQA): the range
-of ``--seed_everything``; numpy refuses negative seeds."""
+"""The largest data ``seed`` of every datamodule (:func:`check_seed`): the range of ``--seed_everything``; numpy
+refuses negative seeds, and the sample order's seed (:meth:`ResumableDataModule.order_seed`) must stay in torch's
+64-bit range."""
 MAX_NUM_WORKERS = 64
 """The most DataLoader workers a datamodule accepts (:func:`check_num_workers`). Each worker is a process holding
 its own copy of the dataset, and a persistent train and val loader each start theirs: ``num_workers 1000`` spent
 minutes starting 2,000 processes before the first batch (64 start in about a second on 2 cores). A fixed number,
 not one per CPU core, so a config, or a checkpoint's recorded data arguments that evaluation commands rebuild the
 datamodule from, is accepted on every machine; more workers than cores only queue for them (torch warns)."""
+
+
+def check_seed(seed: int, use: str = "seeds the split and the sample order") -> None:
+    """Refuse a data ``seed`` outside ``[0, MAX_SEED]``; ``use`` says what the seed does (in the message).
+
+    Raises:
+        ValueError: ``seed must be in [0, 4294967295] (numpy seeds each sample with [seed, split, index]); got -1``.
+    """
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}] ({use}); got {seed}")
 
 
 def check_num_workers(num_workers: int) -> None:
