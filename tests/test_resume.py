@@ -170,6 +170,15 @@ def test_validation_inside_an_accumulation_cycle_is_refused_in_one_line(tmp_path
                         "give val_check_interval a multiple of 5 or set trainer.limit_train_batches to a multiple of 2")
 
 
+def test_a_schedule_whose_first_bad_validation_lies_beyond_max_steps_trains(tmp_path):
+    """A user test: ``accumulate_grad_batches 3 --val_check_interval 99 --max_steps 4`` was refused for a validation
+    after training batch 13563, a run of 12 batches never gets there. Here 5-batch epochs, interval 4, k=2: the first
+    bad validation is after batch 8, beyond 3 steps (batches 2, 4 and the epoch's last, 5): it trains."""
+    losses = _lm_fit(tmp_path, tmp_path / "run", 3, accumulate_grad_batches=2, val_check_interval=4,
+                     check_val_every_n_epoch=None, limit_val_batches=1)
+    assert len(losses) == 5
+
+
 class _Steps(pl.loggers.Logger):
     """A logger that records ``(step, tags)`` of every ``log_metrics`` call."""
 

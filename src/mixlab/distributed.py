@@ -304,7 +304,8 @@ def check_validation_on_optimizer_steps(trainer: Any) -> None:
     ``k``-th batch of an epoch and after its last batch) would write a checkpoint holding a
     half-summed gradient that no checkpoint stores: the resumed run would lose it and differ from
     the uninterrupted one. Called at the start of training (:meth:`mixlab.heads.common.Head.on_train_start`),
-    after Lightning has set ``trainer.val_check_batch``; no-op without accumulation or validation.
+    after Lightning has set ``trainer.val_check_batch``; no-op without accumulation or validation, and when the
+    first such validation lies beyond the run's ``max_steps * accumulate_grad_batches`` training batches.
 
     Raises:
         ValueError: one line naming ``val_check_interval``, the first batch it would fall inside a
@@ -331,7 +332,10 @@ def check_validation_on_optimizer_steps(trainer: Any) -> None:
                 break
         else:
             bad = []
-    if not bad:
+    # the run ends after max_steps optimizer steps: at most max_steps * k training batches (fewer where an epoch's
+    # last cycle is short); a schedule whose first bad validation lies beyond them never meets it
+    max_steps = getattr(trainer, "max_steps", -1)
+    if not bad or (max_steps is not None and max_steps >= 0 and bad[0] > max_steps * k):
         return
     fix = f"give val_check_interval a multiple of {k}" if n == float("inf") or per_epoch or int(n) % k == 0 else (
         f"the {int(n)} training batches of an epoch are not a multiple of {k} either, so give val_check_interval a "
