@@ -81,8 +81,9 @@ class SyntheticDataModule(SplitLoaders, ResumableDataModule):
             above :data:`~mixlab.distributed.MAX_NUM_WORKERS` (64).
     """
 
-    split_arguments: tuple[str, ...] = ("seed",)
-    """The generator seed: it draws every split's samples (and a task's fixed tables, e.g. MAD memorization's map)."""
+    split_arguments: tuple[str, ...] = ()
+    """None: sample ``i`` of split ``s`` comes from ``default_rng([seed, s, i])``, so another seed draws a fresh test
+    set, not the checkpoint's training samples (a task whose splits share a pool says so: RegBench's automata)."""
 
     task_name = "synthetic"
     vocab_size = 0

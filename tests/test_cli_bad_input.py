@@ -300,7 +300,8 @@ def test_each_datamodule_declares_the_arguments_that_decide_its_splits():
     assert cli.split_deciders("mixlab.datamodules.imagenet.ImageNetDataModule") == ()
     assert cli.split_deciders("mixlab.datamodules.genome.GenomeDataModule") == (
         "seed", "region_size", "val_fraction", "test_fraction")
-    assert cli.split_deciders("mixlab.datamodules.mad.MADDataModule") == ("seed",)
+    assert cli.split_deciders("mixlab.datamodules.mad.MADDataModule") == ()  # seeds draw disjoint samples
+    assert cli.split_deciders("mixlab.datamodules.regbench.RegBenchDataModule")[0] == "seed"  # automata pool
     assert cli.split_deciders("no.such.Module") == () and cli.split_deciders(None) == ()
     from mixlab.eval.common import run_record_of
 
