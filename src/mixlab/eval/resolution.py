@@ -134,7 +134,8 @@ _ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
 
 def check_trainer_options(accelerator: str, precision: str | None) -> None:
     """Refuse an ``--accelerator`` Lightning does not know or this machine lacks, and a ``--precision`` that is
-    not one of Lightning's values (``32-true``, ``bf16-mixed``, ``16``, ...; None: the default).
+    not one of Lightning's values (``32-true``, ``bf16-mixed``, ``16``, ...; None: the default), or ``16-mixed``
+    on the CPU (Lightning would run bf16-mixed).
 
     Raises:
         ValueError: one line naming the option, the value and the values it takes.
@@ -169,14 +170,17 @@ def check_trainer_options(accelerator: str, precision: str | None) -> None:
     try:  # a combination Lightning refuses (or a precision whose package is missing), before any evaluation
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pl.Trainer(accelerator=accelerator, devices=1, precision=precision, logger=False,
-                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+            trainer = pl.Trainer(accelerator=accelerator, devices=1, precision=precision, logger=False,
+                                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     except Exception as err:
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise ValueError(f"--accelerator {accelerator} --precision {precision}: Lightning refuses them ({why})") \
             from None
     finally:
         info.setLevel(level)
+    if str(precision) in ("16-mixed", "16") and type(trainer.accelerator).__name__ == "CPUAccelerator":
+        raise ValueError(f"--precision {precision} (float16 mixed precision) needs CUDA; on the CPU Lightning would "
+                         f"run bf16-mixed instead: use bf16-mixed or 32-true on the CPU")
 
 
 def _eval_device(accelerator: str) -> torch.device:
@@ -363,6 +367,13 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
             raise ValueError(f"--prior-layer {prior_layer}: --ckpt {path} has {n_layers} layers (0..{n_layers - 1}); "
                              f"-1 renders none")
         _check_data_args(run, data_args)
+        from mixlab.cli import split_deciders
+
+        moved = [f"{k}={data_args[k]!r} (the run's: {run.data_args.get(k)!r})" for k in split_deciders(run.data)
+                 if k in (data_args or {}) and data_args[k] != run.data_args.get(k)]
+        if moved:
+            print(f"warning: --data-arg {', '.join(moved)} for {path}: the data is split otherwise than in the "
+                  f"checkpoint's run; the evaluated {split} split could hold images it was trained on")
         try:  # the datamodule as the evaluation builds it (not set up): a value it refuses, here
             run.datamodule(eval_size=list(resolutions[0]), **(data_args or {}),
                            **({} if batch_size is None else {"batch_size": batch_size}))
