@@ -317,3 +317,18 @@ def test_each_datamodule_declares_the_arguments_that_decide_its_splits():
                    r"\(data.init_args.seed: 0 in the checkpoint, 1 now, set at the default\)")
     with pytest.raises(ValueError, match=split_error):
         cli.check_checkpoint_split("x.ckpt", record, config, "test", [])
+
+
+def test_lightnings_invalid_value_message_names_the_option_that_set_it(capsys, monkeypatch, tmp_path):
+    """A user test: ``--trainer.limit_val_batches 1.5`` read ``error: trainer: You have passed invalid value 1.5 for
+    limit_val_batches ...``: the group, not the option (or the config file and key)."""
+    runs = tmp_path / "runs"
+    base = ["fit", "--config", GENOME, *TINY_LM, "--trainer.max_steps=1", "--run_root", str(runs)]
+    why = "You have passed invalid value 1.5 for limit_val_batches, it has to be in [0.0, 1.0] or an int."
+    err = _fail(capsys, monkeypatch, *base, "--trainer.limit_val_batches=1.5")
+    assert err[-2:] == [f"error: --trainer.limit_val_batches: {why}", HINT]
+    config = tmp_path / "lv.yaml"
+    config.write_text("trainer:\n  limit_val_batches: 1.5\n")
+    err = _fail(capsys, monkeypatch, *base, "--config", str(config))
+    assert err[-2:] == [f"error: {config}: trainer.limit_val_batches: {why}", HINT]
+    assert not runs.exists()

@@ -1202,12 +1202,13 @@ def _forms(value: Any) -> set[str]:
 
 def _names_value(message: str, name: str, value: Any) -> bool:
     """Whether ``message`` refuses option ``name`` set to ``value``: ``name=value``, ``name must ...; got value``,
-    ``unknown name value``, or, for a file path (a string with a ``/``), the path itself (``FASTA file not found:
+    ``unknown name value``, Lightning's ``invalid value value for name``, or, for a file path (a string with a ``/``), the path itself (``FASTA file not found:
     data/x.fa``)."""
     key = rf"(?<![\w.]){re.escape(name)}"
     for form in _forms(value):
         shown = rf"(?<![\w.\-]){re.escape(form)}(?!\w|\.\w)"
-        if re.search(rf"{key}\s*=\s*{shown}|{key}\s+must\b.*?\bgot\s+{shown}|\bunknown\s+{key}\s+{shown}", message) \
+        if re.search(rf"{key}\s*=\s*{shown}|{key}\s+must\b.*?\bgot\s+{shown}|\bunknown\s+{key}\s+{shown}"
+                     rf"|\binvalid value\s+{shown}\s+for\s+{key}", message) \
                 or (isinstance(value, str) and "/" in value and form == value
                     and re.search(rf"(?<![\w./-]){re.escape(value)}(?![\w./-])", message)):
             return True
