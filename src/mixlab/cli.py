@@ -1202,8 +1202,8 @@ def _forms(value: Any) -> set[str]:
 
 def _names_value(message: str, name: str, value: Any) -> bool:
     """Whether ``message`` refuses option ``name`` set to ``value``: ``name=value``, ``name must ...; got value``,
-    ``unknown name value``, Lightning's ``invalid value value for name``, or, for a file path (a string with a ``/``), the path itself (``FASTA file not found:
-    data/x.fa``)."""
+    ``unknown name value``, Lightning's ``invalid value value for name``, or, for a file path (a string with a
+    ``/``), the path itself (``FASTA file not found: data/x.fa``)."""
     key = rf"(?<![\w.]){re.escape(name)}"
     for form in _forms(value):
         shown = rf"(?<![\w.\-]){re.escape(form)}(?!\w|\.\w)"
