@@ -167,9 +167,10 @@ class DigitsDataModule(ResumableDataModule):
     ):
         super().__init__()
         self.save_hyperparameters()
-        if not (0 < val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
-            raise ValueError(f"DigitsDataModule: data.init_args.val_fraction must be in (0, 1), test_fraction in "
-                             f"[0, 1) and their sum < 1; got val_fraction={val_fraction}, "
+        # val_fraction 0: no val split (fit with --trainer.limit_val_batches 0; cli.ValSplitCheck)
+        if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError(f"DigitsDataModule: data.init_args.val_fraction and test_fraction must be in [0, 1) "
+                             f"and their sum < 1; got val_fraction={val_fraction}, "
                              f"test_fraction={test_fraction}")  # a negative one put val images into train
         is_size = lambda v: isinstance(v, int) or (  # noqa: E731
             isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, numbers.Integral) for x in v))

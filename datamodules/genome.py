@@ -26,6 +26,7 @@ import torch
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
+from mixlab.datamodules.files import expand_pattern
 from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers, check_seed
 
 log = logging.getLogger("mixlab.genome")
@@ -91,6 +92,18 @@ def encode_sequence(seq: str | bytes, lowercase: str = "fold", iupac: str = "n",
             why = f"not a DNA letter (expected {ALPHABET} or IUPAC {IUPAC_CODES}, any case)"
         raise ValueError(f"{where}: character {char!r} at position {pos + 1} is {why}")
     return codes
+
+
+FASTA_SUFFIXES = (".fa", ".fasta", ".fna", ".fas", ".fa.gz", ".fasta.gz", ".fna.gz", ".fas.gz")
+"""File name endings a ``fasta`` directory is read for (any case)."""
+
+
+def _is_pattern(path: str) -> bool:
+    """Whether ``path`` names several files: a directory, a glob (``*``, ``?``, ``[...]``) or braces (``{a,b}``,
+    ``{1..3}``) that do not name an existing file."""
+    import glob
+    p = Path(path).expanduser()
+    return p.is_dir() or (not p.is_file() and (glob.has_magic(path) or ("{" in path and "}" in path)))
 
 
 def _check_file(path: Path) -> None:
@@ -259,8 +272,10 @@ def _read_cache(npy: Path, meta: Path) -> tuple[tuple[np.ndarray, dict] | None, 
 class GenomeDataModule(SplitLoaders, ResumableDataModule):
     """FASTA genome(s) -> batches ``LongTensor [batch, context_length + 1]`` of base ids.
 
-    Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each;
-    None -> the embedded human chr22 slice, chr17 part and chrM); ``context_length`` tokens
+    Args (lengths in bases): ``fasta`` paths (FASTA or .gz, one or many records each; a directory, a glob
+    or a brace pattern names the FASTA files it matches, :data:`FASTA_SUFFIXES` in a directory, as
+    :func:`mixlab.datamodules.files.expand_pattern` reads every mixlab input; None -> the embedded human
+    chr22 slice, chr17 part and chrM); ``context_length`` tokens
     per input; ``lowercase`` "fold" | "n" | "error"; ``iupac`` "n" | "error";
     ``region_size``, ``val_fraction``, ``test_fraction``, ``seed`` define the split (each
     split with a fraction > 0 gets a region that fits a window when >= 3 regions do);
@@ -276,7 +291,8 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
     checkpoints (:meth:`state_dict`), so a run resumed mid-epoch sees the next unseen batch.
 
     Raises ValueError naming the argument for invalid arguments (also ``fasta`` naming an empty
-    path or a directory, ``cache_dir`` naming an existing file); at :meth:`setup`,
+    path, ``cache_dir`` naming an existing file), FileNotFoundError naming ``fasta`` and the pattern for
+    a directory, glob or brace pattern that matches no FASTA file; at :meth:`setup`,
     FileNotFoundError / ValueError naming the file for bad input (see :func:`read_fasta`),
     ValueError naming ``cache_dir`` when the cache cannot be written there, and ValueError
     naming ``context_length``, the split and its largest region when a split has no window.
@@ -323,9 +339,9 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         for f in files:
             if not str(f).strip():  # Path("") is ".", which read as "FASTA file not found: ."
                 raise ValueError(f"fasta must name FASTA files (null: the shipped ones); got {str(f)!r}")
-            if Path(f).expanduser().is_dir():
-                raise ValueError(f"fasta must name FASTA files, not a directory; got {f} (a directory: name the "
-                                 f"files in it)")
+        if fasta is not None:  # globs, braces, directories: the rule of every mixlab input
+            files = [g for f in files for g in (expand_pattern(str(f), "fasta", suffixes=FASTA_SUFFIXES)
+                                                if _is_pattern(str(f)) else [str(f)])]
         if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
             raise ValueError(f"cache_dir must be a directory (created if missing); got {cache_dir} (a file)")
         self.save_hyperparameters()

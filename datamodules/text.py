@@ -395,7 +395,8 @@ class TextDataModule(ResumableDataModule):
         context_length: tokens per training sample (windows hold ``context_length + 1``).
         batch_size: samples per batch.
         train_stride: step between training windows (default ``context_length``).
-        val_fraction: fraction of the stream (one document) or of documents (several).
+        val_fraction: fraction of the stream (one document) or of documents (several); 0: no val split (fit
+            with ``--trainer.limit_val_batches 0``).
         max_val_windows: cap on validation/test windows.
         num_workers: DataLoader workers.
         seed: split seed (and, with ``seed_everything``, the seed of the window order).
@@ -440,8 +441,8 @@ class TextDataModule(ResumableDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
+        if not 0.0 <= val_fraction < 1.0:  # 0: no val split (fit with --trainer.limit_val_batches 0)
+            raise ValueError(f"val_fraction must be in [0, 1); got {val_fraction}")
         check_at_least(("train_stride", "max_val_windows"), context_length=(context_length, 1),
                        batch_size=(batch_size, 1), train_stride=(train_stride, 1),
                        max_val_windows=(max_val_windows, 1), num_workers=(num_workers, 0))
@@ -513,7 +514,7 @@ class TextDataModule(ResumableDataModule):
         else:
             rng = random.Random(self.seed)
             is_val = [rng.random() < self.val_fraction for _ in ids]
-            if not any(is_val):
+            if not any(is_val) and self.val_fraction > 0:
                 is_val[-1] = True
             self._splits = {
                 "train": [pack_documents([d for d, v in zip(ids, is_val) if not v], tok.eos_id, dtype)],
@@ -526,12 +527,13 @@ class TextDataModule(ResumableDataModule):
         """Dataset of ``LongTensor [length]`` windows of ``split`` ("train" / "val" / "test").
 
         Raises:
-            ValueError: the split has fewer than ``length`` tokens.
+            ValueError: the split has tokens, but fewer than ``length`` (an empty val split, ``val_fraction``
+                0, gives an empty dataset: fit and validate name it, see :func:`mixlab.cli.no_batches`).
         """
         arrays = self.token_splits()["train" if split == "train" else "val"]
         ds = TokenWindows(arrays, length, stride or length - 1, max_windows)
-        if len(ds) == 0:
-            n = sum(len(a) for a in arrays)
+        n = sum(len(a) for a in arrays)
+        if len(ds) == 0 and (n or split == "train"):
             raise ValueError(f"text {split} split has {n} tokens; too short for one window of {length} tokens "
                              f"(lower data.init_args.context_length or add data)")
         return ds

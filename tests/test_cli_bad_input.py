@@ -150,9 +150,31 @@ def test_fit_on_an_empty_val_split_is_refused_unless_validation_is_off(capsys, m
     assert (runs / "genome" / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.parametrize(("config", "argument", "task"), [("text/goat.yaml", "val_fraction", "text"),
+                                                          ("synthetic/parity.yaml", "n_val", "parity")])
+def test_text_and_synthetic_val_splits_may_be_empty_when_validation_is_off(capsys, monkeypatch, tmp_path, config,
+                                                                          argument, task):
+    """A user test: text ``val_fraction 0`` and synthetic ``n_val 0`` were refused by the datamodule even with
+    ``--trainer.limit_val_batches 0`` (genome's and digits' were not). Now all follow one rule: refused by fit's
+    validation check, trained without validation when it is off."""
+    runs = tmp_path / "runs"
+    args = ["--config", str(ROOT / "configs" / config), "--model.init_args.backbone.d_model=32",
+            "--model.init_args.backbone.n_layers=1", "--trainer.max_steps=2", "--run_root", str(runs), *QUIET,
+            f"--data.init_args.{argument}=0"]
+    err = _fail(capsys, monkeypatch, "fit", *args)
+    value = "0.0" if argument == "val_fraction" else "0"
+    assert err[-2] == (f"error: --data.init_args.{argument}: the val split is empty ({argument}={value}): fit would train without validation "
+                       "(no val metrics, no best checkpoint); give the val split data, or pass "
+                       "--trainer.limit_val_batches 0 to train without validation")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["fit", *args, "--trainer.limit_val_batches", "0"])
+    assert (runs / task / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
 def test_split_arguments_and_values_printed_as_floats():
     class Data:
         hparams = {"val_fraction": 0.0, "test_fraction": 0.1, "n_val": 0, "n_test_automata": 4, "max_val_windows": 3,
+                   "max_test_windows": None,
                    "max_n_fraction": 0.5, "seed": 0, "val_path": None}
 
     assert cli.split_arguments(Data(), "val") == {"val_fraction": 0.0, "n_val": 0, "max_val_windows": 3}

@@ -81,7 +81,7 @@ def test_yaml_typo_is_one_line_naming_file_key_and_closest_key(capsys, monkeypat
 def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tmp_path):
     config = _typo(tmp_path, GENOME, "batch_size: 16", "batch_size: sixteen")
     err = _main(capsys, monkeypatch, "fit", "--config", str(config))
-    assert err == [f"error: {config}: data.init_args.batch_size: Expected a <class 'int'>. Got value: sixteen"]
+    assert err == [f"error: {config}: data.init_args.batch_size: expected an int; got sixteen"]
     config = _typo(tmp_path, GENOME, "mixlab.heads.CausalLM", "mixlab.heads.CausalLMM")
     err = _main(capsys, monkeypatch, "fit", "--config", str(config))
     assert err == [f"error: {config}: model.class_path: module 'mixlab.heads' has no attribute 'CausalLMM'; "
@@ -107,9 +107,16 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
     second.write_text("trainer:\n  max_steps: abc\n")
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(second),
                 "--trainer.max_steps", "2")
-    assert err == [f"error: {second}: trainer.max_steps: Expected a <class 'int'>. Got value: abc"]
+    assert err == [f"error: {second}: trainer.max_steps: expected an int; got abc"]
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.max_steps", "abc")
-    assert err == ["error: --trainer.max_steps: Expected a <class 'int'>. Got value: abc"]
+    assert err == ["error: --trainer.max_steps: expected an int; got abc"]
+    # a Union of plain types names them all (jsonargparse named its first: "Expected a <class 'int'>", no value)
+    for option, value, takes in (("--trainer.max_epochs", "abc", "an int or null"),
+                                 ("--trainer.gradient_clip_val", "abc", "an int, a float or null"),
+                                 ("--trainer.enable_progress_bar", "maybe", "true, false or null"),
+                                 ("--model.init_args.optim.lr", "abc", "a float"), ("--trainer.max_steps", "", "an int")):
+        err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), option, value)
+        assert err == [f"error: {option}: expected {takes}; got {value or repr('')}"]
     from mixlab.cli import COMMANDS
 
     every = ", ".join(["fit", "validate", "test", *sorted(COMMANDS)])

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from mixlab import cli
 from mixlab.datamodules import mad as M
@@ -104,13 +105,17 @@ def test_paths_of_the_wrong_kind_are_one_line_and_kept(capsys, monkeypatch, tmp_
     afile, adir, ranks = tmp_path / "afile", tmp_path / "adir", tmp_path / "bad.tiktoken"
     afile.write_text("x")
     adir.mkdir()
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "x.txt").write_text("x")
     (adir / "x.fa").write_text(">r\nACGT\n")
     ranks.write_text("not a ranks file\n")
     cases = [
         ("genome/goat.yaml", "cache_dir", afile, f"cache_dir must be a directory (created if missing); got {afile} "
                                                  f"(a file)"),
-        ("genome/goat.yaml", "fasta", adir, f"fasta must name FASTA files, not a directory; got {adir} (a "
-                                            f"directory: name the files in it)"),
+        ("genome/goat.yaml", "fasta", tmp_path / "notes", f"directory {str(tmp_path / 'notes')!r} holds no "
+                                                          f"file ending in .fa, .fasta, .fna, .fas, .fa.gz, "
+                                                          f".fasta.gz, .fna.gz, .fas.gz"),
+        ("genome/goat.yaml", "fasta", tmp_path / "*.fna", f"{str(tmp_path / '*.fna')!r} matches no file"),
         ("vit/goat_digits.yaml", "path", adir, f"path must name a CSV file, not a directory; got {adir} (a "
                                                f"directory)"),
         ("text/gpt2_goat.yaml", "tokenizer_file", ranks,
@@ -329,3 +334,27 @@ def test_imagenet_worker_count_is_capped_like_the_other_datamodules():
         ImageNetDataModule(format="wds", train_path="/nowhere/{0..3}.tar", num_workers=1000)
     assert ImageNetDataModule(format="wds", train_path="/nowhere/{0..3}.tar", num_workers=MAX_NUM_WORKERS).num_workers \
         == MAX_NUM_WORKERS
+
+
+def test_fasta_patterns_name_the_files_they_match(tmp_path):
+    """``fasta`` reads patterns as every mixlab input does: a directory (its FASTA files, recursively), a glob and a
+    brace pattern name the same sorted files, and the data they give is the data of the files named one by one."""
+    rng = np.random.default_rng(1)
+    (tmp_path / "g" / "sub").mkdir(parents=True)
+    names = ["g/a.fa", "g/sub/b.fasta", "g/c.fna"]
+    for name in names:
+        (tmp_path / name).write_text(">r\n" + "".join(rng.choice(list("ACGT"), 2000)) + "\n")
+    (tmp_path / "g" / "README.txt").write_text("not a genome")
+    one_by_one = sorted(str(tmp_path / n) for n in names)
+    assert GenomeDataModule(fasta=str(tmp_path / "g")).fasta == one_by_one
+    assert GenomeDataModule(fasta=str(tmp_path / "g" / "**" / "*.f*a")).fasta == one_by_one
+    assert GenomeDataModule(fasta=str(tmp_path / "g" / "{a.fa,c.fna,sub/b.fasta}")).fasta == \
+        [str(tmp_path / n) for n in ("g/a.fa", "g/c.fna", "g/sub/b.fasta")]
+    assert GenomeDataModule(fasta=[str(tmp_path / "g/a.fa"), str(tmp_path / "g/c.*")]).fasta == one_by_one[:2]
+
+    def tokens(fasta):
+        dm = GenomeDataModule(fasta, context_length=64, region_size=512, val_fraction=0.2, test_fraction=0.2)
+        dm.setup("fit")
+        return [dm.train_dataset[i] for i in range(0, len(dm.train_dataset), 97)]
+    got, expected = tokens(str(tmp_path / "g")), tokens(one_by_one)
+    assert len(got) == len(expected) > 3 and all(torch.equal(a, b) for a, b in zip(got, expected))

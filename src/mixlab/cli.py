@@ -558,9 +558,9 @@ def no_batches(subcommand: str, trainer: pl.Trainer, split: str | None = None) -
 def split_arguments(datamodule: Any, split: str) -> dict[str, Any]:
     """The datamodule arguments (its ``hparams``) that size ``split`` (``val``, ``test``): a fraction or a count
     named after it (``val_fraction``, ``n_val``, ``n_test_automata``, ``max_val_windows``,
-    ``test_image_fraction``); {} without such arguments."""
+    ``test_image_fraction``), those set (not None); {} without such arguments."""
     hparams = getattr(datamodule, "hparams", None) or {}
-    return {k: v for k, v in hparams.items() if isinstance(k, str) and split in k.split("_")
+    return {k: v for k, v in hparams.items() if isinstance(k, str) and split in k.split("_") and v is not None
             and (k.endswith("_fraction") or k.startswith(("n_", "max_")))}
 
 
@@ -1358,6 +1358,29 @@ def _precision_values() -> list:
     return list(dict.fromkeys(map(str, flat(_PRECISION_INPUT))))
 
 
+_TYPE_WORDS = {"int": ["an int"], "float": ["a float"], "bool": ["true", "false"], "str": ["a string"],
+               "NoneType": ["null"]}
+"""What a plain type takes, in a parse error (``--trainer.max_epochs: expected an int or null; got abc``)."""
+
+
+def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
+    """``expected an int, a float or null; got abc`` for jsonargparse's error on a value of the wrong plain type
+    (``Expected a <class 'int'>. Got value: abc``, or a Union whose ``Subtypes:`` line lists plain types, whose
+    first alternative's error jsonargparse names alone), else None."""
+    if not leaf.startswith("Expected a <class '"):
+        return None
+    types = leaf.split(".", 1)[0]
+    if "Got value:" not in leaf:  # a Union's first alternative: its types are on the closest Subtypes line above
+        above = re.findall(r"^\s*Subtypes: \[(.+)\]\s*$", message[:message.find(leaf)], re.M)
+        types = above[-1] if above else types
+    names = re.findall(r"<class '([\w.]+)'>", types)
+    if not names or any(n not in _TYPE_WORDS for n in names):
+        return None
+    words = [w for n in dict.fromkeys(names) for w in _TYPE_WORDS[n]]
+    return f"expected {' or '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)}" + (
+        f"; got {value}" if value is not None else "")
+
+
 def parse_error_line(message: str, words: list[str], options: list[str], command: str = "fit") -> str:
     """One line for a jsonargparse parse error ``message`` (what follows ``error:``).
 
@@ -1406,6 +1429,7 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
                 leaf = f"one of {', '.join(_precision_values())}" + (f"; got {shown_value}" if got else "")
             if key == "seed_everything" and got:  # a union of bool and int: "Expected a <class 'bool'>"
                 return f"{f'{where}: {shown}' if where else f'--{shown}'} {shown_value}: {SEED_RANGE}"
+            leaf = _expected_types(message, leaf, shown_value if got or "Got value:" in leaf else None) or leaf
             missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
             if missing:  # a class_path typo
                 try:
