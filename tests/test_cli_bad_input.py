@@ -163,7 +163,8 @@ def test_text_and_synthetic_val_splits_may_be_empty_when_validation_is_off(capsy
             f"--data.init_args.{argument}=0"]
     err = _fail(capsys, monkeypatch, "fit", *args)
     value = "0.0" if argument == "val_fraction" else "0"
-    assert err[-2] == (f"error: --data.init_args.{argument}: the val split is empty ({argument}={value}): fit would train without validation "
+    assert err[-2] == (f"error: --data.init_args.{argument}: the val split is empty ({argument}={value}): fit would "
+                       "train without validation "
                        "(no val metrics, no best checkpoint); give the val split data, or pass "
                        "--trainer.limit_val_batches 0 to train without validation")
     monkeypatch.setattr(sys, "argv", ["mixlab"])

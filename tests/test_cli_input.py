@@ -114,7 +114,8 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
     for option, value, takes in (("--trainer.max_epochs", "abc", "an int or null"),
                                  ("--trainer.gradient_clip_val", "abc", "an int, a float or null"),
                                  ("--trainer.enable_progress_bar", "maybe", "true, false or null"),
-                                 ("--model.init_args.optim.lr", "abc", "a float"), ("--trainer.max_steps", "", "an int")):
+                                 ("--model.init_args.optim.lr", "abc", "a float"),
+                                 ("--trainer.max_steps", "", "an int")):
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), option, value)
         assert err == [f"error: {option}: expected {takes}; got {value or repr('')}"]
     from mixlab.cli import COMMANDS
@@ -376,6 +377,51 @@ def test_sigterm_saves_last_checkpoint_and_exits_non_zero(capsys, monkeypatch, t
     assert ckpt["global_step"] in (3, 4)  # the batch in flight may finish
     assert f"mixlab: SIGTERM at step {ckpt['global_step']}; " in "\n".join(err)
     assert "last.ckpt holds step" in "\n".join(err)
+
+
+def test_a_second_sigterm_stops_a_step_that_never_ends(capsys, monkeypatch, tmp_path):
+    """A user test: a stuck sample generator ignored SIGTERM (Lightning stops at the end of the running step, which
+    never came). The first SIGTERM says so; a second one stops at once with status 143, saving nothing mid-step.
+    SIGTERM outside Lightning's loops (the datamodule's set-up) stops at once and leaves no run folder."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mixlab.datamodules.text import TextDataModule
+    from mixlab.heads.lm import CausalLM
+
+    runs, pid = tmp_path / "runs", os.getpid()
+    step = CausalLM.training_step
+
+    def stuck(self, batch, batch_idx):
+        if self.global_step == 2:
+            os.kill(pid, signal.SIGTERM)
+            threading.Timer(0.5, os.kill, (pid, signal.SIGTERM)).start()
+            while True:  # a generator that never returns
+                time.sleep(0.01)
+        return step(self, batch, batch_idx)
+
+    monkeypatch.setattr(CausalLM, "training_step", stuck)
+    before = signal.getsignal(signal.SIGTERM)
+    args = ["--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--trainer.max_steps=6",
+            "--trainer.val_check_interval=100", "--run_root", str(runs)]
+    err = _main(capsys, monkeypatch, "fit", *args, code=143)
+    assert err[-2:] == ["mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, "
+                        "without saving it)",
+                        "mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved"]
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert (runs / "text/goat/version_0").is_dir() and not list(runs.rglob("*.ckpt"))  # 2 steps logged, none saved
+
+    def setup(self, stage=None):
+        os.kill(pid, signal.SIGTERM)
+        while True:
+            time.sleep(0.01)
+
+    monkeypatch.setattr(TextDataModule, "setup", setup)
+    _main(capsys, monkeypatch, "fit", *args[:-1], str(tmp_path / "runs2"), code=143)
+    assert not (tmp_path / "runs2").exists() or not list((tmp_path / "runs2").rglob("version_*"))
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # ---------------------------------------------------------------------- data files

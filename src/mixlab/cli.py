@@ -413,10 +413,9 @@ class MixlabCLI(LightningCLI):
                              f"{where('trainer.check_val_every_n_epoch')}), which counts training batches across "
                              f"epochs: give a number of training batches (an int >= 1), or set "
                              f"check_val_every_n_epoch (e.g. 1)")
-        precision = trainer.get("precision")
-        if str(precision) in ("16-mixed", "16") and _runs_on_cpu(trainer.get("accelerator")):
-            raise ValueError(f"{where('trainer.precision')}: {precision} (float16 mixed precision) needs CUDA; on "
-                             f"the CPU Lightning would run bf16-mixed instead: use bf16-mixed or 32-true on the CPU")
+        float16 = float16_on_cpu(trainer.get("precision"), _runs_on_cpu(trainer.get("accelerator")))
+        if float16:
+            raise ValueError(f"{where('trainer.precision')}: {float16}")
         split = {"fit": "val", "validate": "val", "test": "test"}.get(self.subcommand or "")
         if split is None or self.datamodule is None or is_overridden(f"{split}_dataloader", self.datamodule):
             return
@@ -474,6 +473,8 @@ class MixlabCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, SigtermTwice()) if main_thread else None
         try:
             try:
                 super()._run_subcommand(subcommand)
@@ -503,6 +504,50 @@ class MixlabCLI(LightningCLI):
                         break
                     parent.rmdir()
             raise
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+
+
+class TerminatedMidStep(BaseException):
+    """A second SIGTERM during ``fit``/``validate``/``test`` (:class:`SigtermTwice`): the command stops where it
+    is, without saving the step in flight; a BaseException, as KeyboardInterrupt, and not Lightning's
+    ``SIGTERMException``, which :class:`~mixlab.callbacks.LastCheckpoint` answers with a save."""
+
+
+class SigtermTwice:
+    """mixlab's SIGTERM handler during ``fit``/``validate``/``test`` (installed by
+    :meth:`MixlabCLI._run_subcommand`). While Lightning's loops run, Lightning calls it after its own handler, which
+    stops the loop at the end of the running step (``last.ckpt`` saved): the first SIGTERM prints that line; a second
+    one raises :class:`TerminatedMidStep` at once, so a step that never ends (a stuck sample generator, a
+    ``cg_iters`` of 1e9) can be stopped without SIGKILL, its outputs kept or put back as for any failure. Outside
+    Lightning's loops (datamodule set-up, building the model) the first SIGTERM raises Lightning's
+    ``SIGTERMException`` at once (status 143; it was the default action, which killed the process without putting
+    back its outputs)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.received += 1
+        if signal.getsignal(signal.SIGTERM) is self:  # Lightning's loops do not listen
+            raise SIGTERMException()
+        if self.received == 1:
+            print("mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, without "
+                  "saving it)", file=sys.stderr, flush=True)
+            return
+        print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved",
+              file=sys.stderr, flush=True)
+        raise TerminatedMidStep()
+
+
+def float16_on_cpu(precision: Any, on_cpu: bool) -> str | None:
+    """Why ``precision`` cannot run on the CPU (``on_cpu``), or None: ``16-mixed`` (or ``16``), which Lightning
+    turns into ``bf16-mixed`` there with one warning. Used by ``fit``/``validate``/``test`` and ``resolution``."""
+    if str(precision) in ("16-mixed", "16") and on_cpu:
+        return (f"{precision} (float16 mixed precision) needs CUDA; on the CPU Lightning would run bf16-mixed "
+                f"instead: use bf16-mixed or 32-true on the CPU")
+    return None
 
 
 def _runs_on_cpu(accelerator: Any) -> bool:
@@ -1572,7 +1617,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
                 raise SystemExit(2)
             MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except SIGTERMException:  # a SystemExit without a code (status 0): killed is not finished
+    except (SIGTERMException, TerminatedMidStep):  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
 
 

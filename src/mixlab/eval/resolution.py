@@ -178,9 +178,11 @@ def check_trainer_options(accelerator: str, precision: str | None) -> None:
             from None
     finally:
         info.setLevel(level)
-    if str(precision) in ("16-mixed", "16") and type(trainer.accelerator).__name__ == "CPUAccelerator":
-        raise ValueError(f"--precision {precision} (float16 mixed precision) needs CUDA; on the CPU Lightning would "
-                         f"run bf16-mixed instead: use bf16-mixed or 32-true on the CPU")
+    from mixlab.cli import float16_on_cpu
+
+    float16 = float16_on_cpu(precision, type(trainer.accelerator).__name__ == "CPUAccelerator")
+    if float16:
+        raise ValueError(f"--precision {float16}")
 
 
 def _eval_device(accelerator: str) -> torch.device:
