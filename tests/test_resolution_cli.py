@@ -228,3 +228,31 @@ def test_a_data_arg_that_moves_the_split_is_announced(capsys, tmp_path, tiny):
     resolution_main(["--ckpt", str(tiny), "--resolutions", "16", "--out", str(tmp_path / "out2"), "--limit-batches",
                      "1", "--data-arg", "seed=0", *CPU])
     assert "warning: --data-arg" not in capsys.readouterr().out  # the run's own value
+
+
+def test_an_evaluation_that_takes_hours_is_announced(capsys, monkeypatch, tmp_path, tiny):
+    """On the GPU, ``--resolutions 8192`` of a digits model fitted its memory (flash attention is linear in the
+    tokens) and ran with no word for hours. Now a warning line gives attention's FLOP and a lower bound on the time
+    per batch, from the device's peak; the evaluation still runs."""
+    from mixlab.eval import resolution
+    from mixlab.eval.common import load_run
+    from mixlab.heads.vit import ImageClassifier
+
+    model = load_run(tiny, "cpu", head=ImageClassifier).model  # 2 layers of width 32, 4 px patches
+    tokens = 2048 * 2048 + 1  # 8192 px, and the [CLS] token
+    flop = 4 * tokens**2 * 32 * 2
+    assert resolution.slow_warning(model, (8192, 8192), 32, torch.device("cuda"), None) == (
+        f"warning: --resolutions 8192: 4,194,305 tokens per image; attention alone is {flop:.1e} FLOP per image, at "
+        f"least {flop * 32 / 1e15 / 60:,.0f} minutes per batch of 32 at cuda's peak (1e+15 FLOP/s), for every batch "
+        f"of the split (--limit-batches and --batch-size bound it)")
+    assert flop * 32 / 1e15 / 60 == pytest.approx(2.4, abs=0.05)
+    assert "at least 4.0 hours per batch of 32 at cpu's peak" in resolution.slow_warning(
+        model, (8192, 8192), 32, torch.device("cpu"), 2)
+    assert "for 2 batch(es)" in resolution.slow_warning(model, (8192, 8192), 1, torch.device("cpu"), 2)
+    assert resolution.slow_warning(model, (16, 16), 32, torch.device("cpu"), None) is None
+    monkeypatch.setitem(resolution.PEAK_FLOPS, "cpu", 1.0)  # a device this slow makes 16 px an hour's batch
+    resolution.main(["--ckpt", str(tiny), "--resolutions", "16", "--out", str(tmp_path / "out"), "--limit-batches",
+                     "0.5", *CPU])
+    out = capsys.readouterr().out
+    assert "warning: --resolutions 16: 17 tokens per image; attention alone is 7.4e+04 FLOP per image" in out
+    assert "for 0.5 of the split's batches" in out and (tmp_path / "out" / "resolution.md").is_file()

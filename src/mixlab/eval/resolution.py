@@ -221,6 +221,34 @@ def check_fits(model, hw: tuple[int, int], batch: int, device: torch.device, pre
     return need
 
 
+PEAK_FLOPS = {"cuda": 1e15, "cpu": 1e13}
+"""Generous FLOP/s of a device (an H200's dense bf16 peak is about 1e15), for :func:`slow_warning`'s lower bound."""
+
+
+def slow_warning(model, hw: tuple[int, int], batch: int, device: torch.device,
+                 limit_batches: int | float | None) -> str | None:
+    """A warning line when one batch of ``batch`` images of ``hw`` pixels cannot take less than a minute: the
+    attention's two ``T x T`` products alone, ``4 T^2 D L`` FLOP per image (``T`` tokens, width ``D``, ``L``
+    layers), at the device's :data:`PEAK_FLOPS`. Memory does not stop such a run (flash attention's memory is linear
+    in ``T``: the 24 px digits model at 8192 px, 4.2M tokens an image, fits an H200 and runs for hours); else None.
+    """
+    vit = model.model
+    gh, gw = vit.grid(*hw)
+    tokens = gh * gw + vit.num_prefix_tokens
+    per_image = 4 * tokens**2 * vit.embed_dim * len(vit.backbone.blocks)
+    seconds = per_image * batch / PEAK_FLOPS.get(device.type, PEAK_FLOPS["cpu"])
+    if seconds < 60:
+        return None
+    took = f"{seconds / 3600:,.1f} hours" if seconds >= 3600 else f"{seconds / 60:,.0f} minutes"
+    which = ("every batch of the split" if limit_batches is None or limit_batches == 1.0 and
+             isinstance(limit_batches, float) else f"{limit_batches:g} of the split's batches" if limit_batches < 1
+             else f"{int(limit_batches)} batch(es)")
+    return (f"warning: --resolutions {_res_label(hw)}: {tokens:,} tokens per image; attention alone is "
+            f"{per_image:.1e} FLOP per image, at least {took} per batch of {batch} at {device.type}'s peak "
+            f"({PEAK_FLOPS.get(device.type, PEAK_FLOPS['cpu']):.0e} FLOP/s), for {which} (--limit-batches and "
+            f"--batch-size bound it)")
+
+
 def _check_data_args(run, data_args: dict[str, Any]) -> None:
     """Refuse ``--data-arg`` keys the run's datamodule does not take (and ``eval_size``, set by ``--resolutions``)."""
     import inspect
@@ -364,6 +392,9 @@ def evaluate_resolutions(ckpts: list[str], resolutions: list[tuple[int, int]], o
             except ValueError as err:
                 raise ValueError(f"--resolutions {_res_label(hw)} for {path}: {err}") from None
             check_fits(run.model, hw, batch, device, precision)
+            slow = slow_warning(run.model, hw, batch, device, limit_batches)
+            if slow:
+                print(slow, flush=True)
         n_layers = len(vit.backbone.blocks)
         if prior_layer is not None and run.model.position == "goat2d" and prior_layer >= n_layers:
             raise ValueError(f"--prior-layer {prior_layer}: --ckpt {path} has {n_layers} layers (0..{n_layers - 1}); "
