@@ -99,11 +99,12 @@ FASTA_SUFFIXES = (".fa", ".fasta", ".fna", ".fas", ".fa.gz", ".fasta.gz", ".fna.
 
 
 def _is_pattern(path: str) -> bool:
-    """Whether ``path`` names several files: a directory, a glob (``*``, ``?``, ``[...]``) or braces (``{a,b}``,
-    ``{1..3}``) that do not name an existing file."""
+    """Whether ``path`` names several files: a directory, a glob (``*``, ``?``, ``[...]``), braces (``{a,b}``,
+    ``{1..3}``) or entries joined by ``::`` that do not name an existing file."""
     import glob
     p = Path(path).expanduser()
-    return p.is_dir() or (not p.is_file() and (glob.has_magic(path) or ("{" in path and "}" in path)))
+    return p.is_dir() or (not p.is_file() and (glob.has_magic(path) or ("{" in path and "}" in path)
+                                                or "::" in path))
 
 
 def _check_file(path: Path) -> None:
@@ -339,9 +340,17 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         for f in files:
             if not str(f).strip():  # Path("") is ".", which read as "FASTA file not found: ."
                 raise ValueError(f"fasta must name FASTA files (null: the shipped ones); got {str(f)!r}")
+            text = str(f).strip()
+            if text.startswith("[") and text.endswith("]") and not Path(text).expanduser().exists():
+                raise ValueError(f"fasta: {text!r} is a list read as one path (YAML reads an unquoted '{{' in a "
+                                 f"list as a mapping); quote its entries, e.g. \"['chr{{1..3}}.fa', 'extra.fa']\"")
         if fasta is not None:  # globs, braces, directories: the rule of every mixlab input
             files = [g for f in files for g in (expand_pattern(str(f), "fasta", suffixes=FASTA_SUFFIXES)
                                                 if _is_pattern(str(f)) else [str(f)])]
+            twice = sorted({f for i, f in enumerate(files) if f in files[:i]})
+            if twice:  # a directory and a file in it: each file read once
+                log.warning("fasta names %d file(s) more than once (read once each): %s", len(twice), twice[:3])
+                files = list(dict.fromkeys(files))
         if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
             raise ValueError(f"cache_dir must be a directory (created if missing); got {cache_dir} (a file)")
         self.save_hyperparameters()
@@ -465,6 +474,12 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                 got = (f"its {mine.size} region(s) hold at most {int(mine.max())} bases"
                        if mine.size else "it got no region")
                 usable = int((kept >= need).sum())
+                if usable < 3:  # too few regions: smaller ones make more (raising region_size makes fewer)
+                    fix = (f"lower region_size (e.g. {largest // 3}: at least {need}) or add data" if largest // 3
+                           >= need else f"lower context_length (the largest region holds {largest} bases) or add data")
+                    raise ValueError(f"region_size={self.region_size} gives {usable} region(s) that fit a window of "
+                                     f"{need} bases (a context of {self.context_length}); 3 are needed for a "
+                                     f"guaranteed split, and the {name} split got none: {fix}")
                 raise ValueError(f"{head}, but the {name} split has no window: {got} (largest "
                                  f"region overall: {largest} bases; {usable} region(s) fit a "
                                  f"window, 3 are needed for a guaranteed split); {hint}")

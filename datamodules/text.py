@@ -418,6 +418,9 @@ class TextDataModule(ResumableDataModule):
             (names the split, its token count and the window length).
     """
 
+    split_aliases = {"test": "val"}
+    """The test split is the val split (:meth:`test_dataloader`)."""
+
     split_arguments: tuple[str, ...] = ("seed", "val_fraction")
     """``val_fraction`` and, with several documents, the seed that assigns documents to val."""
 

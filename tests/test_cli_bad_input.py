@@ -170,6 +170,10 @@ def test_text_and_synthetic_val_splits_may_be_empty_when_validation_is_off(capsy
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     cli.main(["fit", *args, "--trainer.limit_val_batches", "0"])
     assert (runs / task / "goat" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    if task == "text":  # its test split is its val split: the message names val_fraction
+        err = _fail(capsys, monkeypatch, "test", *args, "--ckpt_path", "last")
+        assert err[-2] == ("error: --data.init_args.val_fraction: the test split is empty (val_fraction=0.0); test "
+                           "measured nothing (give the test split data)")
 
 
 def test_split_arguments_and_values_printed_as_floats():

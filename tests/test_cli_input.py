@@ -115,9 +115,44 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
                                  ("--trainer.gradient_clip_val", "abc", "an int, a float or null"),
                                  ("--trainer.enable_progress_bar", "maybe", "true, false or null"),
                                  ("--model.init_args.optim.lr", "abc", "a float"),
+                                 ("--model.init_args.optim.lr", "", "a float"),  # was: got NestedArg(key='lr', ...)
+                                 ("--data.init_args.lowercase", "maybe", "one of fold, n, error"),
                                  ("--trainer.max_steps", "", "an int")):
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), option, value)
         assert err == [f"error: {option}: expected {takes}; got {value or repr('')}"]
+
+
+def test_null_for_an_option_that_takes_none_is_one_line(capsys, monkeypatch, tmp_path):
+    """A user test: ``max_steps:`` left empty in a config file, ``lr:`` empty, ``--data.init_args.batch_size null``
+    and ``--trainer.devices abc`` ended in tracebacks (jsonargparse passes null on to the classes, which compare it;
+    Lightning raised a TypeError). Now one line naming the file and key; nulls an option takes (the genome config's
+    ``check_val_every_n_epoch: null``) are not blamed."""
+    steps, lr, devices = tmp_path / "steps.yaml", tmp_path / "lr.yaml", tmp_path / "devices.yaml"
+    steps.write_text("trainer:\n  max_steps:\n")
+    lr.write_text("model:\n  init_args:\n    optim:\n      lr:\n")
+    devices.write_text("trainer:\n  devices: abc\n")
+    tail = "null is not a value this option takes; give one, or leave the key out for its default"
+    runs = ["--run_root", str(tmp_path / "runs")]
+    for extra, line in (([f"--config={steps}"], f"{steps}: trainer.max_steps: {tail}"),
+                        (["--config", str(lr)], f"{lr}: model.init_args.optim.lr: {tail}"),
+                        (["--data.init_args.batch_size", "null"], f"--data.init_args.batch_size: {tail}"),
+                        (["--trainer.devices", "abc"], "--trainer.devices: `devices` selected with `CPUAccelerator` "
+                                                       "should be an int > 0."),
+                        (["--config", str(devices)], f"{devices}: trainer.devices: `devices` selected with "
+                                                     f"`CPUAccelerator` should be an int > 0."),
+                        (["--trainer.max_time", "abc"], "--trainer.max_time: `Timer(duration='abc')` is not a valid "
+                                                        "duration. Expected a string in the format DD:HH:MM:SS.")):
+        err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), *extra, *runs)
+        assert err[-2:] == [f"error: {line}", "(MIXLAB_TRACEBACK=1 shows the full traceback)"]
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("version_*"))
+    from mixlab.cli import _takes_none
+
+    assert _takes_none("trainer.check_val_every_n_epoch", {}) is True
+    assert _takes_none("model.optim.lr", {"model": "mixlab.heads.CausalLM"}) is False
+    assert _takes_none("model.nothing", {"model": "mixlab.heads.CausalLM"}) is None
+    # a class's error that names the option under its parent (optim.lr) is placed at the option that set it
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--model.init_args.optim.lr", "-1", *runs)
+    assert err[-2] == "error: --model.init_args.optim.lr: optim.lr must be > 0; got -1.0"
     from mixlab.cli import COMMANDS
 
     every = ", ".join(["fit", "validate", "test", *sorted(COMMANDS)])
@@ -409,7 +444,8 @@ def test_a_second_sigterm_stops_a_step_that_never_ends(capsys, monkeypatch, tmp_
     err = _main(capsys, monkeypatch, "fit", *args, code=143)
     assert err[-2:] == ["mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, "
                         "without saving it)",
-                        "mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved"]
+                        "mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved "
+                        "(the last checkpoint saved stays as it was)"]
     assert signal.getsignal(signal.SIGTERM) is before
     assert (runs / "text/goat/version_0").is_dir() and not list(runs.rglob("*.ckpt"))  # 2 steps logged, none saved
 
@@ -419,9 +455,23 @@ def test_a_second_sigterm_stops_a_step_that_never_ends(capsys, monkeypatch, tmp_
             time.sleep(0.01)
 
     monkeypatch.setattr(TextDataModule, "setup", setup)
-    _main(capsys, monkeypatch, "fit", *args[:-1], str(tmp_path / "runs2"), code=143)
+    err = _main(capsys, monkeypatch, "fit", *args[:-1], str(tmp_path / "runs2"), code=143)
+    assert err[-1] == ("mixlab: SIGTERM: stopped at once (outside the training and evaluation loops: set-up or "
+                       "teardown); nothing saved")
     assert not (tmp_path / "runs2").exists() or not list((tmp_path / "runs2").rglob("version_*"))
     assert signal.getsignal(signal.SIGTERM) is before
+    monkeypatch.undo()
+
+    def first(self, batch, batch_idx):  # SIGTERM before step 1 ends: Lightning stops after it, nothing is saved
+        os.kill(pid, signal.SIGTERM)
+        raise SIGTERMException()
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    monkeypatch.setattr(CausalLM, "training_step", first)
+    err = _main(capsys, monkeypatch, "fit", *args[:-1], str(tmp_path / "runs3"), code=143)
+    assert err[-1] == "mixlab: SIGTERM before the first training step ended; nothing saved"
+    assert not list((tmp_path / "runs3").rglob("*.ckpt"))
 
 
 # ---------------------------------------------------------------------- data files
@@ -697,11 +747,12 @@ def test_fit_without_validation_does_not_warn_about_the_best_checkpoint(tmp_path
 
 
 @pytest.mark.parametrize(("option", "value", "line"), [
-    ("lr", "-1", "error: optim.lr must be > 0; got -1.0"),
+    ("lr", "-1", "error: --model.init_args.optim.lr: optim.lr must be > 0; got -1.0"),
     ("betas", "[0.9, 1.5]", "error: optim.betas must be two values in [0, 1); got (0.9, 1.5)"),
-    ("warmup_steps", "-5", "error: optim.warmup_steps must be >= 0; got -5"),
-    ("weight_decay", "-1", "error: optim.weight_decay must be >= 0; got -1.0"),
-    ("min_lr_ratio", "2", "error: optim.min_lr_ratio must be in [0, 1]; got 2.0"),
+    ("warmup_steps", "-5", "error: --model.init_args.optim.warmup_steps: optim.warmup_steps must be >= 0; got -5"),
+    ("weight_decay", "-1", "error: --model.init_args.optim.weight_decay: optim.weight_decay must be >= 0; got -1.0"),
+    ("min_lr_ratio", "2", "error: --model.init_args.optim.min_lr_ratio: optim.min_lr_ratio must be in [0, 1]; got "
+                          "2.0"),
 ])
 def test_bad_optimizer_values_are_one_line_errors(capsys, monkeypatch, tmp_path, option, value, line):
     """Optimizer values AdamW or the schedule cannot use end the command with a line naming the field, before

@@ -336,7 +336,7 @@ def test_imagenet_worker_count_is_capped_like_the_other_datamodules():
         == MAX_NUM_WORKERS
 
 
-def test_fasta_patterns_name_the_files_they_match(tmp_path):
+def test_fasta_patterns_name_the_files_they_match(tmp_path, caplog):
     """``fasta`` reads patterns as every mixlab input does: a directory (its FASTA files, recursively), a glob and a
     brace pattern name the same sorted files, and the data they give is the data of the files named one by one."""
     rng = np.random.default_rng(1)
@@ -351,6 +351,14 @@ def test_fasta_patterns_name_the_files_they_match(tmp_path):
     assert GenomeDataModule(fasta=str(tmp_path / "g" / "{a.fa,c.fna,sub/b.fasta}")).fasta == \
         [str(tmp_path / n) for n in ("g/a.fa", "g/c.fna", "g/sub/b.fasta")]
     assert GenomeDataModule(fasta=[str(tmp_path / "g/a.fa"), str(tmp_path / "g/c.*")]).fasta == one_by_one[:2]
+    assert GenomeDataModule(fasta=f"{tmp_path / 'g/c.fna'}::{tmp_path / 'g/a.fa'}").fasta == one_by_one[1::-1]
+    with caplog.at_level(logging.WARNING, logger="mixlab.genome"):  # a directory and a file in it: read once
+        assert GenomeDataModule(fasta=[str(tmp_path / "g"), str(tmp_path / "g/a.fa")]).fasta == one_by_one
+    assert caplog.messages == [f"fasta names 1 file(s) more than once (read once each): {[one_by_one[0]]}"]
+    listed = f"[{tmp_path}/g/{{a,c}}.f*a, {tmp_path}/g/sub/b.fasta]"  # an unquoted brace in a command-line list
+    _refused(lambda: GenomeDataModule(fasta=listed), f"fasta: {listed!r} is a list read as one path (YAML reads an "
+                                                     f"unquoted '{{' in a list as a mapping); quote its entries, e.g. "
+                                                     f"\"['chr{{1..3}}.fa', 'extra.fa']\"")
 
     def tokens(fasta):
         dm = GenomeDataModule(fasta, context_length=64, region_size=512, val_fraction=0.2, test_fraction=0.2)
@@ -358,3 +366,25 @@ def test_fasta_patterns_name_the_files_they_match(tmp_path):
         return [dm.train_dataset[i] for i in range(0, len(dm.train_dataset), 97)]
     got, expected = tokens(str(tmp_path / "g")), tokens(one_by_one)
     assert len(got) == len(expected) > 3 and all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_too_few_regions_name_region_size_and_a_value_that_works(tmp_path):
+    """A user test: one 5,000-base file with the default region_size 8192 was told to "lower context_length or
+    raise region_size", neither of which helps (one region is one region). Now the line says to lower region_size,
+    with a value that gives three regions, and that value trains."""
+    rng = np.random.default_rng(2)
+    small = tmp_path / "small.fa"
+    small.write_text(">s\n" + "".join(rng.choice(list("ACGT"), 5000)) + "\n")
+    dm = GenomeDataModule(str(small), context_length=256)
+    _refused(lambda: dm.setup("fit"), "region_size=8192 gives 1 region(s) that fit a window of 257 bases (a context "
+                                      "of 256); 3 are needed for a guaranteed split, and the val split got none: lower "
+                                      "region_size (e.g. 1666: at least 257) or add data")
+    dm = GenomeDataModule(str(small), context_length=256, region_size=1666)
+    dm.setup("fit")
+    assert all(len(dm.datasets[name]) > 0 for name in ("train", "val", "test"))
+    tiny = tmp_path / "tiny.fa"
+    tiny.write_text(">t\n" + "".join(rng.choice(list("ACGT"), 600)) + "\n")
+    _refused(lambda: GenomeDataModule(str(tiny), context_length=256).setup("fit"),
+             "region_size=8192 gives 1 region(s) that fit a window of 257 bases (a context of 256); 3 are needed for a "
+             "guaranteed split, and the val split got none: lower context_length (the largest region holds 600 "
+             "bases) or add data")

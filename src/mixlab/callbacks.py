@@ -166,18 +166,21 @@ class LastCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         """On Ctrl-C (KeyboardInterrupt) or SIGTERM (``kill``, a cluster's preemption: Lightning
         raises ``SIGTERMException`` at the next batch boundary) during ``fit``, save the steps done
-        since the last save (none done: nothing to save) and say where on stderr. Other exceptions
-        save nothing: the state may be the cause."""
+        since the last save and say where on stderr (none done: say that nothing was saved). Other
+        exceptions save nothing: the state may be the cause."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or trainer.state.fn != "fit":
             return
         if self.dirpath is not None and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
+        what = "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted"
         if trainer.is_global_zero and self.dirpath is not None and self._last_global_step_saved > 0:
-            what = "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted"
             print(f"mixlab: {what} at step {trainer.global_step}; {self.dirpath}/last.ckpt holds step "
                   f"{self._last_global_step_saved} (resume: the same command with --ckpt_path last)", file=sys.stderr)
+        elif trainer.is_global_zero and trainer.global_step == 0 and (
+                isinstance(exception, KeyboardInterrupt) or trainer.received_sigterm):  # (else mixlab's handler said)
+            print(f"mixlab: {what} before the first training step ended; nothing saved", file=sys.stderr)
 
 
 class BestCheckpoint(ModelCheckpoint):

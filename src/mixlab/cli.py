@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import logging
@@ -367,8 +368,13 @@ class MixlabCLI(LightningCLI):
             kwargs["callbacks"] = [*given, *extra]
         try:
             trainer = super().instantiate_trainer(**kwargs)
-        except (ValueError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
-            raise ValueError(f"trainer: {err}") from err
+        except (ValueError, TypeError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
+            # Lightning names the argument in backticks: "`devices` selected with `CPUAccelerator` should be ..."
+            names = [*re.findall(r"`(\w+)`", str(err)),
+                     *(name for phrase, name in _LIGHTNING_PHRASES if phrase in str(err))]
+            places = [set_at(f"trainer.{name}", self._words) for name in names]
+            where = next((p for p in places if p), "trainer")
+            raise ValueError(f"{where}: {err}") from err
         from mixlab.distributed import FSDPStrategy
 
         if isinstance(trainer.strategy, FSDPStrategy) and trainer.accelerator.__class__.__name__ == "CPUAccelerator":
@@ -509,6 +515,10 @@ class MixlabCLI(LightningCLI):
                 signal.signal(signal.SIGTERM, previous)
 
 
+_LIGHTNING_PHRASES = (("No supported gpu backend", "accelerator"), ("Timer(duration=", "max_time"))
+"""Lightning errors that name their trainer argument without backticks: (phrase, argument)."""
+
+
 class TerminatedMidStep(BaseException):
     """A second SIGTERM during ``fit``/``validate``/``test`` (:class:`SigtermTwice`): the command stops where it
     is, without saving the step in flight; a BaseException, as KeyboardInterrupt, and not Lightning's
@@ -531,13 +541,15 @@ class SigtermTwice:
     def __call__(self, signum: int, frame: Any) -> None:
         self.received += 1
         if signal.getsignal(signal.SIGTERM) is self:  # Lightning's loops do not listen
+            print("mixlab: SIGTERM: stopped at once (outside the training and evaluation loops: set-up or "
+                  "teardown); nothing saved", file=sys.stderr, flush=True)
             raise SIGTERMException()
         if self.received == 1:
             print("mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, without "
                   "saving it)", file=sys.stderr, flush=True)
             return
-        print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved",
-              file=sys.stderr, flush=True)
+        print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved (the "
+              "last checkpoint saved stays as it was)", file=sys.stderr, flush=True)
         raise TerminatedMidStep()
 
 
@@ -603,7 +615,9 @@ def no_batches(subcommand: str, trainer: pl.Trainer, split: str | None = None) -
 def split_arguments(datamodule: Any, split: str) -> dict[str, Any]:
     """The datamodule arguments (its ``hparams``) that size ``split`` (``val``, ``test``): a fraction or a count
     named after it (``val_fraction``, ``n_val``, ``n_test_automata``, ``max_val_windows``,
-    ``test_image_fraction``), those set (not None); {} without such arguments."""
+    ``test_image_fraction``), those set (not None); {} without such arguments. A datamodule whose ``split_aliases``
+    maps ``split`` to another (text: ``{"test": "val"}``, its test split is its val split) gives that one's."""
+    split = (getattr(datamodule, "split_aliases", None) or {}).get(split, split)
     hparams = getattr(datamodule, "hparams", None) or {}
     return {k: v for k, v in hparams.items() if isinstance(k, str) and split in k.split("_") and v is not None
             and (k.endswith("_fraction") or k.startswith(("n_", "max_")))}
@@ -1246,10 +1260,11 @@ def _forms(value: Any) -> set[str]:
 
 
 def _names_value(message: str, name: str, value: Any) -> bool:
-    """Whether ``message`` refuses option ``name`` set to ``value``: ``name=value``, ``name must ...; got value``,
+    """Whether ``message`` refuses option ``name`` set to ``value``: ``name=value``, ``name must ...; got value``
+    (``name`` also after its parents: ``optim.lr``),
     ``unknown name value``, Lightning's ``invalid value value for name``, or, for a file path (a string with a
     ``/``), the path itself (``FASTA file not found: data/x.fa``)."""
-    key = rf"(?<![\w.]){re.escape(name)}"
+    key = rf"(?<![\w.])(?:\w+\.)*{re.escape(name)}"  # also dotted: "optim.lr must be > 0; got -1.0"
     for form in _forms(value):
         shown = rf"(?<![\w.\-]){re.escape(form)}(?!\w|\.\w)"
         if re.search(rf"{key}\s*=\s*{shown}|{key}\s+must\b.*?\bgot\s+{shown}|\bunknown\s+{key}\s+{shown}"
@@ -1273,6 +1288,71 @@ def value_sources(message: str, field: str | None, words: list[str]) -> list[tup
             if (not field or (plain + ".").startswith(_plain(field) + "."))
             and not re.search(rf"(?<![\w.-])(--)?({re.escape(key)}|{re.escape(plain)})(?![\w.])", message)  # named
             and _names_value(message, plain.rsplit(".", 1)[-1], value)]
+
+
+def null_value_error(err: BaseException, words: list[str]) -> str | None:
+    """One line for a null value given to an option that takes none, or None. jsonargparse passes ``null`` (an empty
+    YAML value, ``--x null``) through to a class's ``__init__`` for options of model and data classes and of config
+    files, where a comparison then raises ``TypeError: '<' not supported between instances of 'NoneType' and 'int'``
+    (a user test: ``max_steps:`` left empty in a config, ``--data.init_args.batch_size null``). When ``err``'s chain
+    holds such a TypeError, the line names every option whose value in effect is null (:func:`_set_leaves`):
+    ``<file>: trainer.max_steps: null is not a value this option takes; give one, or leave the key out for its
+    default``."""
+    seen, chain = set(), []
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        chain.append(err)
+        err = err.__cause__ or err.__context__
+    if not any(isinstance(e, TypeError) and "NoneType" in str(e) for e in chain):
+        return None
+    last: dict[str, tuple[str | None, str, Any]] = {}
+    for source, written, value in _set_leaves(words):
+        last[_plain(written)] = (source, written, value)
+    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+    nulls = [f"{source}: {written}" if source else f"--{written}" for key, (source, written, value) in last.items()
+             if (value is None if source else str(value).strip().lower() in ("null", "none", "~"))
+             and _takes_none(key, class_paths) is False]
+    if not nulls:
+        return None
+    return (f"{', '.join(nulls)}: null is not a value {'this option takes' if len(nulls) == 1 else 'these take'}; "
+            f"give one, or leave the key out for its default")
+
+
+def _takes_none(key: str, class_paths: dict[str, Any]) -> bool | None:
+    """Whether the option ``key`` (plain: ``model.optim.lr``, ``trainer.max_steps``) is annotated to take None, from
+    the signatures of ``pl.Trainer``, the model and data classes (``class_paths``: ``model``/``data`` -> class path)
+    and the dataclasses or classes their arguments are annotated with; None when that cannot be told."""
+    import typing
+
+    parts = key.split(".")
+    if parts[0] == "trainer":
+        owner: Any = pl.Trainer
+    elif parts[0] in class_paths and isinstance(class_paths[parts[0]], str):
+        try:
+            module, _, name = class_paths[parts[0]].rpartition(".")
+            owner = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+    else:
+        return None
+    annotation: Any = None
+    for i, name in enumerate(parts[1:]):
+        try:
+            hints = typing.get_type_hints(owner if dataclasses.is_dataclass(owner) else owner.__init__)
+        except Exception:  # an annotation that does not resolve
+            return None
+        if name not in hints:
+            return None
+        annotation = hints[name]
+        if i < len(parts) - 2:  # go into the class the argument is annotated with (Optional[X] -> X)
+            inner = [a for a in (typing.get_args(annotation) or (annotation,)) if isinstance(a, type)
+                     and a is not type(None)]
+            if len(inner) != 1:
+                return None
+            owner = inner[0]
+    if annotation is Any:
+        return True
+    return annotation is type(None) or type(None) in typing.get_args(annotation)
 
 
 def set_at(key: str, words: list[str]) -> str | None:
@@ -1412,6 +1492,15 @@ def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
     """``expected an int, a float or null; got abc`` for jsonargparse's error on a value of the wrong plain type
     (``Expected a <class 'int'>. Got value: abc``, or a Union whose ``Subtypes:`` line lists plain types, whose
     first alternative's error jsonargparse names alone), else None."""
+    literal = re.match(r"Expected a typing\.Literal\[(.*)\]", leaf)
+    if literal:  # Literal['fold', 'n', 'error']
+        import ast
+
+        try:
+            choices = ast.literal_eval(f"[{literal.group(1)}]")
+        except (ValueError, SyntaxError):
+            return None
+        return f"expected one of {', '.join(map(str, choices))}" + (f"; got {value}" if value is not None else "")
     if not leaf.startswith("Expected a <class '"):
         return None
     types = leaf.split(".", 1)[0]
@@ -1466,6 +1555,8 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
             key = ".".join(path)
             got = re.search(r"Got value: (.+)$", leaf) or re.search(r"^\s*Given value: ?(.*)$", message, re.M)
             value = got.group(1).strip() if got else None  # a Union's errors name no value: its "Given value" line
+            nested = re.fullmatch(r"NestedArg\(key='[^']*', val='(.*)'\)", value or "")
+            value = nested.group(1) if nested else value  # a subclass option's value: NestedArg(key='lr', val='')
             where, shown = _where(key, words, value) if key else (None, "")
             typed = [v for src, k, v in _set_leaves(words) if src is None and where is None and _plain(k) == key]
             value = typed[-1] if typed and isinstance(typed[-1], str) else value  # as typed: 1e30, not 1e+30
@@ -1616,7 +1707,13 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"error: {early} comes before --config, which chooses the model and data classes its "
                       f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
                 raise SystemExit(2)
-            MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+            main_thread = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGTERM, SigtermTwice()) if main_thread else None
+            try:  # SIGTERM while the config is read and the classes are built: one line, status 143
+                MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+            finally:
+                if main_thread:
+                    signal.signal(signal.SIGTERM, previous)
     except (SIGTERMException, TerminatedMidStep):  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
 
@@ -1662,6 +1759,10 @@ def one_line_errors(words: list[str] | None = None) -> Iterator[None]:
     except SIGTERMException:
         raise
     except Exception as err:
+        null = None if os.environ.get("MIXLAB_TRACEBACK") or words is None else null_value_error(err, words)
+        if null is not None:
+            print(f"error: {null}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
+            raise SystemExit(2) from None
         found = None if os.environ.get("MIXLAB_TRACEBACK") else bad_input_error(err)
         if found is None:
             raise
