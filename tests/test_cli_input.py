@@ -110,6 +110,13 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
     assert err == [f"error: {second}: trainer.max_steps: expected an int; got abc"]
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.max_steps", "abc")
     assert err == ["error: --trainer.max_steps: expected an int; got abc"]
+    # a user test: a good value on the command line before a file whose 1e3 (PyYAML: a string; jsonargparse:
+    # 1000.0) is refused was blamed for it
+    thousand = tmp_path / "thousand.yaml"
+    thousand.write_text("trainer:\n  max_steps: 1e3\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--trainer.max_steps", "3", "--config",
+                str(thousand))
+    assert err == [f"error: {thousand}: trainer.max_steps: expected an int; got 1000.0"]
     # a Union of plain types names them all (jsonargparse named its first: "Expected a <class 'int'>", no value)
     for option, value, takes in (("--trainer.max_epochs", "abc", "an int or null"),
                                  ("--trainer.gradient_clip_val", "abc", "an int, a float or null"),

@@ -1200,8 +1200,19 @@ def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | 
                 leaf = leaf[part]
             found.append((path, hit, leaf))
     if value is not None:
-        found.sort(key=lambda f: str(f[2]) != value)  # stable: the usual order among equals
+        found.sort(key=lambda f: not _same_value(f[2], value))  # stable: the usual order among equals
     return (found[0][0], found[0][1]) if found else (None, key)
+
+
+def _same_value(given: Any, shown: str) -> bool:
+    """Whether a value as a config file or the command line gives it equals ``shown``, as a parse error prints it:
+    the same text, or the same number (``1e3``, which PyYAML reads as a string, is jsonargparse's ``1000.0``)."""
+    if str(given) == shown:
+        return True
+    try:
+        return float(str(given)) == float(shown)
+    except ValueError:
+        return False
 
 
 def _set_leaves(words: list[str]) -> Iterator[tuple[str | None, str, Any]]:
