@@ -454,6 +454,18 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         self.regions = {"rec": rec, "start": start, "length": length, "split": split}
         return int(dropped.sum())
 
+    def _region_size_for(self, count: int) -> int | None:
+        """The largest region_size below the current one (and >= context_length + 1) that cuts the records into at
+        least ``count`` regions that fit a window, N content aside; None if even context_length + 1 does not."""
+        need = self.context_length + 1
+        rec, length = self.regions["rec"], self.regions["length"]
+        records = np.bincount(rec, weights=length).astype(np.int64)  # bases per record
+        records = records[records >= need]
+        for size in range(min(self.region_size - 1, int(records.max(initial=0))), need - 1, -1):
+            if int((records // size).sum() + (records % size >= need).sum()) >= count:
+                return size
+        return None
+
     def _check_windows(self) -> None:
         length, split, need = self.regions["length"], self.regions["split"], self.context_length + 1
         kept = length[split >= 0]
@@ -475,8 +487,9 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                        if mine.size else "it got no region")
                 usable = int((kept >= need).sum())
                 if usable < 3:  # too few regions: smaller ones make more (raising region_size makes fewer)
-                    fix = (f"lower region_size (e.g. {largest // 3}: at least {need}) or add data" if largest // 3
-                           >= need else f"lower context_length (the largest region holds {largest} bases) or add data")
+                    size = self._region_size_for(3)
+                    fix = (f"lower region_size (e.g. {size}: at least {need}) or add data" if size else
+                           f"lower context_length (the largest region holds {largest} bases) or add data")
                     raise ValueError(f"region_size={self.region_size} gives {usable} region(s) that fit a window of "
                                      f"{need} bases (a context of {self.context_length}); 3 are needed for a "
                                      f"guaranteed split, and the {name} split got none: {fix}")

@@ -378,8 +378,8 @@ def test_too_few_regions_name_region_size_and_a_value_that_works(tmp_path):
     dm = GenomeDataModule(str(small), context_length=256)
     _refused(lambda: dm.setup("fit"), "region_size=8192 gives 1 region(s) that fit a window of 257 bases (a context "
                                       "of 256); 3 are needed for a guaranteed split, and the val split got none: lower "
-                                      "region_size (e.g. 1666: at least 257) or add data")
-    dm = GenomeDataModule(str(small), context_length=256, region_size=1666)
+                                      "region_size (e.g. 2371: at least 257) or add data")
+    dm = GenomeDataModule(str(small), context_length=256, region_size=2371)
     dm.setup("fit")
     assert all(len(dm.datasets[name]) > 0 for name in ("train", "val", "test"))
     tiny = tmp_path / "tiny.fa"

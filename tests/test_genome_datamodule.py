@@ -287,11 +287,14 @@ def test_context_length_too_long(tmp_path):
                                          r"holding more than max_n_fraction=.* N bases; "
                                          r"raise max_n_fraction, or lower"):
         make([path], context_length=32, region_size=64, max_n_fraction=0.5)
-    # 160 bases = regions of 64, 64, 32: a window fits, but only two regions can hold one
+    # 160 bases = regions of 64, 64, 32: a window fits, but only two regions can hold one; 59 makes 59, 59, 42
     path = write(tmp_path / "tail.fa", fasta_text({"r": "ACGT" * 40}))
-    with pytest.raises(ValueError, match=r"context_length=40 needs 41 bases.*the (val|test|train) "
-                                         r"split has no window.*largest region overall: 64"):
+    with pytest.raises(ValueError, match=r"region_size=64 gives 2 region\(s\) that fit a window of 41 bases \(a "
+                                         r"context of 40\); 3 are needed for a guaranteed split, and the (val|test) "
+                                         r"split got none: lower region_size \(e.g. 59: at least 41\) or add data"):
         make([path], context_length=40, val_fraction=0.3, test_fraction=0.3)
+    dm = make([path], context_length=40, region_size=59, val_fraction=0.3, test_fraction=0.3)
+    assert all(len(dm.datasets[name]) > 0 for name in ("train", "val", "test"))
 
 
 @pytest.mark.parametrize("kwargs, arg", [
