@@ -120,6 +120,7 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
     # a Union of plain types names them all (jsonargparse named its first: "Expected a <class 'int'>", no value)
     for option, value, takes in (("--trainer.max_epochs", "abc", "an int or null"),
                                  ("--trainer.gradient_clip_val", "abc", "an int, a float or null"),
+                                 ("--trainer.gradient_clip_val", "inf", "an int, a finite float or null"),
                                  ("--trainer.enable_progress_bar", "maybe", "true, false or null"),
                                  ("--model.init_args.optim.lr", "abc", "a float"),
                                  ("--model.init_args.optim.lr", "", "a float"),  # was: got NestedArg(key='lr', ...)

@@ -1522,6 +1522,8 @@ def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
     if not names or any(n not in _TYPE_WORDS for n in names):
         return None
     words = [w for n in dict.fromkeys(names) for w in _TYPE_WORDS[n]]
+    if "a float" in words and str(value).strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
+        words[words.index("a float")] = "a finite float"  # jsonargparse refuses inf and nan for a float
     return f"expected {' or '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)}" + (
         f"; got {value}" if value is not None else "")
 
