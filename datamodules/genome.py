@@ -347,10 +347,11 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         if fasta is not None:  # globs, braces, directories: the rule of every mixlab input
             files = [g for f in files for g in (expand_pattern(str(f), "fasta", suffixes=FASTA_SUFFIXES)
                                                 if _is_pattern(str(f)) else [str(f)])]
-            twice = sorted({f for i, f in enumerate(files) if f in files[:i]})
+            real = [os.path.realpath(os.path.expanduser(f)) for f in files]  # a/../a/x.fa is a/x.fa
+            twice = sorted({f for i, f in enumerate(files) if real[i] in real[:i]})
             if twice:  # a directory and a file in it: each file read once
                 log.warning("fasta names %d file(s) more than once (read once each): %s", len(twice), twice[:3])
-                files = list(dict.fromkeys(files))
+                files = [f for i, f in enumerate(files) if real[i] not in real[:i]]
         if cache_dir and Path(cache_dir).expanduser().exists() and not Path(cache_dir).expanduser().is_dir():
             raise ValueError(f"cache_dir must be a directory (created if missing); got {cache_dir} (a file)")
         self.save_hyperparameters()
@@ -488,8 +489,11 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                 usable = int((kept >= need).sum())
                 if usable < 3:  # too few regions: smaller ones make more (raising region_size makes fewer)
                     size = self._region_size_for(3)
+                    longest = int(np.bincount(self.regions["rec"], weights=length).max())  # bases of a record
                     fix = (f"lower region_size (e.g. {size}: at least {need}) or add data" if size else
-                           f"lower context_length (the largest region holds {largest} bases) or add data")
+                           f"lower context_length and region_size together (the longest record holds {longest} "
+                           f"bases: e.g. context_length {max(1, longest // 6)} with region_size "
+                           f"{max(2, longest // 3)}), or add data")
                     raise ValueError(f"region_size={self.region_size} gives {usable} region(s) that fit a window of "
                                      f"{need} bases (a context of {self.context_length}); 3 are needed for a "
                                      f"guaranteed split, and the {name} split got none: {fix}")

@@ -453,7 +453,7 @@ def test_a_second_sigterm_stops_a_step_that_never_ends(capsys, monkeypatch, tmp_
     assert err[-2:] == ["mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, "
                         "without saving it)",
                         "mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved "
-                        "(the last checkpoint saved stays as it was)"]
+                        "(a checkpoint saved before stays as it was)"]
     assert signal.getsignal(signal.SIGTERM) is before
     assert (runs / "text/goat/version_0").is_dir() and not list(runs.rglob("*.ckpt"))  # 2 steps logged, none saved
 
@@ -841,3 +841,23 @@ def test_out_of_range_seed_and_trainer_counts_are_one_line(capsys, monkeypatch, 
         err = _main(capsys, monkeypatch, "fit", *base, f"--trainer.{option}={value}")
         assert err[-2] == f"error: trainer.{option}={value}: give an integer >= {least}"
     assert sorted(p.name for p in runs.rglob("*")) == []
+
+
+def test_sigterm_while_starting_is_one_line(tmp_path):
+    """A user test: SIGTERM in the first seconds of ``python -m mixlab`` (the imports) ended the process with no word.
+    Now one line and status 143, and nothing is written."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mixlab", "fit", "--config", str(GENOME), "--run_root",
+                             str(tmp_path / "runs")], stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    time.sleep(0.5)  # inside `import mixlab` (torch, Lightning)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert err.strip().splitlines()[-1] in ("mixlab: SIGTERM while starting: stopped; nothing saved",
+                                            # a slow start on a busy machine: set-up had begun
+                                            "mixlab: SIGTERM: stopped at once (outside the training and evaluation "
+                                            "loops: set-up or teardown); nothing saved")
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("version_*"))

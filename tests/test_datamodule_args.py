@@ -355,6 +355,8 @@ def test_fasta_patterns_name_the_files_they_match(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="mixlab.genome"):  # a directory and a file in it: read once
         assert GenomeDataModule(fasta=[str(tmp_path / "g"), str(tmp_path / "g/a.fa")]).fasta == one_by_one
     assert caplog.messages == [f"fasta names 1 file(s) more than once (read once each): {[one_by_one[0]]}"]
+    assert GenomeDataModule(fasta=[str(tmp_path / "g/a.fa"), str(tmp_path / "g/sub/../a.fa")]).fasta == \
+        [str(tmp_path / "g/a.fa")]  # the same file by another path
     listed = f"[{tmp_path}/g/{{a,c}}.f*a, {tmp_path}/g/sub/b.fasta]"  # an unquoted brace in a command-line list
     _refused(lambda: GenomeDataModule(fasta=listed), f"fasta: {listed!r} is a list read as one path (YAML reads an "
                                                      f"unquoted '{{' in a list as a mapping); quote its entries, e.g. "
@@ -386,5 +388,8 @@ def test_too_few_regions_name_region_size_and_a_value_that_works(tmp_path):
     tiny.write_text(">t\n" + "".join(rng.choice(list("ACGT"), 600)) + "\n")
     _refused(lambda: GenomeDataModule(str(tiny), context_length=256).setup("fit"),
              "region_size=8192 gives 1 region(s) that fit a window of 257 bases (a context of 256); 3 are needed for a "
-             "guaranteed split, and the val split got none: lower context_length (the largest region holds 600 "
-             "bases) or add data")
+             "guaranteed split, and the val split got none: lower context_length and region_size together (the "
+             "longest record holds 600 bases: e.g. context_length 100 with region_size 200), or add data")
+    dm = GenomeDataModule(str(tiny), context_length=100, region_size=200, batch_size=2)
+    dm.setup("fit")  # the values the line suggests
+    assert all(len(dm.datasets[name]) > 0 for name in ("train", "val", "test"))

@@ -7,9 +7,24 @@ Layout (import only downward): ``ops`` (stateless math, reference + fast paths) 
 Importing ``mixlab`` registers every built-in mixer and position scheme.
 """
 
-from mixlab.coords import Coords
-from mixlab.mixers import build_mixer, build_position, list_mixers, list_positions
-from mixlab.registry import register_mixer, register_position
+import signal as _signal
+import sys as _sys
+
+
+def _terminated_while_starting(signum, frame):
+    """SIGTERM while ``python -m mixlab`` imports its libraries: one line and exit status 143 (the default action
+    ended the process with no word). :func:`mixlab.cli.main` installs its own handler once it runs."""
+    print("mixlab: SIGTERM while starting: stopped; nothing saved", file=_sys.stderr, flush=True)
+    raise SystemExit(128 + _signal.SIGTERM)
+
+
+# `python -m mixlab ...`: while the package imports, argv[0] is still "-m"; a library import leaves handlers alone
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGTERM) == _signal.SIG_DFL:
+    _signal.signal(_signal.SIGTERM, _terminated_while_starting)
+
+from mixlab.coords import Coords  # noqa: E402
+from mixlab.mixers import build_mixer, build_position, list_mixers, list_positions  # noqa: E402
+from mixlab.registry import register_mixer, register_position  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["Coords", "build_mixer", "list_mixers", "register_mixer", "build_position", "list_positions",

@@ -1,11 +1,12 @@
 """``python -m mixlab``: :func:`mixlab.cli.main`. A Ctrl-C while the libraries are still being imported (the first
-seconds) ends in one line and exit status 130, as it does later, not in an import traceback."""
+seconds) ends in one line and exit status 130, as it does later, not in an import traceback; a SIGTERM then ends in
+one line and exit status 143 (it was the default action: no word)."""
 
 import os
 import signal
 import sys
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # SIGTERM while starting: mixlab/__init__.py's handler, until mixlab.cli.main's
     try:
         from mixlab.cli import main
     except KeyboardInterrupt:

@@ -548,8 +548,8 @@ class SigtermTwice:
             print("mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, without "
                   "saving it)", file=sys.stderr, flush=True)
             return
-        print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved (the "
-              "last checkpoint saved stays as it was)", file=sys.stderr, flush=True)
+        print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved (a "
+              "checkpoint saved before stays as it was)", file=sys.stderr, flush=True)
         raise TerminatedMidStep()
 
 
@@ -1522,6 +1522,8 @@ def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
     if not names or any(n not in _TYPE_WORDS for n in names):
         return None
     words = [w for n in dict.fromkeys(names) for w in _TYPE_WORDS[n]]
+    if "null" not in words and str(value).strip() in ("null", "None", "~"):  # as null_value_error says it
+        return "null is not a value this option takes; give one, or leave the key out for its default"
     if "a float" in words and str(value).strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
         words[words.index("a float")] = "a finite float"  # jsonargparse refuses inf and nan for a float
     return f"expected {' or '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)}" + (
