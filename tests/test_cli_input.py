@@ -158,6 +158,14 @@ def test_null_for_an_option_that_takes_none_is_one_line(capsys, monkeypatch, tmp
     assert _takes_none("trainer.check_val_every_n_epoch", {}) is True
     assert _takes_none("model.optim.lr", {"model": "mixlab.heads.CausalLM"}) is False
     assert _takes_none("model.nothing", {"model": "mixlab.heads.CausalLM"}) is None
+    # a null for a whole group (backbone, optim) is what jsonargparse takes: the group's defaults; said, not silent
+    from mixlab.cli import null_groups
+
+    group = tmp_path / "group.yaml"
+    group.write_text("model:\n  init_args:\n    backbone:\n")
+    assert null_groups(["fit", "--config", str(GENOME), "--config", str(group), "--model.init_args.optim", "null",
+                        "--trainer.check_val_every_n_epoch", "null"]) == [
+        f"{group}: model.init_args.backbone", "--model.init_args.optim"]
     # a class's error that names the option under its parent (optim.lr) is placed at the option that set it
     err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--model.init_args.optim.lr", "-1", *runs)
     assert err[-2] == "error: --model.init_args.optim.lr: optim.lr must be > 0; got -1.0"

@@ -310,6 +310,10 @@ class MixlabCLI(LightningCLI):
             raise ValueError(f"trainer.val_check_interval={interval}: give training batches >= 1 (an int) or a "
                              f"fraction of an epoch in (0, 1] (a float)")
         self._check_trainer_values(cfg["trainer"])
+        for place in null_groups(self._words):  # jsonargparse takes it: the group's defaults, silently
+            logging.getLogger("mixlab.cli").warning(
+                "%s: null replaces this whole group of options with its defaults (the values set for it before are "
+                "dropped); to change one option, set that key", place)
         if self.subcommand in ("validate", "test") and not cfg.get("ckpt_path"):
             logging.getLogger("mixlab.cli").warning(
                 "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
@@ -1335,6 +1339,42 @@ def _takes_none(key: str, class_paths: dict[str, Any]) -> bool | None:
     and the dataclasses or classes their arguments are annotated with; None when that cannot be told."""
     import typing
 
+    annotation = _option_annotation(key, class_paths)
+    if annotation is _UNKNOWN:
+        return None
+    if annotation is Any:
+        return True
+    return annotation is type(None) or type(None) in typing.get_args(annotation)
+
+
+_UNKNOWN = object()
+
+
+def null_groups(words: list[str]) -> list[str]:
+    """Where ``words`` set a whole group of options to null (``backbone:`` left empty, ``--model.init_args.optim
+    null``): the places (``<file>: <key>`` / ``--<key>``) of null values for options annotated with a dataclass, which
+    jsonargparse takes, so that the group's defaults replace it and every value set for it before is dropped."""
+    last: dict[str, tuple[str | None, str, Any]] = {}
+    for source, written, value in _set_leaves(words):
+        last[_plain(written)] = (source, written, value)
+    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+    import typing
+
+    found = []
+    for key, (source, written, value) in last.items():
+        if not (value is None if source else str(value).strip().lower() in ("null", "none", "~")):
+            continue
+        annotation = _option_annotation(key, class_paths)
+        if annotation is not _UNKNOWN and any(dataclasses.is_dataclass(a) for a in
+                                              (typing.get_args(annotation) or (annotation,))):
+            found.append(f"{source}: {written}" if source else f"--{written}")
+    return found
+
+
+def _option_annotation(key: str, class_paths: dict[str, Any]) -> Any:
+    """The annotation of option ``key`` (see :func:`_takes_none`), or ``_UNKNOWN``."""
+    import typing
+
     parts = key.split(".")
     if parts[0] == "trainer":
         owner: Any = pl.Trainer
@@ -1343,27 +1383,25 @@ def _takes_none(key: str, class_paths: dict[str, Any]) -> bool | None:
             module, _, name = class_paths[parts[0]].rpartition(".")
             owner = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError):
-            return None
+            return _UNKNOWN
     else:
-        return None
-    annotation: Any = None
+        return _UNKNOWN
+    annotation: Any = _UNKNOWN
     for i, name in enumerate(parts[1:]):
         try:
             hints = typing.get_type_hints(owner if dataclasses.is_dataclass(owner) else owner.__init__)
         except Exception:  # an annotation that does not resolve
-            return None
+            return _UNKNOWN
         if name not in hints:
-            return None
+            return _UNKNOWN
         annotation = hints[name]
         if i < len(parts) - 2:  # go into the class the argument is annotated with (Optional[X] -> X)
             inner = [a for a in (typing.get_args(annotation) or (annotation,)) if isinstance(a, type)
                      and a is not type(None)]
             if len(inner) != 1:
-                return None
+                return _UNKNOWN
             owner = inner[0]
-    if annotation is Any:
-        return True
-    return annotation is type(None) or type(None) in typing.get_args(annotation)
+    return annotation
 
 
 def set_at(key: str, words: list[str]) -> str | None:
