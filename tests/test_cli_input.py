@@ -158,6 +158,17 @@ def test_null_for_an_option_that_takes_none_is_one_line(capsys, monkeypatch, tmp
     assert _takes_none("trainer.check_val_every_n_epoch", {}) is True
     assert _takes_none("model.optim.lr", {"model": "mixlab.heads.CausalLM"}) is False
     assert _takes_none("model.nothing", {"model": "mixlab.heads.CausalLM"}) is None
+    # a section left empty: jsonargparse said "Unexpected config: model:" or "'NoneType' object has no attribute
+    # 'keys'", naming no file
+    for text, line in (("model:\n", "model: empty (null); give the options under it (e.g. model: {...}) or remove "
+                                     "the key"),
+                       ("data:\n  init_args:\n", "data.init_args: empty (null); give the options under it (e.g. "
+                                                  "data.init_args: {...}) or remove the key"),
+                       ("seed_everything:\n", "seed_everything: empty (null); give a value or remove the key")):
+        empty = tmp_path / "empty_section.yaml"
+        empty.write_text(text)
+        err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(empty), *runs)
+        assert err[-1] == f"error: {empty}: {line}"
     # a null for a whole group (backbone, optim) is what jsonargparse takes: the group's defaults; said, not silent
     from mixlab.cli import null_groups
 

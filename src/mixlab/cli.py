@@ -1519,6 +1519,21 @@ def _not_a_mapping(words: list[str]) -> str | None:
     return None
 
 
+def _empty_section(words: list[str], name: str | None = None) -> str | None:
+    """``<file>: <key>: empty (null); ...`` for the first key of a ``--config`` file that is left empty (``model:``,
+    ``init_args:``; with ``name``: only keys of that name), which jsonargparse reports as ``Unexpected config:
+    model:`` or a ``'NoneType' object has no attribute 'keys'`` of its own; else None."""
+    for path, tree, err in _config_trees(words):
+        if err is None and isinstance(tree, dict):
+            for key, value in _leaves(tree):
+                if value is None and (name is None and "." not in key or key.rsplit(".", 1)[-1] == name):
+                    if key in ("seed_everything", "ckpt_path", "run_root", "run_name"):
+                        return f"{path}: {key}: empty (null); give a value or remove the key"
+                    return (f"{path}: {key}: empty (null); give the options under it (e.g. {key}: {{...}}) or "
+                            f"remove the key")
+    return None
+
+
 def _precision_values() -> list:
     """Every value Lightning's ``trainer.precision`` takes (a union of literals; jsonargparse's error names the
     first only)."""
@@ -1583,7 +1598,11 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
     if message.startswith("Problems parsing config"):
         return _yaml_error(words) or " ".join(line.strip() for line in message.splitlines())
     if message.startswith("Unexpected config"):  # a file that is empty or holds no mapping of options
-        return _not_a_mapping(words) or message.strip()
+        return _not_a_mapping(words) or _empty_section(words) or message.strip()
+    if "'NoneType' object has no attribute" in message:  # `init_args:` left empty
+        found = _empty_section(words, "init_args")
+        if found:
+            return found
     required = re.fullmatch(r"the following arguments are required: (.+)", message.strip())
     if required and {"data", "model"} & {a.strip().split(".")[-1] for a in required.group(1).split(",")}:
         return (f"{message.strip()}: give a task config, e.g. python -m mixlab {command} --config "
