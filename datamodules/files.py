@@ -22,10 +22,19 @@ import re
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["expand_pattern", "REMOTE"]
+__all__ = ["expand_pattern", "is_pattern", "REMOTE"]
 
 REMOTE = re.compile(r"^(pipe:|https?://|gs://|s3://|ais://)")
 """URL schemes webdataset streams itself."""
+
+
+def is_pattern(path: str | os.PathLike) -> bool:
+    """Whether ``path`` names several files by this module's rule rather than one: a directory, a glob (``*``,
+    ``?``, ``[...]``), braces (``{a,b}``, ``{1..3}``) or entries joined by ``::``, and not an existing file."""
+    text = str(path)
+    p = Path(text).expanduser()
+    return p.is_dir() or (not p.is_file() and (glob.has_magic(text) or ("{" in text and "}" in text)
+                                                or "::" in text))
 
 
 def expand_pattern(pattern: str | os.PathLike | Sequence[str | os.PathLike], what: str = "path",

@@ -26,7 +26,7 @@ import torch
 from Bio.SeqIO.FastaIO import SimpleFastaParser
 from torch.utils.data import DataLoader, Dataset
 
-from mixlab.datamodules.files import expand_pattern
+from mixlab.datamodules.files import expand_pattern, is_pattern
 from mixlab.distributed import ResumableDataModule, SplitLoaders, check_num_workers, check_seed
 
 log = logging.getLogger("mixlab.genome")
@@ -96,15 +96,6 @@ def encode_sequence(seq: str | bytes, lowercase: str = "fold", iupac: str = "n",
 
 FASTA_SUFFIXES = (".fa", ".fasta", ".fna", ".fas", ".fa.gz", ".fasta.gz", ".fna.gz", ".fas.gz")
 """File name endings a ``fasta`` directory is read for (any case)."""
-
-
-def _is_pattern(path: str) -> bool:
-    """Whether ``path`` names several files: a directory, a glob (``*``, ``?``, ``[...]``), braces (``{a,b}``,
-    ``{1..3}``) or entries joined by ``::`` that do not name an existing file."""
-    import glob
-    p = Path(path).expanduser()
-    return p.is_dir() or (not p.is_file() and (glob.has_magic(path) or ("{" in path and "}" in path)
-                                                or "::" in path))
 
 
 def _check_file(path: Path) -> None:
@@ -346,7 +337,7 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                                  f"list as a mapping); quote its entries, e.g. \"['chr{{1..3}}.fa', 'extra.fa']\"")
         if fasta is not None:  # globs, braces, directories: the rule of every mixlab input
             files = [g for f in files for g in (expand_pattern(str(f), "fasta", suffixes=FASTA_SUFFIXES)
-                                                if _is_pattern(str(f)) else [str(f)])]
+                                                if is_pattern(f) else [str(f)])]
             real = [os.path.realpath(os.path.expanduser(f)) for f in files]  # a/../a/x.fa is a/x.fa
             twice = sorted({f for i, f in enumerate(files) if real[i] in real[:i]})
             if twice:  # a directory and a file in it: each file read once
@@ -455,12 +446,11 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
         self.regions = {"rec": rec, "start": start, "length": length, "split": split}
         return int(dropped.sum())
 
-    def _region_size_for(self, count: int) -> int | None:
-        """The largest region_size below the current one (and >= context_length + 1) that cuts the records into at
-        least ``count`` regions that fit a window, N content aside; None if even context_length + 1 does not."""
+    def _region_size_for(self, count: int, records: np.ndarray) -> int | None:
+        """The largest region_size below the current one (and >= context_length + 1) that cuts ``records`` (bases
+        per record) into at least ``count`` regions that fit a window, N content aside; None if even
+        context_length + 1 does not."""
         need = self.context_length + 1
-        rec, length = self.regions["rec"], self.regions["length"]
-        records = np.bincount(rec, weights=length).astype(np.int64)  # bases per record
         records = records[records >= need]
         for size in range(min(self.region_size - 1, int(records.max(initial=0))), need - 1, -1):
             if int((records // size).sum() + (records % size >= need).sum()) >= count:
@@ -488,8 +478,8 @@ class GenomeDataModule(SplitLoaders, ResumableDataModule):
                        if mine.size else "it got no region")
                 usable = int((kept >= need).sum())
                 if usable < 3:  # too few regions: smaller ones make more (raising region_size makes fewer)
-                    size = self._region_size_for(3)
-                    longest = int(np.bincount(self.regions["rec"], weights=length).max())  # bases of a record
+                    records = np.bincount(self.regions["rec"], weights=length).astype(np.int64)  # bases a record
+                    size, longest = self._region_size_for(3, records), int(records.max())
                     fix = (f"lower region_size (e.g. {size}: at least {need}) or add data" if size else
                            f"lower context_length and region_size together (the longest record holds {longest} "
                            f"bases: e.g. context_length {max(1, longest // 6)} with region_size "

@@ -76,6 +76,7 @@ import signal
 import sys
 import threading
 import traceback
+import typing
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -483,8 +484,11 @@ class MixlabCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, SigtermTwice()) if main_thread else None
+        with sigterm_handler(SigtermTwice()):
+            self._run_and_undo(subcommand)
+
+    def _run_and_undo(self, subcommand: str) -> None:
+        """:meth:`_run_subcommand`'s run and, on failure, its undo of the run folder."""
         try:
             try:
                 super()._run_subcommand(subcommand)
@@ -514,9 +518,20 @@ class MixlabCLI(LightningCLI):
                         break
                     parent.rmdir()
             raise
-        finally:
-            if main_thread:
-                signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_handler(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` as the SIGTERM handler inside (the one before it restored after); a no-op outside the main
+    thread, where Python cannot set signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 _LIGHTNING_PHRASES = (("No supported gpu backend", "accelerator"), ("Timer(duration=", "max_time"))
@@ -864,9 +879,8 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
     (:func:`_memory_error`: one line on how much was asked for). None for anything else (bugs,
     errors of other libraries): those keep their traceback.
     """
-    roots, seen, first = _our_roots(), set(), exc
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
+    roots, first = _our_roots(), exc
+    for exc in _chain(first):
         worker = _worker_error(exc, roots)
         if worker is not None:
             return "data", worker
@@ -874,7 +888,6 @@ def bad_input_error(exc: BaseException) -> tuple[str | None, BaseException] | No
         if (isinstance(exc, (ValueError, OSError)) and frames
                 and os.path.realpath(frames[-1].f_code.co_filename).startswith(roots)):
             return _owner_field(frames), exc
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return _memory_error(first)
 
 
@@ -898,9 +911,7 @@ def _memory_error(exc: BaseException | None) -> tuple[str | None, BaseException]
     """``(field, MemoryError)`` when ``exc``'s chain holds an allocation that failed (``MemoryError``,
     ``torch.OutOfMemoryError``, the CPU allocator's RuntimeError), e.g. a size in the config far too large; its
     message says how much was asked for and which sizes to lower. Else None."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
+    for exc in _chain(exc):
         text = str(exc).strip()
         m = _ALLOC.search(text)
         if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or (isinstance(exc, RuntimeError) and m):
@@ -912,8 +923,17 @@ def _memory_error(exc: BaseException | None) -> tuple[str | None, BaseException]
             return _owner_field(frames), MemoryError(
                 f"out of memory: {asked}; a size in the config (d_model, head_dim, n_modes, n_layers, vocab_size, "
                 f"chunk_size, data batch_size or context_length) needs more memory than this machine has")
-        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from: ``__cause__``, else ``__context__`` unless suppressed (``raise
+    ... from None``), as a traceback prints them; each once."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
 
 
 # ---------------------------------------------------------------------- --ckpt_path checks
@@ -1313,33 +1333,40 @@ def null_value_error(err: BaseException, words: list[str]) -> str | None:
     holds such a TypeError, the line names every option whose value in effect is null (:func:`_set_leaves`):
     ``<file>: trainer.max_steps: null is not a value this option takes; give one, or leave the key out for its
     default``."""
-    seen, chain = set(), []
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        chain.append(err)
-        err = err.__cause__ or err.__context__
-    if not any(isinstance(e, TypeError) and "NoneType" in str(e) for e in chain):
+    if not any(isinstance(e, TypeError) and "NoneType" in str(e) for e in _chain(err)):
         return None
-    last: dict[str, tuple[str | None, str, Any]] = {}
-    for source, written, value in _set_leaves(words):
-        last[_plain(written)] = (source, written, value)
-    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
-    nulls = [f"{source}: {written}" if source else f"--{written}" for key, (source, written, value) in last.items()
-             if (value is None if source else str(value).strip().lower() in ("null", "none", "~"))
-             and _takes_none(key, class_paths) is False]
+    nulls = [place for place, annotation in _null_settings(words) if _annotation_takes_none(annotation) is False]
     if not nulls:
         return None
     return (f"{', '.join(nulls)}: null is not a value {'this option takes' if len(nulls) == 1 else 'these take'}; "
             f"give one, or leave the key out for its default")
 
 
-def _takes_none(key: str, class_paths: dict[str, Any]) -> bool | None:
-    """Whether the option ``key`` (plain: ``model.optim.lr``, ``trainer.max_steps``) is annotated to take None, from
-    the signatures of ``pl.Trainer``, the model and data classes (``class_paths``: ``model``/``data`` -> class path)
-    and the dataclasses or classes their arguments are annotated with; None when that cannot be told."""
-    import typing
+def _is_null(value: Any, from_file: bool) -> bool:
+    """Whether a value set in a config file (YAML's null, an empty key) or on the command line (``null``, ``None``,
+    ``~``) is null."""
+    return value is None if from_file else str(value).strip().lower() in ("null", "none", "~")
 
-    annotation = _option_annotation(key, class_paths)
+
+def _null_settings(words: list[str]) -> list[tuple[str, Any]]:
+    """``(place, annotation)`` of each option whose value in effect on the command line ``words`` is null: where it
+    was set (``<file>: <key>`` / ``--<key>``) and its annotation (:func:`_option_annotation`)."""
+    last: dict[str, tuple[str | None, str, Any]] = {}
+    for source, written, value in _set_leaves(words):
+        last[_plain(written)] = (source, written, value)
+    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+    return [(f"{source}: {written}" if source else f"--{written}", _option_annotation(key, class_paths))
+            for key, (source, written, value) in last.items() if _is_null(value, source is not None)]
+
+
+def _takes_none(key: str, class_paths: dict[str, Any]) -> bool | None:
+    """Whether the option ``key`` (plain: ``model.optim.lr``) is annotated to take None (:func:`_option_annotation`);
+    None when that cannot be told."""
+    return _annotation_takes_none(_option_annotation(key, class_paths))
+
+
+def _annotation_takes_none(annotation: Any) -> bool | None:
+    """Whether an option's ``annotation`` (:func:`_option_annotation`) takes None; None when it is unknown."""
     if annotation is _UNKNOWN:
         return None
     if annotation is Any:
@@ -1354,26 +1381,14 @@ def null_groups(words: list[str]) -> list[str]:
     """Where ``words`` set a whole group of options to null (``backbone:`` left empty, ``--model.init_args.optim
     null``): the places (``<file>: <key>`` / ``--<key>``) of null values for options annotated with a dataclass, which
     jsonargparse takes, so that the group's defaults replace it and every value set for it before is dropped."""
-    last: dict[str, tuple[str | None, str, Any]] = {}
-    for source, written, value in _set_leaves(words):
-        last[_plain(written)] = (source, written, value)
-    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
-    import typing
-
-    found = []
-    for key, (source, written, value) in last.items():
-        if not (value is None if source else str(value).strip().lower() in ("null", "none", "~")):
-            continue
-        annotation = _option_annotation(key, class_paths)
-        if annotation is not _UNKNOWN and any(dataclasses.is_dataclass(a) for a in
-                                              (typing.get_args(annotation) or (annotation,))):
-            found.append(f"{source}: {written}" if source else f"--{written}")
-    return found
+    return [place for place, annotation in _null_settings(words) if annotation is not _UNKNOWN
+            and any(dataclasses.is_dataclass(a) for a in (typing.get_args(annotation) or (annotation,)))]
 
 
 def _option_annotation(key: str, class_paths: dict[str, Any]) -> Any:
-    """The annotation of option ``key`` (see :func:`_takes_none`), or ``_UNKNOWN``."""
-    import typing
+    """The annotation of option ``key`` (plain: ``model.optim.lr``, ``trainer.max_steps``), from the signatures of
+    ``pl.Trainer``, the model and data classes (``class_paths``: ``model``/``data`` -> class path) and the
+    dataclasses or classes their arguments are annotated with; ``_UNKNOWN`` when that cannot be told."""
 
     parts = key.split(".")
     if parts[0] == "trainer":
@@ -1537,8 +1552,6 @@ def _empty_section(words: list[str], name: str | None = None) -> str | None:
 def _precision_values() -> list:
     """Every value Lightning's ``trainer.precision`` takes (a union of literals; jsonargparse's error names the
     first only)."""
-    import typing
-
     from lightning.fabric.connector import _PRECISION_INPUT
 
     def flat(t: Any) -> list:
@@ -1575,7 +1588,7 @@ def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
     if not names or any(n not in _TYPE_WORDS for n in names):
         return None
     words = [w for n in dict.fromkeys(names) for w in _TYPE_WORDS[n]]
-    if "null" not in words and str(value).strip() in ("null", "None", "~"):  # as null_value_error says it
+    if "null" not in words and value is not None and _is_null(value, from_file=False):  # as null_value_error says
         return "null is not a value this option takes; give one, or leave the key out for its default"
     if "a float" in words and str(value).strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
         words[words.index("a float")] = "a finite float"  # jsonargparse refuses inf and nan for a float
@@ -1779,13 +1792,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"error: {early} comes before --config, which chooses the model and data classes its "
                       f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
                 raise SystemExit(2)
-            main_thread = threading.current_thread() is threading.main_thread()
-            previous = signal.signal(signal.SIGTERM, SigtermTwice()) if main_thread else None
-            try:  # SIGTERM while the config is read and the classes are built: one line, status 143
+            with sigterm_handler(SigtermTwice()):  # SIGTERM while the config is read and the classes are built
                 MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-            finally:
-                if main_thread:
-                    signal.signal(signal.SIGTERM, previous)
     except (SIGTERMException, TerminatedMidStep):  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + signal.SIGTERM) from None
 
@@ -1803,19 +1811,15 @@ def _run_command(name: str, args: list[str]) -> None:
     """Run the extra command ``name``. Ctrl-C and SIGTERM end it in one line (``mixlab <name>: interrupted
     (Ctrl-C)`` / ``terminated (SIGTERM)``) with exit status 130 / 143, after the command has put back the outputs
     it had begun (with ``MIXLAB_TRACEBACK=1``: the traceback)."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
     try:
-        _resolve(COMMANDS[name])(args)
+        with sigterm_handler(_terminated):
+            _resolve(COMMANDS[name])(args)
     except (KeyboardInterrupt, CommandTerminated) as err:
         if os.environ.get("MIXLAB_TRACEBACK"):
             raise
         term = isinstance(err, CommandTerminated)
         print(f"mixlab {name}: {'terminated (SIGTERM)' if term else 'interrupted (Ctrl-C)'}", file=sys.stderr)
         raise SystemExit(128 + (signal.SIGTERM if term else signal.SIGINT)) from None
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager

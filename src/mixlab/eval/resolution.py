@@ -236,7 +236,8 @@ def slow_warning(model, hw: tuple[int, int], batch: int, device: torch.device,
     gh, gw = vit.grid(*hw)
     tokens = gh * gw + vit.num_prefix_tokens
     per_image = 4 * tokens**2 * vit.embed_dim * len(vit.backbone.blocks)
-    seconds = per_image * batch / PEAK_FLOPS.get(device.type, PEAK_FLOPS["cpu"])
+    peak = PEAK_FLOPS.get(device.type, PEAK_FLOPS["cpu"])
+    seconds = per_image * batch / peak
     if seconds < 60:
         return None
     took = f"{seconds / 3600:,.1f} hours" if seconds >= 3600 else f"{seconds / 60:,.0f} minutes"
@@ -245,7 +246,7 @@ def slow_warning(model, hw: tuple[int, int], batch: int, device: torch.device,
              else f"{int(limit_batches)} batch(es)")
     return (f"warning: --resolutions {_res_label(hw)}: {tokens:,} tokens per image; attention alone is "
             f"{per_image:.1e} FLOP per image, at least {took} per batch of {batch} at {device.type}'s peak "
-            f"({PEAK_FLOPS.get(device.type, PEAK_FLOPS['cpu']):.0e} FLOP/s), for {which} (--limit-batches and "
+            f"({peak:.0e} FLOP/s), for {which} (--limit-batches and "
             f"--batch-size bound it)")
 
 
