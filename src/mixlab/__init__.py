@@ -13,9 +13,13 @@ import sys as _sys
 
 def _terminated_while_starting(signum, frame):
     """SIGTERM while ``python -m mixlab`` imports its libraries: one line and exit status 143 (the default action
-    ended the process with no word). :func:`mixlab.cli.main` installs its own handler once it runs."""
+    ended the process with no word). :func:`mixlab.cli.main` installs its own handler once it runs. The process
+    ends with ``os._exit``: nothing is written yet, and a ``SystemExit`` raised inside a half-imported C extension
+    (torch) can abort the interpreter at exit (SIGABRT)."""
+    import os
+
     print("mixlab: SIGTERM while starting: stopped; nothing saved", file=_sys.stderr, flush=True)
-    raise SystemExit(128 + _signal.SIGTERM)
+    os._exit(128 + _signal.SIGTERM)
 
 
 # `python -m mixlab ...`: while the package imports, argv[0] is still "-m"; a library import leaves handlers alone
