@@ -315,6 +315,34 @@ def test_gated_rmsnorm_keeps_float64_inputs_in_float64():
 
 
 @torch.no_grad()
+def test_rmsnorm_takes_bfloat16_inputs_with_float32_weights_without_torchs_warning():
+    """Under bf16 autocast the ViT's residual stream and the mixers' projections are bfloat16 while the norms'
+    weights are float32: torch's ``rms_norm`` then warns ("Mismatch dtype") and runs unfused. mixlab's
+    RMSNorm computes in float32 and returns bfloat16, equal to the formula rounded once."""
+    import warnings
+
+    from mixlab.backbone import BackboneConfig, make_norm
+    from mixlab.mixers.layers import RMSNorm
+
+    g = _gen(12)
+    x = torch.randn(3, 5, 8, generator=g).bfloat16()
+    norm = make_norm(BackboneConfig(d_model=8, n_layers=1, n_heads=1, norm="rmsnorm"))
+    assert isinstance(norm, RMSNorm)
+    norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = norm(x)
+    xf = x.float()
+    want = (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight).bfloat16()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    x64 = torch.randn(3, 5, 8, generator=g, dtype=F64)  # a float64 input keeps float64 with float32 weights
+    want64 = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    torch.testing.assert_close(norm(x64), want64, rtol=1e-15, atol=1e-15)
+    assert norm.double()(x64).dtype == F64
+
+
+@torch.no_grad()
 def test_heads_keep_float64_logits_and_a_float64_lm_decodes_like_its_parallel_forward():
     """The heads' float32 cast of the logits (for bf16 models) must leave a float64 model in float64."""
     from mixlab.heads.lm import CausalLM

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers import Mixer, SubLayer, build_mixer, get_mixer_cls, list_mixers
+from mixlab.mixers.layers import RMSNorm
 from mixlab.registry import MIXERS, POSITIONS, did_you_mean
 
 log = logging.getLogger("mixlab.backbone")
@@ -207,13 +208,13 @@ class BackboneConfig:
 
 
 def make_norm(cfg: BackboneConfig) -> nn.Module:
-    """``nn.RMSNorm`` or ``nn.LayerNorm`` over ``d_model`` as ``cfg.norm`` says.
+    """:class:`~mixlab.mixers.layers.RMSNorm` or ``nn.LayerNorm`` over ``d_model`` as ``cfg.norm`` says.
 
     Raises:
         ValueError: unknown ``cfg.norm``.
     """
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, eps=cfg.norm_eps)
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
     raise ValueError(f"BackboneConfig.norm must be 'rmsnorm' or 'layernorm'; got {cfg.norm!r}")

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, no_weight_decay, resolve_head_dim
-from mixlab.mixers.layers import ShortConv, short_conv_step
+from mixlab.mixers.layers import RMSNorm, ShortConv, short_conv_step
 from mixlab.ops.delta_rule import TORCH_CHUNK_SIZES, delta_rule, sqrt_sigmoid
 from mixlab.ops.fg2_gate import fg2_gate_prep
 from mixlab.registry import register_mixer
@@ -161,7 +161,7 @@ class GatedDeltaMixer(Mixer):
             self.g_proj = nn.Sequential(nn.Linear(d_model, r, bias=False), nn.Linear(r, h * V, bias=True))
         else:
             self.g_proj = nn.Linear(d_model, h * V, bias=False)
-        self.o_norm = nn.RMSNorm(V, eps=norm_eps)
+        self.o_norm = RMSNorm(V, eps=norm_eps)
         self.o_proj = nn.Linear(h * V, d_model, bias=False)
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
         self.reset_parameters()

@@ -1,6 +1,6 @@
 """Small building blocks shared by recurrent mixers: a depthwise causal short convolution
-with a decoding cache and packed-sequence support, and a per-head RMSNorm gated by a
-projection (fla layer recipe).
+with a decoding cache and packed-sequence support, a per-head RMSNorm gated by a
+projection (fla layer recipe), and the RMSNorm that every block and mixer uses.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from mixlab.mixers.base import SubLayer
 
-__all__ = ["ShortConv", "GatedRMSNorm", "short_conv_step"]
+__all__ = ["ShortConv", "GatedRMSNorm", "RMSNorm", "short_conv_step"]
 
 
 class ShortConv(SubLayer):
@@ -142,6 +142,25 @@ def _segment_masks(cu_seqlens: Tensor, t: int, kernel_size: int, x: Tensor) -> l
     start = cu_seqlens[:-1].to(x.device)
     seg_start = start[torch.searchsorted(start, pos, right=True) - 1]  # [T]
     return [(pos - s >= seg_start).to(x.dtype)[None, :, None] for s in range(kernel_size)]
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (``y = x / sqrt(mean(x^2) + eps) * weight`` over the last dims) that takes a
+    half-precision input with float32 parameters, as under ``bf16-mixed``/``16-mixed`` autocast.
+
+    Autocast casts ``layer_norm`` to float32 but not ``rms_norm``; given a bfloat16 ``x`` and a float32
+    ``weight``, torch falls back to its unfused kernels with a ``UserWarning`` ("Mismatch dtype between
+    input and weight"). This normalises ``x`` in the weight's dtype with the fused kernel and returns
+    x's dtype, the values torch's fallback computes (in the wider of the two dtypes).
+
+    Forward: ``x [..., *normalized_shape]`` any float dtype -> same shape, dtype of x.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.weight is None or x.dtype == self.weight.dtype:
+            return super().forward(x)
+        calc = torch.promote_types(x.dtype, self.weight.dtype)
+        return F.rms_norm(x.to(calc), self.normalized_shape, self.weight.to(calc), self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(SubLayer):

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, check_choice, check_sizes, no_weight_decay
-from mixlab.mixers.layers import ShortConv
+from mixlab.mixers.layers import RMSNorm, ShortConv
 from mixlab.ops.gla import mamba2_ssd
 from mixlab.registry import register_mixer
 
@@ -77,7 +77,7 @@ class Mamba2(Mixer):
         self.A_log = nn.Parameter(torch.empty(n_heads))
         self.D = nn.Parameter(torch.ones(n_heads))
         no_weight_decay(self.dt_bias, self.A_log, self.D)
-        self.norm = nn.RMSNorm(e, eps=1e-5)
+        self.norm = RMSNorm(e, eps=1e-5)
         self.out_proj = nn.Linear(e, d_model, bias=False)
         self.out_proj._is_residual = True  # type: ignore[attr-defined]
         self.reset_parameters()

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from mixlab.coords import Coords
 from mixlab.mixers.base import Mixer, check_sizes, resolve_head_dim
+from mixlab.mixers.layers import RMSNorm
 from mixlab.mixers.positions import RotaryPositions
 from mixlab.ops.attention import causal_mask, sdpa
 from mixlab.registry import register_mixer
@@ -92,12 +93,12 @@ class MultiHeadLatentAttention(Mixer):
         self.nope_dim, self.rope_dim, self.v_dim, self.kv_rank, self.q_rank = nope_dim, rope_dim, v_dim, kv_rank, q_rank
         if q_rank > 0:
             self.q_a = nn.Linear(d_model, q_rank, bias=False)
-            self.q_norm = nn.RMSNorm(q_rank, eps=norm_eps)
+            self.q_norm = RMSNorm(q_rank, eps=norm_eps)
             self.q_b = nn.Linear(q_rank, h * (nope_dim + rope_dim), bias=False)
         else:
             self.q_proj = nn.Linear(d_model, h * (nope_dim + rope_dim), bias=False)
         self.kv_a = nn.Linear(d_model, kv_rank + rope_dim, bias=False)
-        self.kv_norm = nn.RMSNorm(kv_rank, eps=norm_eps)
+        self.kv_norm = RMSNorm(kv_rank, eps=norm_eps)
         self.kv_b = nn.Linear(kv_rank, h * (nope_dim + v_dim), bias=False)
         self.o_proj = nn.Linear(h * v_dim, d_model, bias=False)
         self.o_proj._is_residual = True  # type: ignore[attr-defined]
