@@ -125,7 +125,10 @@ def test_yaml_value_class_and_syntax_errors_are_one_line(capsys, monkeypatch, tm
                                  ("--model.init_args.optim.lr", "abc", "a float"),
                                  ("--model.init_args.optim.lr", "", "a float"),  # was: got NestedArg(key='lr', ...)
                                  ("--data.init_args.lowercase", "maybe", "one of fold, n, error"),
-                                 ("--trainer.max_steps", "", "an int")):
+                                 ("--trainer.max_steps", "", "an int"),
+                                 # containers (was: "Expected a <class 'tuple'>. Got value: 0.9")
+                                 ("--model.init_args.optim.betas", "0.9", "a list such as [a, b]"),
+                                 ("--model.init_args.backbone.mixer_args", "3", "a mapping such as {key: value}")):
         err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), option, value)
         assert err == [f"error: {option}: expected {takes}; got {value or repr('')}"]
 
@@ -880,3 +883,17 @@ def test_sigterm_while_starting_is_one_line(tmp_path):
                                             "mixlab: SIGTERM: stopped at once (outside the training and evaluation "
                                             "loops: set-up or teardown); nothing saved")
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("version_*"))
+
+
+def test_an_unquoted_brace_pattern_in_a_config_file_gets_a_quoting_hint(capsys, monkeypatch, tmp_path):
+    """A user test: ``fasta: {a,b}.fa`` in a YAML file is not valid YAML and ``fasta: {a.fa,b.fa}`` is a mapping;
+    both errors now say to quote the value, with the value quoted."""
+    bad, mapping = tmp_path / "bad.yaml", tmp_path / "mapping.yaml"
+    bad.write_text("data:\n  init_args:\n    fasta: {x/a,x/b}.fa  # two files\n")
+    mapping.write_text("data:\n  init_args:\n    fasta: {x/a.fa,x/b.fa}\n")
+    hint = "a value that starts with { or [ is a YAML mapping or list: quote it, e.g. fasta: "
+    (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(bad))
+    assert line.startswith(f"error: {bad}: not valid YAML (") and line.endswith(f'{hint}"{{x/a,x/b}}.fa"')
+    (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(mapping))
+    assert line == (f"error: {mapping}: data.init_args.fasta: expected a string or null; got a YAML mapping "
+                    f"{{'x/a.fa': None, 'x/b.fa': None}}; {hint}\"{{x/a.fa,x/b.fa}}\"")

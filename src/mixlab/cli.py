@@ -1520,8 +1520,22 @@ def _yaml_error(words: list[str]) -> str | None:
         if err is not None:
             mark = getattr(err, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            return f"{path}: not valid YAML ({getattr(err, 'problem', None) or err}{at})"
+            return f"{path}: not valid YAML ({getattr(err, 'problem', None) or err}{at})" + _flow_hint(path, mark)
     return None
+
+
+_QUOTE_HINT = "a value that starts with {{ or [ is a YAML mapping or list: quote it, e.g. {key}: \"{value}\""
+
+
+def _flow_hint(path: str, mark: Any) -> str:
+    """``; a value that starts with { or [ is a YAML mapping or list: quote it ...`` when the line of a YAML error
+    holds such an unquoted value (a brace pattern such as ``fasta: {a,b}.fa``), else ``""``."""
+    try:
+        line = Path(path).read_text().splitlines()[mark.line]
+    except (OSError, IndexError, AttributeError, UnicodeDecodeError):
+        return ""
+    found = re.match(r"\s*(?:-\s+)?([\w.]+):\s+([{\[].*?)\s*(?:#.*)?$", line)
+    return f"; {_QUOTE_HINT.format(key=found.group(1), value=found.group(2))}" if found else ""
 
 
 def _not_a_mapping(words: list[str]) -> str | None:
@@ -1561,14 +1575,15 @@ def _precision_values() -> list:
 
 
 _TYPE_WORDS = {"int": ["an int"], "float": ["a float"], "bool": ["true", "false"], "str": ["a string"],
-               "NoneType": ["null"]}
+               "NoneType": ["null"], "tuple": ["a list such as [a, b]"], "list": ["a list such as [a, b]"],
+               "dict": ["a mapping such as {key: value}"]}
 """What a plain type takes, in a parse error (``--trainer.max_epochs: expected an int or null; got abc``)."""
 
 
-def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
+def _expected_types(message: str, leaf: str, value: str | None, key: str = "") -> str | None:
     """``expected an int, a float or null; got abc`` for jsonargparse's error on a value of the wrong plain type
     (``Expected a <class 'int'>. Got value: abc``, or a Union whose ``Subtypes:`` line lists plain types, whose
-    first alternative's error jsonargparse names alone), else None."""
+    first alternative's error jsonargparse names alone), else None. ``key``: the dotted option, for a quoting hint."""
     literal = re.match(r"Expected a typing\.Literal\[(.*)\]", leaf)
     if literal:  # Literal['fold', 'n', 'error']
         import ast
@@ -1590,6 +1605,15 @@ def _expected_types(message: str, leaf: str, value: str | None) -> str | None:
     words = [w for n in dict.fromkeys(names) for w in _TYPE_WORDS[n]]
     if "null" not in words and value is not None and _is_null(value, from_file=False):  # as null_value_error says
         return "null is not a value this option takes; give one, or leave the key out for its default"
+    if "a string" in words and re.fullmatch(r"\{.*: None\}", str(value)):  # fasta: {a.fa,b.fa} read as a mapping
+        import ast
+
+        try:
+            typed = "{" + ",".join(map(str, ast.literal_eval(str(value)))) + "}"
+        except (ValueError, SyntaxError):
+            typed = "{a,b}"
+        return (f"expected {' or '.join(words)}; got a YAML mapping {value}; "
+                + _QUOTE_HINT.format(key=key.rsplit(".", 1)[-1] or "key", value=typed))
     if "a float" in words and str(value).strip().lower().lstrip("+-.") in ("inf", "infinity", "nan"):
         words[words.index("a float")] = "a finite float"  # jsonargparse refuses inf and nan for a float
     return f"expected {' or '.join([', '.join(words[:-1]), words[-1]] if len(words) > 1 else words)}" + (
@@ -1650,7 +1674,7 @@ def parse_error_line(message: str, words: list[str], options: list[str], command
                 leaf = f"one of {', '.join(_precision_values())}" + (f"; got {shown_value}" if got else "")
             if key == "seed_everything" and got:  # a union of bool and int: "Expected a <class 'bool'>"
                 return f"{f'{where}: {shown}' if where else f'--{shown}'} {shown_value}: {SEED_RANGE}"
-            leaf = _expected_types(message, leaf, shown_value if got or "Got value:" in leaf else None) or leaf
+            leaf = _expected_types(message, leaf, shown_value if got or "Got value:" in leaf else None, key) or leaf
             missing = re.fullmatch(r"module '(.+)' has no attribute '(.+)'", leaf)
             if missing:  # a class_path typo
                 try:
