@@ -885,6 +885,27 @@ def test_sigterm_while_starting_is_one_line(tmp_path):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("version_*"))
 
 
+@pytest.mark.parametrize("delay", [0.5, 3.0])
+def test_ctrl_c_while_starting_is_one_line(tmp_path, delay):
+    """A user test: Ctrl-C about 1 s and 3-3.5 s after ``python -m mixlab fit`` started printed a 37-131 line
+    traceback (the imports, jsonargparse's parser set-up). Now one ``mixlab: ...`` line and status 130 whenever
+    it lands (later: Lightning's loop, which stops at the end of the step)."""
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mixlab", "fit", "--config", str(GENOME), "--run_root",
+                             str(tmp_path / "runs"), "--trainer.max_steps", "3"], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode in (128 + signal.SIGINT, 0), err  # 0: the 3 steps were done before the signal came
+    assert "Traceback" not in err, err
+    if proc.returncode:
+        assert err.strip().splitlines()[-1].startswith("mixlab: "), err
+
+
 def test_an_unquoted_brace_pattern_in_a_config_file_gets_a_quoting_hint(capsys, monkeypatch, tmp_path):
     """A user test: ``fasta: {a,b}.fa`` in a YAML file is not valid YAML and ``fasta: {a.fa,b.fa}`` is a mapping;
     both errors now say to quote the value, with the value quoted."""

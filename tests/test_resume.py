@@ -396,3 +396,62 @@ def test_the_progress_bar_of_a_resume_inside_an_epoch_counts_on_from_the_checkpo
     counting = [b for b in bars if not b.startswith("Training: |          | 0/?")]  # the bar drawn before step 1
     assert counting and all(b.startswith("Epoch 0: ") for b in counting), bars[:4]
     assert "10/15 " in counting[0] and "15/15 " in counting[-1], (counting[0], counting[-1])
+
+
+# ---------------------------------------------------------------------- interrupts
+@pytest.mark.parametrize("where,how", [("train", "raise"), ("train", "ctrl_c"), ("val", "raise"), ("val", "ctrl_c")])
+def test_an_interrupted_run_resumes_with_the_uninterrupted_schedule_and_metrics(tmp_path, monkeypatch, where, how):
+    """A user test: Ctrl-C at step 35 of a genome run, resumed, validated at steps 38 and 58 instead of 39 and 59 (and
+    an interrupt inside a validation reran it on part of its batches, with another val/loss, and logged every later
+    step one too late). Interrupted inside a training step (a KeyboardInterrupt raised there, or a real Ctrl-C,
+    which now stops at the end of the step) or inside the validation at step 10 (at its second batch), then resumed
+    to step 20: train/loss at steps 0..19 once each, and val/loss at the uninterrupted run's steps with its values."""
+    import os
+    import signal
+
+    from mixlab.cli import MixlabCLI
+    from mixlab.eval.compare import load_scalars
+    from mixlab.heads.synthetic import SyntheticLM
+
+    root = Path(__file__).resolve().parents[1]
+    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
+            "--trainer.val_check_interval", "5", "--trainer.log_every_n_steps", "1", "--trainer.max_steps", "20",
+            "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+            "--trainer.limit_val_batches", "2", "--trainer.num_sanity_val_steps", "0",
+            "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
+            "--data.init_args.num_workers", "0", "--data.init_args.n_train", "2560", "--data.init_args.batch_size", "8"]
+    MixlabCLI(args=["fit", *argv, "--run_name", "ref"])
+    train_step, eval_step, calls = SyntheticLM.training_step, SyntheticLM._eval_step, []
+
+    def stop():
+        if how == "raise":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGINT)  # mixlab's handler: stop at the end of the running step
+
+    def training_step(self, batch, batch_idx):
+        if where == "train" and self.global_step == 7:
+            stop()
+        return train_step(self, batch, batch_idx)
+
+    def _eval_step(self, batch, stage):
+        calls.append(self.global_step)
+        if where == "val" and calls.count(10) == 2:
+            stop()
+        return eval_step(self, batch, stage)
+
+    monkeypatch.setattr(SyntheticLM, "training_step", training_step)
+    monkeypatch.setattr(SyntheticLM, "_eval_step", _eval_step)
+    with pytest.raises(SystemExit):
+        MixlabCLI(args=["fit", *argv, "--run_name", "cut"])
+    monkeypatch.setattr(SyntheticLM, "training_step", train_step)
+    monkeypatch.setattr(SyntheticLM, "_eval_step", eval_step)
+    ckpt = torch.load(tmp_path / "parity/cut/version_0/checkpoints/last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == {"train": {"raise": 7, "ctrl_c": 8}, "val": {"raise": 10, "ctrl_c": 10}}[where][how]
+    MixlabCLI(args=["fit", *argv, "--run_name", "cut", "--ckpt_path", "last"])
+    ref, cut = (load_scalars(tmp_path / "parity" / name / "version_0") for name in ("ref", "cut"))
+    assert [s for _, s, _ in cut["train/loss"]] == list(range(20))
+    assert [s for _, s, _ in cut["val/loss"]] == [s for _, s, _ in ref["val/loss"]] == [4, 9, 14, 19]
+    torch.testing.assert_close([v for *_, v in cut["val/loss"]], [v for *_, v in ref["val/loss"]], rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close([v for *_, v in cut["train/loss"]], [v for *_, v in ref["train/loss"]], rtol=1e-6,
+                               atol=1e-6)

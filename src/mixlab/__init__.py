@@ -22,9 +22,20 @@ def _terminated_while_starting(signum, frame):
     os._exit(128 + _signal.SIGTERM)
 
 
+def _interrupted_while_starting(signum, frame):
+    """Ctrl-C while ``python -m mixlab`` imports its libraries: one line and exit status 130, as later (it was an
+    import traceback). :func:`mixlab.cli.main` puts Python's handler back once it runs."""
+    import os
+
+    print("mixlab: interrupted (Ctrl-C) while starting", file=_sys.stderr, flush=True)
+    os._exit(128 + _signal.SIGINT)
+
+
 # `python -m mixlab ...`: while the package imports, argv[0] is still "-m"; a library import leaves handlers alone
 if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGTERM) == _signal.SIG_DFL:
     _signal.signal(_signal.SIGTERM, _terminated_while_starting)
+if _sys.argv[:1] == ["-m"] and _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+    _signal.signal(_signal.SIGINT, _interrupted_while_starting)
 
 from mixlab.coords import Coords  # noqa: E402
 from mixlab.mixers import build_mixer, build_position, list_mixers, list_positions  # noqa: E402

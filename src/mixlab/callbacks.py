@@ -5,6 +5,7 @@ from __future__ import annotations
 import resource
 import sys
 import time
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -159,6 +160,21 @@ class LastCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start_step = trainer.global_step
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._batch_start_step = trainer.global_step
+
+    def _mid_step(self, trainer: pl.Trainer) -> bool:
+        """Whether an interrupt landed inside a training batch whose state no checkpoint can hold: its optimizer
+        step taken (the weights moved, its loop bookkeeping not done), a half-summed gradient, or an epoch's first
+        batch. A batch in flight before its optimizer step is saved as the end of the batch before it
+        (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if trainer.validating or progress.started <= progress.processed:
+            return False
+        return (trainer.global_step != getattr(self, "_batch_start_step", trainer.global_step)
+                or trainer.accumulate_grad_batches > 1 or progress.processed == 0)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._should_skip_saving_checkpoint(trainer):  # steps after the last save
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
@@ -167,14 +183,19 @@ class LastCheckpoint(ModelCheckpoint):
         """On Ctrl-C (KeyboardInterrupt) or SIGTERM (``kill``, a cluster's preemption: Lightning
         raises ``SIGTERMException`` at the next batch boundary) during ``fit``, save the steps done
         since the last save and say where on stderr (none done: say that nothing was saved). Other
-        exceptions save nothing: the state may be the cause."""
+        exceptions save nothing: the state may be the cause. An interrupt inside a training batch whose state no
+        checkpoint can hold (:meth:`_mid_step`) saves nothing either: the line names the older step
+        ``last.ckpt`` holds."""
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         if not isinstance(exception, (KeyboardInterrupt, SIGTERMException)) or trainer.state.fn != "fit":
             return
-        if self.dirpath is not None and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step:
+        mid_step = self._mid_step(trainer)
+        if (self.dirpath is not None and trainer.global_step > 0 and self._last_global_step_saved != trainer.global_step
+                and not mid_step):
             self._save_none_monitor_checkpoint(trainer, self._monitor_candidates(trainer))
-        what = "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted"
+        what = getattr(trainer, "mixlab_stop_signal", None) or (
+            "SIGTERM" if isinstance(exception, SIGTERMException) else "interrupted")
         if trainer.is_global_zero and self.dirpath is not None and self._last_global_step_saved > 0:
             print(f"mixlab: {what} at step {trainer.global_step}; {self.dirpath}/last.ckpt holds step "
                   f"{self._last_global_step_saved} (resume: the same command with --ckpt_path last)", file=sys.stderr)

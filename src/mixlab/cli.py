@@ -484,7 +484,8 @@ class MixlabCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
-        with sigterm_handler(SigtermTwice()):
+        sigterm = SigtermTwice()
+        with sigterm_handler(sigterm), sigterm_handler(CtrlCTwice(self.trainer, sigterm), signal.SIGINT):
             self._run_and_undo(subcommand)
 
     def _run_and_undo(self, subcommand: str) -> None:
@@ -521,17 +522,17 @@ class MixlabCLI(LightningCLI):
 
 
 @contextlib.contextmanager
-def sigterm_handler(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """``handler`` as the SIGTERM handler inside (the one before it restored after); a no-op outside the main
-    thread, where Python cannot set signal handlers."""
+def sigterm_handler(handler: Callable[[int, Any], None], signum: int = signal.SIGTERM) -> Iterator[None]:
+    """``handler`` as the handler of ``signum`` (SIGTERM) inside (the one before it restored after); a no-op outside
+    the main thread, where Python cannot set signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signum, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
 
 
 _LIGHTNING_PHRASES = (("No supported gpu backend", "accelerator"), ("Timer(duration=", "max_time"))
@@ -570,6 +571,51 @@ class SigtermTwice:
         print("mixlab: SIGTERM again: stopping now, in the middle of the running step, which is not saved (a "
               "checkpoint saved before stays as it was)", file=sys.stderr, flush=True)
         raise TerminatedMidStep()
+
+
+_CTRL_C_STOP = threading.Event()
+"""Set by :class:`CtrlCTwice` when its Ctrl-C stopped ``fit`` through Lightning's SIGTERM route: :func:`main`'s exit
+status is then 130 (128 + SIGINT), not 143."""
+
+
+class InterruptedMidStep(TerminatedMidStep):
+    """A second Ctrl-C during ``fit`` (:class:`CtrlCTwice`): as :class:`TerminatedMidStep`, exit status 130."""
+
+
+class CtrlCTwice:
+    """mixlab's SIGINT handler during ``fit``/``validate``/``test`` (installed by :meth:`MixlabCLI._run_subcommand`).
+
+    While ``fit`` trains or validates, the first Ctrl-C asks Lightning to stop as for SIGTERM: at the end of the
+    running training step (or between two validation batches; the validation restarts whole on resume), which
+    ``last.ckpt`` then holds, in the loop state that resumes exactly. Lightning's own KeyboardInterrupt lands
+    anywhere in a step, and the checkpoint of such a moment resumed with the validations one step early (a user
+    test). A second Ctrl-C raises :class:`InterruptedMidStep` at once, nothing saved. Elsewhere (set-up, the sanity
+    check, ``validate``/``test``) Ctrl-C raises KeyboardInterrupt as Python's default handler does. ``sigterm``:
+    the :class:`SigtermTwice` installed with it (while it is the SIGTERM handler, Lightning's loops do not run)."""
+
+    def __init__(self, trainer: pl.Trainer | None, sigterm: SigtermTwice) -> None:
+        self.trainer, self.sigterm, self.received = trainer, sigterm, 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        from lightning.pytorch.trainer.states import RunningStage
+
+        self.received += 1
+        trainer = self.trainer
+        running = (trainer is not None and signal.getsignal(signal.SIGTERM) is not self.sigterm
+                   and trainer.state.fn == "fit" and trainer.state.stage in (RunningStage.TRAINING,
+                                                                            RunningStage.VALIDATING))
+        if not running:
+            raise KeyboardInterrupt
+        if self.received == 1:
+            print("mixlab: Ctrl-C: stopping at the end of the running step, which is saved (Ctrl-C again stops at "
+                  "once, without saving it)", file=sys.stderr, flush=True)
+            trainer.mixlab_stop_signal = "interrupted (Ctrl-C)"
+            _CTRL_C_STOP.set()
+            trainer._signal_connector.received_sigterm = True  # Lightning's stop: at the end of the step
+            return
+        print("mixlab: Ctrl-C again: stopping now, in the middle of the running step, which is not saved (a "
+              "checkpoint saved before stays as it was)", file=sys.stderr, flush=True)
+        raise InterruptedMidStep()
 
 
 def float16_on_cpu(precision: Any, on_cpu: bool) -> str | None:
@@ -1777,6 +1823,12 @@ class _StderrHandler(logging.StreamHandler):
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
+    _CTRL_C_STOP.clear()
+    import mixlab
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is mixlab._interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: Ctrl-C as KeyboardInterrupt
     quiet_library_notices()
     log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
     if not log.handlers:
@@ -1818,8 +1870,15 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(2)
             with sigterm_handler(SigtermTwice()):  # SIGTERM while the config is read and the classes are built
                 MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+    except InterruptedMidStep:
+        raise SystemExit(128 + signal.SIGINT) from None
+    except KeyboardInterrupt:  # outside Lightning's loops (which end a Ctrl-C themselves): reading the config, set-up
+        if os.environ.get("MIXLAB_TRACEBACK"):
+            raise
+        print("mixlab: interrupted (Ctrl-C) while starting; nothing saved", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
     except (SIGTERMException, TerminatedMidStep):  # a SystemExit without a code (status 0): killed is not finished
-        raise SystemExit(128 + signal.SIGTERM) from None
+        raise SystemExit(128 + (signal.SIGINT if _CTRL_C_STOP.is_set() else signal.SIGTERM)) from None
 
 
 class CommandTerminated(BaseException):

@@ -281,6 +281,8 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
         return
     loops = checkpoint["loops"]["fit_loop"]
     batches = loops["epoch_loop.batch_progress"]
+    if getattr(trainer.state, "status", None) == "interrupted" and _as_interrupt_checkpoint(trainer, loops):
+        return
     if not (0 < batches["current"]["processed"] == batches["current"]["completed"]):
         return  # written at a batch end (completed lags), or before any batch
     for counts in (batches["total"], batches["current"]):
@@ -293,6 +295,43 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
     for counts in (epochs["total"], epochs["current"]):
         counts["processed"] = counts["completed"] = counts["started"] - 1
     checkpoint["epoch"] = epochs["current"]["started"] - 1
+
+
+def _as_interrupt_checkpoint(trainer: Any, loops: dict[str, Any]) -> bool:
+    """:func:`as_batch_end_checkpoint` for a checkpoint written on an interrupt (Ctrl-C, SIGTERM:
+    :meth:`mixlab.callbacks.LastCheckpoint.on_exception`, Lightning's status ``interrupted``), which can land where
+    no scheduled checkpoint is written. Returns True when it rewrote ``loops`` (the fit loop's state, in place):
+
+    * inside a training batch (started, not processed; its optimizer step not taken, else ``LastCheckpoint`` does
+      not save): the state at the end of the batch before it. Left as it was, the batch counter resumed one
+      behind the global step and every later validation (and its checkpoint) came one step early.
+    * inside a validation of ``fit``: that validation restarts from its first batch on resume, and the training
+      batch before it is counted as at its end. Left as it was, Lightning finished the validation with the
+      batches left (its metrics from part of the data) or skipped it, and logged every later step one too late.
+
+    Returns False (nothing changed) for any other state, which the batch-end rules cover."""
+    batches, state = loops["epoch_loop.batch_progress"], loops["epoch_loop.state_dict"]
+    current = batches["current"]
+    accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
+    if trainer.validating and not trainer.sanity_checking and "epoch_loop.val_loop.batch_progress" in loops:
+        val = loops["epoch_loop.val_loop.batch_progress"]
+        done = val["total"]["completed"] - val["current"]["completed"]  # val batches of the earlier validations
+        val["total"].update(ready=done + 1, started=done + 1, processed=done, completed=done)
+        val["current"].update(ready=1, started=1, processed=0, completed=0)  # Lightning: "restarted mid-evaluation"
+        if 0 < current["processed"] == current["completed"]:
+            for counts in (batches["total"], batches["current"]):
+                counts["completed"] -= 1
+        if not accumulating:  # Lightning counts the batch on resume and again after the validation it reruns
+            state["_batches_that_stepped"] -= 1
+        return True
+    if current["started"] > current["processed"] > 0:  # a training batch in flight
+        for counts in (batches["total"], batches["current"]):
+            counts["ready"] = counts["started"] = counts["processed"]
+            counts["completed"] = counts["processed"] - 1
+        if not accumulating:
+            state["_batches_that_stepped"] -= 1
+        return True
+    return False
 
 
 def check_validation_on_optimizer_steps(trainer: Any) -> None:
