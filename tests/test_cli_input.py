@@ -369,6 +369,28 @@ def test_interrupt_saves_last_checkpoint_and_resume_keeps_the_run(capsys, monkey
     assert sorted(p.name for p in (runs / "text" / "goat").iterdir()) == ["version_0"]
 
 
+def test_fit_from_another_models_checkpoint_is_refused(capsys, monkeypatch, tmp_path, trained):
+    """A user test: ``fit --config configs/text/rope.yaml --ckpt_path <a goat run's last.ckpt>`` warned once and went
+    on training goat in the goat run's folder, rewriting its ``last.ckpt``. Now one line naming what differs and the
+    checkpoint's run config, nothing written; validate/test still build the checkpoint's model (with a warning)."""
+    import shutil
+
+    shutil.copytree(trained["root"] / "text", tmp_path / "a" / "text")
+    run = tmp_path / "a" / "text" / "goat" / "version_0"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    err = _main(capsys, monkeypatch, "fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16",
+                "--model.init_args.backbone.mixer", "rope", "--ckpt_path", str(ckpt),
+                "--run_root", str(tmp_path / "b"))
+    assert err == [f"error: --ckpt_path {ckpt}: the checkpoint is another model than the config's (backbone.mixer "
+                   f"'rope' in the config, 'goat' in the checkpoint); fit would go on training the checkpoint's model, "
+                   f"in its run folder: use its run's config ({run.resolve() / 'config.yaml'}), or leave out "
+                   f"--ckpt_path to train the config's model", "(MIXLAB_TRACEBACK=1 shows the full traceback)"]
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "b").exists()
+
+
 def test_testing_another_runs_checkpoint_logs_into_that_run(capsys, monkeypatch, tmp_path, trained):
     """``test --config X --run_root OTHER --ckpt_path <a run's checkpoint>``: the metrics go to the
     checkpoint's own run (where ``compare`` reads them), not to a new run of X under OTHER."""
@@ -912,9 +934,13 @@ def test_an_unquoted_brace_pattern_in_a_config_file_gets_a_quoting_hint(capsys, 
     bad, mapping = tmp_path / "bad.yaml", tmp_path / "mapping.yaml"
     bad.write_text("data:\n  init_args:\n    fasta: {x/a,x/b}.fa  # two files\n")
     mapping.write_text("data:\n  init_args:\n    fasta: {x/a.fa,x/b.fa}\n")
-    hint = "a value that starts with { or [ is a YAML mapping or list: quote it, e.g. fasta: "
+    hint = "a value that starts with { is a YAML mapping: quote a brace pattern, e.g. fasta: "
     (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(bad))
     assert line.startswith(f"error: {bad}: not valid YAML (") and line.endswith(f'{hint}"{{x/a,x/b}}.fa"')
+    indent = tmp_path / "indent.yaml"  # a user test: not a brace pattern, no quoting advice
+    indent.write_text("trainer:\n  max_steps: 3\n limit_val_batches: [1,\n")
+    (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(indent))
+    assert line.startswith(f"error: {indent}: not valid YAML (") and "brace pattern" not in line
     (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(mapping))
     assert line == (f"error: {mapping}: data.init_args.fasta: expected a string or null; got a YAML mapping "
                     f"{{'x/a.fa': None, 'x/b.fa': None}}; {hint}\"{{x/a.fa,x/b.fa}}\"")

@@ -240,6 +240,17 @@ class MixlabCLI(LightningCLI):
                 logging.getLogger("mixlab.cli").info("--ckpt_path %s: runtime options kept from the config: %s",
                                                      path, "; ".join(kept))
         changed = overrides.changed_leaves(before, after)
+        other = [c for c in changed if c.split(":", 1)[0] in _MODEL_IDENTITY]
+        if sub == "fit" and other:
+            run = Path(str(path)).resolve().parent.parent
+            hint = f"use its run's config ({run / 'config.yaml'})" if (run / "config.yaml").is_file() else \
+                "use the config it was trained with"
+            what = "; ".join("{} {} in the config, {} in the checkpoint".format(c.split(": ", 1)[0],
+                                                                            *c.split(": ", 1)[1].split(" -> ", 1))
+                             for c in other)
+            raise ValueError(f"--ckpt_path {path}: the checkpoint is another model than the config's ({what}); fit "
+                             f"would go on training the checkpoint's model, in its run folder: {hint}, or leave out "
+                             f"--ckpt_path to train the config's model")
         if changed:
             logging.getLogger("mixlab.cli").warning(
                 "--ckpt_path %s: the model is built from the checkpoint's hyperparameters, which differ from "
@@ -1002,6 +1013,11 @@ def _pattern_mixers(model: Any) -> set[str] | None:
         return None
 
 
+_MODEL_IDENTITY = ("backbone.mixer", "backbone.d_model", "backbone.n_layers", "backbone.n_heads")
+"""Model options (dotted, ``init_args.`` left out) whose difference between a config and a ``fit --ckpt_path``
+checkpoint makes it another model: refused, where ``validate``/``test`` build the checkpoint's model and warn."""
+
+
 def _own_checkpoint_file(path: Any) -> bool:
     """True for a ``--ckpt_path`` that mixlab checks before Lightning reads it: a file, or a folder that is
     not a sharded (FSDP) checkpoint, which :func:`read_checkpoint` refuses in one line; not ``best``/``hpc``/...
@@ -1570,17 +1586,17 @@ def _yaml_error(words: list[str]) -> str | None:
     return None
 
 
-_QUOTE_HINT = "a value that starts with {{ or [ is a YAML mapping or list: quote it, e.g. {key}: \"{value}\""
+_QUOTE_HINT = "a value that starts with {{ is a YAML mapping: quote a brace pattern, e.g. {key}: \"{value}\""
 
 
 def _flow_hint(path: str, mark: Any) -> str:
-    """``; a value that starts with { or [ is a YAML mapping or list: quote it ...`` when the line of a YAML error
-    holds such an unquoted value (a brace pattern such as ``fasta: {a,b}.fa``), else ``""``."""
+    """``; a value that starts with { is a YAML mapping: quote ...`` when the line of a YAML error holds an unquoted
+    brace pattern followed by more text (``fasta: {a,b}.fa``), else ``""``."""
     try:
         line = Path(path).read_text().splitlines()[mark.line]
     except (OSError, IndexError, AttributeError, UnicodeDecodeError):
         return ""
-    found = re.match(r"\s*(?:-\s+)?([\w.]+):\s+([{\[].*?)\s*(?:#.*)?$", line)
+    found = re.match(r"\s*(?:-\s+)?([\w.]+):\s+(\{[^{}]*,[^{}]*\}[^\s#,]\S*)\s*(?:#.*)?$", line)
     return f"; {_QUOTE_HINT.format(key=found.group(1), value=found.group(2))}" if found else ""
 
 
