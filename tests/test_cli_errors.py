@@ -180,14 +180,14 @@ def test_user_typos_and_bad_sizes_are_one_line(capsys, tmp_path, monkeypatch):
     """Found by a user test: these used to print a long traceback or train silently."""
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer=mesa",
                 "--model.backbone.mixer_args={mesa: {lamda_floor: 0}}")
-    assert err[-2].startswith("error: backbone: mixer_args.mesa: mixer 'mesa' got unknown argument(s) 'lamda_floor'; "
-                              "it accepts: ")
+    assert err[-2].startswith("error: --model.backbone.mixer_args.mesa.lamda_floor: mixer 'mesa' got unknown "
+                              "argument(s) 'lamda_floor'; it accepts: ")  # the key named where it was set
     assert err[-2].endswith("; did you mean 'lambda_floor' for 'lamda_floor'?")  # the closest accepted argument
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={mesaa: {lambda_floor: 0}}")
     assert err[-2].startswith("error: backbone: mixer_args has entries for unknown mixer(s) 'mesaa'")
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_mode: 2}}}")
-    assert err[-2].startswith("error: backbone: mixer_args.goat: position_args of 'goat' got unknown key(s) 'n_mode'; "
-                              "it accepts: ")
+    assert err[-2].startswith("error: --model.backbone.mixer_args.goat.position_args.n_mode: position_args of 'goat' "
+                              "got unknown key(s) 'n_mode'; it accepts: ")
     assert err[-2].endswith("; did you mean 'n_modes' for 'n_mode'?") and not any("Union" in line for line in err)
     # a value of the wrong plain type was a jsonargparse "Union subtypes" traceback (TypeError inside the class)
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: abc}}}")

@@ -98,8 +98,17 @@ def test_a_typo_in_a_nested_mixer_option_is_one_line(monkeypatch, tmp_path, caps
         _run(monkeypatch, tmp_path, f"{MIX}.goat.position_args.n_mode", "1")
     assert info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-2].startswith("error: backbone: mixer_args.goat: position_args of 'goat' got unknown key(s) 'n_mode'; "
-                              "it accepts: ")
+    assert err[-2].startswith(f"error: {MIX}.goat.position_args.n_mode: position_args of 'goat' got unknown key(s) "
+                              "'n_mode'; it accepts: ")
+    # in a config file: the file and key (a user test: the file was not named)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  init_args:\n    backbone:\n      mixer_args:\n        goat:\n"
+                    "          position_args: {n_modez: 2}\n")
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, tmp_path, "--config", str(typo))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2].startswith(f"error: {typo}: model.init_args.backbone.mixer_args.goat.position_args.n_modez: "
+                              "position_args of 'goat' got unknown key(s) 'n_modez'; it accepts: ")
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -1504,6 +1504,12 @@ def place_value_error(message: str, field: str | None, words: list[str]) -> str:
     """
     own = re.match(r"--\w", message) or any(message.startswith(f"{path}: ") for path in config_files(words))
     sources = value_sources(message, field, words) if not own else []  # it names its option
+    unknown = re.search(r"unknown (?:key|argument)\(s\) ('[^']+'(?:, '[^']+')*)", message)
+    if not own and not sources and unknown:  # a misspelt key inside a nested mapping (mixer_args): where it was set
+        names = set(re.findall(r"'([^']+)'", unknown.group(1)))
+        latest = {_plain(key): (source, key) for source, key, _ in _set_leaves(words)}
+        sources = [(source, key) for plain, (source, key) in latest.items() if plain.rsplit(".", 1)[-1] in names
+                   and (not field or field in plain.split("."))]
     places = [f"{src}: {key}" if src else f"--{key}" for src, key in sources]
     head = f"{field}: " if field else ""
     if len(places) == 1:
