@@ -215,6 +215,14 @@ def test_only_the_standard_protocol_is_recorded_in_the_run_folder(run_ckpt, tmp_
         assert [value for _, _, value in ppl] == pytest.approx([res["goat"][16], res["goat"][32]])
     assert math.isclose(res["goat"][32], _ppl(run_ckpt, 32), rel_tol=1e-4)
     own = dict(res["goat"])
+    # a user test: another length alone replaced them all; now the lengths it does not measure again stay
+    res = L.main([*base[:3], "1.5", *base[5:]])
+    ppl = load_scalars(run_dir)["length/ppl"]
+    assert sorted(step for _, step, _ in ppl) == [16, 24, 32]
+    assert dict((step, value) for _, step, value in ppl) == pytest.approx({16: own[16], 24: res["goat"][24],
+                                                                           32: own[32]})
+    assert {tag for tag in load_scalars(run_dir) if tag.startswith("position_nll/")} == {
+        "position_nll/len_16", "position_nll/len_24", "position_nll/len_32"}
     # another text: not in the run folder; the default --out is outside <runs>/text/goat; one line says why
     other = tmp_path / "other.txt"
     other.write_text((Path(L.__file__).parents[1] / "data" / "tinyshakespeare.txt").read_text()[-20000:])

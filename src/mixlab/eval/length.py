@@ -30,7 +30,8 @@ a run folder write ``tb/<label>`` under ``--out``. Any other call measures other
 only into ``--out`` and says so in one line; its default ``--out`` is outside the run folder that
 ``compare`` reads (``<runs>/length_extrapolation/<task>_<run>_<version>_<what differs>`` for a
 checkpoint in ``<runs>/<task>/<run>/version_N/``), and an ``--out`` inside that folder is refused.
-A repeated evaluation into the same ``tb/`` folders replaces their earlier event files.
+A repeated evaluation into the same ``tb/`` folders replaces the scalars of the lengths it measures again and keeps
+the other lengths' (its event file carries them over; the earlier files are removed).
 
 A command that fails leaves these folders as they were: arguments are checked before anything is
 written (option values, ``--out``, ``--device``, ``--data-path``; per checkpoint its kind, the
@@ -483,6 +484,27 @@ def _check_options(p: OneLineParser, args) -> None:
             p.error(str(err))
 
 
+def _earlier_lengths(tb: Path, lengths: set[int]) -> dict[str, list[tuple[int, float]]]:
+    """The scalars an earlier call wrote into ``tb`` for lengths (tokens) other than ``lengths``: ``{tag: [(step,
+    value), ...]}`` of ``length/ppl`` and ``length/loss`` (step = length) and ``position_nll/len_<length>``. The
+    new call's event file carries them over, so that its earlier files (removed on success) take only the lengths
+    measured again with them (a user test: ``--lengths 1.5`` after ``--lengths 1 2 4`` left PPL@192 alone)."""
+    if not tb.is_dir() or not any(tb.glob("events.out.tfevents.*")):
+        return {}
+    from mixlab.eval.compare import load_scalars
+
+    kept: dict[str, list[tuple[int, float]]] = {}
+    for tag, points in load_scalars(tb).items():
+        per_length = re.fullmatch(r"position_nll/len_(\d+)", tag)
+        if per_length:
+            if int(per_length.group(1)) not in lengths:
+                kept[tag] = [(step, value) for _, step, value in points]
+        elif tag in ("length/ppl", "length/loss"):
+            last = {step: value for _, step, value in points}  # the newest value of each length
+            kept[tag] = [(step, value) for step, value in sorted(last.items()) if step not in lengths]
+    return {tag: points for tag, points in kept.items() if points}
+
+
 def _evaluate(args, out: Path, note, standard: bool = True) -> tuple[dict[str, dict[int, float]], str]:
     """:func:`main`'s evaluation and outputs: ``(results, markdown table)``; ``note(folder)`` is called before
     each folder is first written into (:func:`~mixlab.eval.common.undo_on_failure`); TensorBoard folders with
@@ -531,8 +553,12 @@ def _evaluate(args, out: Path, note, standard: bool = True) -> tuple[dict[str, d
         problem = output_problem(f"--ckpt {ckpt} (its run folder)" if in_run else "--out", tb_dir, folder=True)
         if problem:
             raise ValueError(problem)
+        kept = _earlier_lengths(tb_dir, {length for _, length in lengths})
         writer = SummaryWriter(str(note_tb(tb_dir)))
         try:
+            for tag, points in kept.items():  # lengths an earlier call measured and this one does not
+                for step, value in points:
+                    writer.add_scalar(tag, value, step)
             for (m, length), ds in zip(lengths, windows):
                 nll, n = position_nll(model, ds, args.batch_size, chunk, args.device)
                 loss = float(nll.sum() / (n * length))
