@@ -34,6 +34,7 @@ def test_constructor_errors_are_one_line(capsys, tmp_path, monkeypatch):
                        f"{', '.join(list_mixers())}; did you mean 'goat'?")
     assert err[-1].startswith("(MIXLAB_TRACEBACK=1")
     assert not any("Union" in line or "Traceback" in line or "Namespace(" in line for line in err), err
+    assert not any("unused" in line for line in err), err  # a user test: "mixer_args for 'goat' unused" came first
 
     err = _fail(capsys, monkeypatch, tmp_path, "--model.backbone.mixer_args={goat: {position_args: {n_modes: 20}}}")
     assert err[-2] == ("error: --model.backbone.mixer_args.goat.position_args.n_modes: head_dim=32 is too small for "

@@ -162,7 +162,7 @@ class BackboneConfig:
                 MIXERS.check_keys(name, self.mixer_args[name], deep=True)
             except ValueError as err:
                 raise ValueError(f"backbone: mixer_args.{name}: {err}") from None
-        if unused:
+        if unused and set(mixer_names(self.mixer)) <= set(list_mixers()):  # (a misspelt mixer: its own error)
             note = (f"backbone: mixer_args for {', '.join(map(repr, unused))} unused: the mixer pattern "
                     f"{self.mixer!r} has no such layer")
             if note not in _NOTED:  # once per process; info: a block shared by runs of several mixers is normal
