@@ -306,8 +306,8 @@ def test_bad_values_that_failed_at_the_first_step_are_one_line_before_training(c
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     for override, message in (
             ("--model.init_args.label_smoothing=2",
-             "error: model.init_args.label_smoothing must be in [0, 1); got 2.0"),
-            ("--data.init_args.image_size=0", "error: data.init_args.image_size must be >= 1; got 0"),
+             "error: --model.init_args.label_smoothing: must be in [0, 1); got 2.0"),
+            ("--data.init_args.image_size=0", "error: --data.init_args.image_size: must be >= 1; got 0"),
             ("--model.init_args.patch_size=50", "error: data.init_args.image_size=24: image size 24x24 is smaller than "
                                                 "one patch (patch_size=50): give a patch_size <= 24 or larger images"),
             ("--trainer.gradient_clip_val=-1", "error: trainer.gradient_clip_val=-1: give a norm (or value) >= 0, or "

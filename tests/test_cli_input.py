@@ -329,7 +329,7 @@ def test_failed_commands_leave_an_existing_run_as_it_was(capsys, monkeypatch, tm
                 "--run_root", str(runs), "--ckpt_path", "last")
     assert "data settings changed since the checkpoint" in err[-2]
     err = _main(capsys, monkeypatch, "test", *argv, "--ckpt_path", "last", "--data.init_args.batch_size=0")
-    assert err[-2] == "error: data.init_args.batch_size must be >= 1; got 0"  # the option once, no "data: " before it
+    assert err[-2] == "error: --data.init_args.batch_size: must be >= 1; got 0"  # the option once, where it was set
     assert listing() == before and (run / "config_test.yaml").read_text() == good
 
 
@@ -694,7 +694,7 @@ def test_bad_checkpoint_options_are_one_line_before_training(capsys, monkeypatch
     argv = ["fit", "--config", str(TEXT), *TINY, "--data.init_args.context_length=16", "--run_root", str(runs),
             "--trainer.max_steps=2", "--trainer.val_check_interval=1"]
     err = _main(capsys, monkeypatch, *argv, "--checkpoint.mode", "best")
-    assert err[0] == "error: checkpoint.mode must be 'min' or 'max'; got 'best'", err
+    assert err[0] == "error: --checkpoint.mode: must be 'min' or 'max'; got 'best'", err
     err = _main(capsys, monkeypatch, *argv, "--checkpoint.monitor", "val/acc_len_203_256")
     assert err[0] == ("error: checkpoint.monitor 'val/acc_len_203_256' is not logged by validation; it logs val/acc, "
                       "val/bits_per_byte, val/bits_per_token, val/loss, val/ppl"), err

@@ -1494,6 +1494,20 @@ def set_at(key: str, words: list[str]) -> str | None:
     return found
 
 
+def place_named_error(message: str, words: list[str]) -> str:
+    """A class's error that starts with its own option, dotted (``data.init_args.batch_size must be >= 1; got 0``),
+    as ``<file>: <key>: must be ...`` / ``--<key>: must be ...`` where the command line ``words`` set that option;
+    ``message`` as it is otherwise (a default value, an option the message only mentions)."""
+    lead = re.match(r"((?:data|model|trainer|checkpoint)\.[\w.]+) (?=must )", message)
+    if lead:
+        latest = {_plain(key): (source, key) for source, key, _ in _set_leaves(words)}
+        found = latest.get(_plain(lead.group(1)))
+        if found:
+            source, key = found
+            return f"{f'{source}: {key}' if source else f'--{key}'}: {message[lead.end():]}"
+    return message
+
+
 def place_value_error(message: str, field: str | None, words: list[str]) -> str:
     """A class's error ``message`` (raised for ``field``) as one line that names where the value was set.
 
@@ -1949,7 +1963,8 @@ def one_line_errors(words: list[str] | None = None) -> Iterator[None]:
             raise
         field, cause = found
         named = re.match(r"(trainer|model|data|checkpoint)\.", str(cause))  # the message names its option itself
-        line = place_value_error(str(cause), None if named else field, [] if named else words or [])
+        line = place_named_error(str(cause), words or []) if named else \
+            place_value_error(str(cause), field, words or [])
         print(f"error: {line}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
 
