@@ -928,6 +928,44 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path, delay):
         assert err.strip().splitlines()[-1].startswith("mixlab: "), err
 
 
+def test_ctrl_c_to_the_process_group_stops_at_a_step_end_with_loader_workers(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: the DataLoader workers as well as the main process,
+    which now stops at the end of its running step and saves it. The workers ignore it (they used to exit, and the
+    main process's next batch failed) and print nothing (forked, they had inherited the main process's handler)."""
+    import os
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "mixlab", "fit", "--config", str(GENOME), "--run_root",
+                             str(tmp_path / "runs"), "--trainer.max_steps", "100000", "--data.init_args.num_workers", "2",
+                             "--trainer.enable_progress_bar", "false"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while not any("Total Flops" in line or "Total FLOPs" in line for line in lines) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(4)  # into the training steps
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert err.count("mixlab: Ctrl-C: stopping at the end of the running step") == 1, err
+    assert "Traceback" not in err and "worker" not in err.lower(), err
+    ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
+    step = torch.load(ckpt, weights_only=False)["global_step"]
+    assert f"mixlab: interrupted (Ctrl-C) at step {step}; {ckpt.relative_to(tmp_path)} holds step {step}" in err or \
+        f"holds step {step}" in err, err
+
+
 def test_an_unquoted_brace_pattern_in_a_config_file_gets_a_quoting_hint(capsys, monkeypatch, tmp_path):
     """A user test: ``fasta: {a,b}.fa`` in a YAML file is not valid YAML and ``fasta: {a.fa,b.fa}`` is a mapping;
     both errors now say to quote the value, with the value quoted."""

@@ -605,11 +605,13 @@ class CtrlCTwice:
     the :class:`SigtermTwice` installed with it (while it is the SIGTERM handler, Lightning's loops do not run)."""
 
     def __init__(self, trainer: pl.Trainer | None, sigterm: SigtermTwice) -> None:
-        self.trainer, self.sigterm, self.received = trainer, sigterm, 0
+        self.trainer, self.sigterm, self.received, self.pid = trainer, sigterm, 0, os.getpid()
 
     def __call__(self, signum: int, frame: Any) -> None:
         from lightning.pytorch.trainer.states import RunningStage
 
+        if os.getpid() != self.pid:  # a forked DataLoader worker (a terminal's Ctrl-C reaches the whole group)
+            return
         self.received += 1
         trainer = self.trainer
         running = (trainer is not None and signal.getsignal(signal.SIGTERM) is not self.sigterm
@@ -618,8 +620,9 @@ class CtrlCTwice:
         if not running:
             raise KeyboardInterrupt
         if self.received == 1:
-            print("mixlab: Ctrl-C: stopping at the end of the running step, which is saved (Ctrl-C again stops at "
-                  "once, without saving it)", file=sys.stderr, flush=True)
+            if trainer.is_global_zero:
+                print("mixlab: Ctrl-C: stopping at the end of the running step, which is saved (Ctrl-C again stops "
+                      "at once, without saving it)", file=sys.stderr, flush=True)
             trainer.mixlab_stop_signal = "interrupted (Ctrl-C)"
             _CTRL_C_STOP.set()
             trainer._signal_connector.received_sigterm = True  # Lightning's stop: at the end of the step

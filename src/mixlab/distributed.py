@@ -84,6 +84,7 @@ def _exit_on_a_sigterm_from(parents: set[int]) -> None:
 
 
 def _ignore_sigterm_then(init: Callable[[int], Any] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the main process stops the workers
     if hasattr(signal, "sigwaitinfo"):  # Linux; elsewhere SIGTERM keeps its default
         parents = {os.getppid()}
         logical_parent = multiprocessing.parent_process()  # the main process under forkserver too
@@ -98,8 +99,9 @@ def _ignore_sigterm_then(init: Callable[[int], Any] | None, worker_id: int) -> N
 
 
 def worker_init_ignoring_sigterm(init: Callable[[int], Any] | None = None) -> Callable[[int], None]:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGTERM unless its main process sends it, then
-    ``init(worker_id)`` runs.
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGTERM unless its main process sends it, and Ctrl-C
+    (SIGINT, which a terminal sends to the whole process group: the main process stops at the end of its step and
+    shuts the workers down), then ``init(worker_id)`` runs.
 
     A cluster's preemption (``kill -TERM`` to the whole process group, ``scancel``) reaches the workers too; a
     worker killed by it makes the main process raise "DataLoader worker ... is killed by signal" before
