@@ -907,6 +907,21 @@ def test_sigterm_while_starting_is_one_line(tmp_path):
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("version_*"))
 
 
+def test_a_group_that_is_not_a_mapping_and_a_bad_file_value_overridden_later_name_the_file(capsys, monkeypatch,
+                                                                                            tmp_path):
+    """User tests: ``trainer: [1, 2]`` in a config file was accepted and reset every trainer setting (a 3-step run
+    trained on until killed); ``max_steps: 3.0`` in a file followed by ``--trainer.max_steps 3`` blamed the command
+    line's valid 3 (jsonargparse checks each file as it reads it)."""
+    listed, floated = tmp_path / "listed.yaml", tmp_path / "floated.yaml"
+    listed.write_text("trainer: [1, 2]\n")
+    floated.write_text("trainer:\n  max_steps: 3.0\n")
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(listed))
+    assert err == [f"error: {listed}: trainer: holds a list ([1, 2]), not a mapping of options (e.g. trainer: {{...}})"]
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(floated), "--trainer.max_steps",
+                "3")
+    assert err == [f"error: {floated}: trainer.max_steps: expected an int; got 3.0"]
+
+
 @pytest.mark.parametrize("delay", [0.5, 3.0])
 def test_ctrl_c_while_starting_is_one_line(tmp_path, delay):
     """A user test: Ctrl-C about 1 s and 3-3.5 s after ``python -m mixlab fit`` started printed a 37-131 line

@@ -193,6 +193,10 @@ class MixlabCLI(LightningCLI):
 
         if os.environ.get("MIXLAB_TRACEBACK"):
             return super().parse_arguments(parser, args)
+        group = _group_not_a_mapping(self._words)
+        if group:  # jsonargparse took `trainer: [1, 2]` and dropped every trainer setting before it (a user test)
+            print(f"error: {group}", file=sys.stderr)
+            raise SystemExit(2)
         parsers = [parser, *getattr(self, "_subcommand_parsers", {}).values()]
         for p in parsers:
             p.exit_on_error = False
@@ -1266,6 +1270,22 @@ def _config_trees(words: list[str]) -> Iterator[tuple[str, Any, Exception | None
             yield path, None, err
 
 
+def _group_not_a_mapping(words: list[str]) -> str | None:
+    """``<file>: trainer: holds a list ([1, 2]), not a mapping of options ...`` for the first ``--config`` file whose
+    ``trainer`` or ``checkpoint`` is not a mapping, or whose ``model`` / ``data`` is neither a mapping nor a class
+    path; else None. jsonargparse accepted a list there and reset the group to its defaults."""
+    for path, tree, err in _config_trees(words):
+        if err is not None or not isinstance(tree, dict):
+            continue
+        for key in ("trainer", "checkpoint", "model", "data"):
+            value = tree.get(key)
+            if value is None or isinstance(value, dict) or (key in ("model", "data") and isinstance(value, str)):
+                continue
+            return (f"{path}: {key}: holds a {type(value).__name__} ({value!r}), not a mapping of options (e.g. "
+                    f"{key}: {{...}})")
+    return None
+
+
 def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | None, str]:
     """``(config file or None, key as the user wrote it)`` for the dotted ``key`` of a parse error.
 
@@ -1288,8 +1308,8 @@ def _where(key: str, words: list[str], value: str | None = None) -> tuple[str | 
             for part in hit.split("."):
                 leaf = leaf[part]
             found.append((path, hit, leaf))
-    if value is not None:
-        found.sort(key=lambda f: not _same_value(f[2], value))  # stable: the usual order among equals
+    if value is not None:  # the same text first (a file's 3.0 over the command line's 3), then the same number
+        found.sort(key=lambda f: 0 if str(f[2]) == value else 1 if _same_value(f[2], value) else 2)  # stable
     return (found[0][0], found[0][1]) if found else (None, key)
 
 
