@@ -399,7 +399,8 @@ def test_the_progress_bar_of_a_resume_inside_an_epoch_counts_on_from_the_checkpo
 
 
 # ---------------------------------------------------------------------- interrupts
-@pytest.mark.parametrize("where,how", [("train", "raise"), ("train", "ctrl_c"), ("val", "raise"), ("val", "ctrl_c")])
+@pytest.mark.parametrize("where,how", [("train", "raise"), ("train", "ctrl_c"), ("val", "raise"), ("val", "ctrl_c"),
+                                       ("last_val", "raise"), ("last_val", "ctrl_c")])
 def test_an_interrupted_run_resumes_with_the_uninterrupted_schedule_and_metrics(tmp_path, monkeypatch, where, how):
     """A user test: Ctrl-C at step 35 of a genome run, resumed, validated at steps 38 and 58 instead of 39 and 59 (and
     an interrupt inside a validation reran it on part of its batches, with another val/loss, and logged every later
@@ -435,20 +436,31 @@ def test_an_interrupted_run_resumes_with_the_uninterrupted_schedule_and_metrics(
 
     def _eval_step(self, batch, stage):
         calls.append(self.global_step)
-        if where == "val" and calls.count(10) == 2:
+        if where != "train" and calls.count(10 if where == "val" else 20) == 2:
             stop()
         return eval_step(self, batch, stage)
 
     monkeypatch.setattr(SyntheticLM, "training_step", training_step)
     monkeypatch.setattr(SyntheticLM, "_eval_step", _eval_step)
-    with pytest.raises(SystemExit):
+    if (where, how) == ("last_val", "ctrl_c"):  # the last validation finishes, and so does the run (status 0)
         MixlabCLI(args=["fit", *argv, "--run_name", "cut"])
+    else:
+        with pytest.raises(SystemExit):
+            MixlabCLI(args=["fit", *argv, "--run_name", "cut"])
     monkeypatch.setattr(SyntheticLM, "training_step", train_step)
     monkeypatch.setattr(SyntheticLM, "_eval_step", eval_step)
     ckpt = torch.load(tmp_path / "parity/cut/version_0/checkpoints/last.ckpt", weights_only=False)
-    assert ckpt["global_step"] == {"train": {"raise": 7, "ctrl_c": 8}, "val": {"raise": 10, "ctrl_c": 10}}[where][how]
-    MixlabCLI(args=["fit", *argv, "--run_name", "cut", "--ckpt_path", "last"])
+    # inside the last validation, a hard stop saves nothing: last.ckpt stays at the validation before (step 15), as
+    # a resume from a checkpoint at step 20 would have nothing to train and never run that validation
+    assert ckpt["global_step"] == {"train": {"raise": 7, "ctrl_c": 8}, "val": {"raise": 10, "ctrl_c": 10},
+                                   "last_val": {"raise": 15, "ctrl_c": 20}}[where][how]
+    if ckpt["global_step"] < 20:
+        MixlabCLI(args=["fit", *argv, "--run_name", "cut", "--ckpt_path", "last"])
     ref, cut = (load_scalars(tmp_path / "parity" / name / "version_0") for name in ("ref", "cut"))
+    if (where, how) == ("last_val", "raise"):  # steps 15-19 trained (and logged) again, as after a crash
+        newest = {step: point for point in cut["train/loss"] for step in [point[1]]}  # sorted by wall time
+        assert len(cut["train/loss"]) == 25
+        cut["train/loss"] = [newest[step] for step in sorted(newest)]
     assert [s for _, s, _ in cut["train/loss"]] == list(range(20))
     assert [s for _, s, _ in cut["val/loss"]] == [s for _, s, _ in ref["val/loss"]] == [4, 9, 14, 19]
     torch.testing.assert_close([v for *_, v in cut["val/loss"]], [v for *_, v in ref["val/loss"]], rtol=1e-6,

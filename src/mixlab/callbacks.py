@@ -140,6 +140,20 @@ class MixerMetrics(pl.Callback):
         self._log(pl_module, "test")
 
 
+def final_validation(trainer: pl.Trainer) -> bool:
+    """Whether ``fit`` is validating after its last training step (``max_steps`` reached, or the last batch of the
+    last epoch). A stop there would leave that validation to a resume that has nothing left to train, which then
+    never runs it (a user test): the interrupt handlers let it finish instead."""
+    from lightning.pytorch.trainer.states import RunningStage
+
+    if trainer.state.fn != "fit" or trainer.state.stage != RunningStage.VALIDATING or trainer.sanity_checking:
+        return False
+    steps = trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps
+    epochs = (trainer.max_epochs not in (None, -1) and trainer.current_epoch + 1 >= trainer.max_epochs
+              and trainer.fit_loop.epoch_loop._num_ready_batches_reached())
+    return bool(steps or epochs)
+
+
 class LastCheckpoint(ModelCheckpoint):
     """``checkpoints/last.ckpt`` holding the NEWEST state, for ``--ckpt_path last``.
 
@@ -167,9 +181,11 @@ class LastCheckpoint(ModelCheckpoint):
     def _mid_step(self, trainer: pl.Trainer) -> bool:
         """Whether an interrupt landed inside a training batch whose state no checkpoint can hold: its optimizer
         step taken (the weights moved, its loop bookkeeping not done), a half-summed gradient, or an epoch's first
-        batch. A batch in flight before its optimizer step is saved as the end of the batch before it
-        (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
+        batch; or inside the last validation (:func:`final_validation`). A batch in flight before its optimizer
+        step is saved as the end of the batch before it (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        if final_validation(trainer):  # saved, a resume would have nothing to train and never run it: rerun from
+            return True                # the checkpoint before (the handlers let this validation finish instead)
         if trainer.validating or progress.started <= progress.processed:
             return False
         return (trainer.global_step != getattr(self, "_batch_start_step", trainer.global_step)

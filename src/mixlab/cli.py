@@ -89,7 +89,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from mixlab import overrides
-from mixlab.callbacks import BestCheckpoint, LastCheckpoint, LossProgressBar, MixerMetrics, ThroughputMemory
+from mixlab.callbacks import (
+    BestCheckpoint,
+    LastCheckpoint,
+    LossProgressBar,
+    MixerMetrics,
+    ThroughputMemory,
+    final_validation,
+)
 from mixlab.eval.common import output_problem
 from mixlab.registry import closest, load_plugins
 from mixlab.tb import HParams
@@ -499,7 +506,7 @@ class MixlabCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
-        sigterm = SigtermTwice()
+        sigterm = SigtermTwice(self.trainer)
         with sigterm_handler(sigterm), sigterm_handler(CtrlCTwice(self.trainer, sigterm), signal.SIGINT):
             self._run_and_undo(subcommand)
 
@@ -568,10 +575,11 @@ class SigtermTwice:
     ``cg_iters`` of 1e9) can be stopped without SIGKILL, its outputs kept or put back as for any failure. Outside
     Lightning's loops (datamodule set-up, building the model) the first SIGTERM raises Lightning's
     ``SIGTERMException`` at once (status 143; it was the default action, which killed the process without putting
-    back its outputs)."""
+    back its outputs). During ``fit``'s last validation (``trainer``:
+    :func:`mixlab.callbacks.final_validation`) the first SIGTERM lets it finish and the run end as it would have."""
 
-    def __init__(self) -> None:
-        self.received = 0
+    def __init__(self, trainer: pl.Trainer | None = None) -> None:
+        self.received, self.trainer = 0, trainer
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.received += 1
@@ -579,6 +587,11 @@ class SigtermTwice:
             print("mixlab: SIGTERM: stopped at once (outside the training and evaluation loops: set-up or "
                   "teardown); nothing saved", file=sys.stderr, flush=True)
             raise SIGTERMException()
+        if self.received == 1 and self.trainer is not None and final_validation(self.trainer):
+            self.trainer._signal_connector.received_sigterm = False  # Lightning's notifier set it: unset
+            print("mixlab: SIGTERM during the last validation: the run finishes with it (SIGTERM again stops at "
+                  "once, without saving it)", file=sys.stderr, flush=True)
+            return
         if self.received == 1:
             print("mixlab: SIGTERM: stopping at the end of the running step (SIGTERM again stops at once, without "
                   "saving it)", file=sys.stderr, flush=True)
@@ -623,6 +636,11 @@ class CtrlCTwice:
                                                                             RunningStage.VALIDATING))
         if not running:
             raise KeyboardInterrupt
+        if self.received == 1 and final_validation(trainer):
+            if trainer.is_global_zero:
+                print("mixlab: Ctrl-C during the last validation: the run finishes with it (Ctrl-C again stops at "
+                      "once, without saving it)", file=sys.stderr, flush=True)
+            return
         if self.received == 1:
             if trainer.is_global_zero:
                 print("mixlab: Ctrl-C: stopping at the end of the running step, which is saved (Ctrl-C again stops "
