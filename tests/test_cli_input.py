@@ -409,6 +409,25 @@ def test_testing_another_runs_checkpoint_logs_into_that_run(capsys, monkeypatch,
     assert (run / "version_0" / "config_test.yaml").is_file() and "test/loss" in load_scalars(run)
 
 
+def test_validate_with_other_data_settings_than_the_checkpoints_run_warns(caplog, monkeypatch, tmp_path, trained):
+    """A user test: ``fit ... --data.init_args.context_length 256`` then ``validate --ckpt_path last`` without it
+    measured at the config's 128 and logged into the run's val curve unnoticed. Now one warning line names it."""
+    import logging
+    import shutil
+
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    root = tmp_path / "runs"
+    shutil.copytree(trained["text"].parents[4] / "text", root / "text")
+    ckpt = root / "text" / "goat" / "version_0" / "checkpoints" / "last.ckpt"
+    with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
+        cli.main(["validate", "--config", str(TEXT), *TINY, "--data.init_args.context_length=32", "--run_root",
+                  str(root), "--ckpt_path", str(ckpt)])
+    lines = [r.getMessage() for r in caplog.records if "other data settings" in r.getMessage()]
+    assert lines == [f"--ckpt_path {ckpt}: validate measures with other data settings than the checkpoint's run "
+                     f"(data.init_args.context_length: 16 in the checkpoint, 32 now); its metrics go into that run's "
+                     f"curves"]
+
+
 def test_ckpt_path_last_builds_the_model_from_the_checkpoint_like_a_file(caplog, monkeypatch, tmp_path, trained):
     """``--ckpt_path last`` with a model option that differs from the checkpoint: the model is built from
     the checkpoint's hyperparameters with the same warning as for the file itself (it used to keep the

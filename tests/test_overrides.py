@@ -109,6 +109,13 @@ def test_a_typo_in_a_nested_mixer_option_is_one_line(monkeypatch, tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-2].startswith(f"error: {typo}: model.init_args.backbone.mixer_args.goat.position_args.n_modez: "
                               "position_args of 'goat' got unknown key(s) 'n_modez'; it accepts: ")
+    typo.write_text("model:\n  init_args:\n    backbone:\n      mixer_args:\n        goat:\n"
+                    "          position_argz: {n_modes: 2, abs_scale: 64}\n")  # a mixer-level key: named once
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, tmp_path, "--config", str(typo))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2].startswith(f"error: {typo}: model.init_args.backbone.mixer_args.goat.position_argz: mixer 'goat' "
+                              "got unknown argument(s) 'position_argz'; it accepts: ")
 
 
 @pytest.mark.parametrize("args,expected", [

@@ -506,6 +506,7 @@ class MixlabCLI(LightningCLI):
             if self.trainer.is_global_zero:
                 print(self._nothing_to_train, flush=True)
             return
+        _RUN_STARTED.set()
         sigterm = SigtermTwice(self.trainer)
         with sigterm_handler(sigterm), sigterm_handler(CtrlCTwice(self.trainer, sigterm), signal.SIGINT):
             self._run_and_undo(subcommand)
@@ -604,6 +605,11 @@ class SigtermTwice:
 _CTRL_C_STOP = threading.Event()
 """Set by :class:`CtrlCTwice` when its Ctrl-C stopped ``fit`` through Lightning's SIGTERM route: :func:`main`'s exit
 status is then 130 (128 + SIGINT), not 143."""
+
+
+_RUN_STARTED = threading.Event()
+"""Set when ``fit``/``validate``/``test`` begins to run (config read, classes built): a Ctrl-C :func:`main` catches
+after that is not "while starting"."""
 
 
 class InterruptedMidStep(TerminatedMidStep):
@@ -1187,7 +1193,7 @@ def check_checkpoint_split(path: str, checkpoint: dict, config: Any, subcommand:
             --data.init_args.seed); its test split could hold samples the checkpoint was trained on: test on the
             checkpoint's own split (give its values)``.
     """
-    from mixlab.distributed import changed_data_options
+    from mixlab.distributed import LOADER_OPTIONS, changed_data_options
 
     data = _get(config, "data")
     args = _get(data, "init_args")
@@ -1200,6 +1206,12 @@ def check_checkpoint_split(path: str, checkpoint: dict, config: Any, subcommand:
     changed = changed_data_options({k: v for k, v in was.items() if k in keys},
                                    {k: v for k, v in now.items() if k in keys})
     if not changed:
+        other = [line for line in changed_data_options(was, now)
+                 if line.split(":")[0].removeprefix("data.init_args.").split(".")[0] not in LOADER_OPTIONS]
+        if other:  # a user test: a context_length given to fit and not to validate went unnoticed
+            logging.getLogger("mixlab.cli").warning(
+                "--ckpt_path %s: %s measures with other data settings than the checkpoint's run (%s); its metrics go "
+                "into that run's curves", path, subcommand, "; ".join(other))
         return
     split = "test" if subcommand == "test" else "val"
     shown = [f"{line}, set at {set_at(line.split(':')[0], words) or 'the default'}" for line in changed]
@@ -1562,9 +1574,14 @@ def place_value_error(message: str, field: str | None, words: list[str]) -> str:
     unknown = re.search(r"unknown (?:key|argument)\(s\) ('[^']+'(?:, '[^']+')*)", message)
     if not own and not sources and unknown:  # a misspelt key inside a nested mapping (mixer_args): where it was set
         names = set(re.findall(r"'([^']+)'", unknown.group(1)))
-        latest = {_plain(key): (source, key) for source, key, _ in _set_leaves(words)}
-        sources = [(source, key) for plain, (source, key) in latest.items() if plain.rsplit(".", 1)[-1] in names
-                   and (not field or field in plain.split("."))]
+        found: dict[tuple[str | None, str], None] = {}  # (source, key up to the misspelt part), in order
+        for source, key, _ in _set_leaves(words):
+            parts = key.split(".")
+            hit = next((i for i, part in enumerate(parts) if part in names), None)
+            if hit is not None and (not field or field in _plain(key).split(".")):
+                found[(source, ".".join(parts[:hit + 1]))] = None
+        latest = {_plain(key): (source, key) for source, key in found}  # a later setting of the same key wins
+        sources = list(latest.values())
     places = [f"{src}: {key}" if src else f"--{key}" for src, key in sources]
     head = f"{field}: " if field else ""
     if len(places) == 1:
@@ -1901,11 +1918,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
     _CTRL_C_STOP.clear()
-    import mixlab
-
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is mixlab._interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # the imports are done: Ctrl-C as KeyboardInterrupt
+    _RUN_STARTED.clear()
     quiet_library_notices()
     log = logging.getLogger("mixlab")  # data summaries (records read, regions dropped) at INFO
     if not log.handlers:
@@ -1925,6 +1938,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}\n(MIXLAB_TRACEBACK=1 shows the full traceback)", file=sys.stderr)
         raise SystemExit(2) from None
     try:
+        import mixlab
+
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is mixlab._interrupted_while_starting:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # from here a Ctrl-C is one line (below)
         with one_line_errors(None if words[:1] and words[0] in COMMANDS else words):
             if words and words[0] in COMMANDS:
                 _run_command(words[0], words[1:])
@@ -1952,7 +1970,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # outside Lightning's loops (which end a Ctrl-C themselves): reading the config, set-up
         if os.environ.get("MIXLAB_TRACEBACK"):
             raise
-        print("mixlab: interrupted (Ctrl-C) while starting; nothing saved", file=sys.stderr)
+        where = ("outside the training and evaluation loops" if _RUN_STARTED.is_set()
+                 else "while starting; nothing saved")
+        print(f"mixlab: interrupted (Ctrl-C) {where}", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     except (SIGTERMException, TerminatedMidStep):  # a SystemExit without a code (status 0): killed is not finished
         raise SystemExit(128 + (signal.SIGINT if _CTRL_C_STOP.is_set() else signal.SIGTERM)) from None
