@@ -1857,20 +1857,24 @@ _LITLOGGER_TIP = "💡 Tip: For seamless cloud logging"
 
 
 class _DropNotice(logging.Filter):
-    """Drops log records starting with :data:`_LITLOGGER_TIP`."""
+    """Drops log records starting with :data:`_LITLOGGER_TIP`, and Lightning's ``[rank: 0] Received SIGTERM: 15``
+    (mixlab's SIGTERM handler says what happens next in its own line)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(_LITLOGGER_TIP)
+        msg = str(record.msg)
+        return not (msg.startswith(_LITLOGGER_TIP) or "Received SIGTERM: " in msg)
 
 
 def quiet_library_notices() -> None:
-    """Silence three notices mixlab commands printed and no user can act on: Lightning's
+    """Silence the notices mixlab commands printed and no user can act on: Lightning's
     litlogger advert (logged by every ``Trainer`` whose logger is not a LitLogger: mixlab's
     TensorBoard default, or none in the evaluation commands), torch's FutureWarning
     ``isinstance(treespec, LeafSpec) is deprecated`` raised inside Lightning's own CombinedLoader,
     and torch >= 2.14's rename notice for DDP's ``broadcast_buffers`` (the DDP config's option, kept
-    under its old name so that older torch versions take it). Only these messages; idempotent."""
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    under its old name so that older torch versions take it), and Lightning's "Received SIGTERM" next to mixlab's
+    own line. Only these messages; idempotent."""
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.trainer.connectors.signal_connector"):
         log = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) for f in log.filters):
             log.addFilter(_DropNotice())
