@@ -956,9 +956,10 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path, delay):
     time.sleep(delay)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=180)
-    assert proc.returncode in (128 + signal.SIGINT, 0), err  # 0: the 3 steps were done before the signal came
+    # 0: the 3 steps were done before the signal came; -SIGINT: it came while the finished process exited
+    assert proc.returncode in (128 + signal.SIGINT, 0, -signal.SIGINT), err
     assert "Traceback" not in err, err
-    if proc.returncode:
+    if proc.returncode == 128 + signal.SIGINT:
         assert err.strip().splitlines()[-1].startswith("mixlab: "), err
 
 
@@ -973,8 +974,8 @@ def test_ctrl_c_to_the_process_group_stops_at_a_step_end_with_loader_workers(tmp
     import time
 
     proc = subprocess.Popen([sys.executable, "-m", "mixlab", "fit", "--config", str(GENOME), "--run_root",
-                             str(tmp_path / "runs"), "--trainer.max_steps", "100000", "--data.init_args.num_workers", "2",
-                             "--trainer.enable_progress_bar", "false"], stdout=subprocess.DEVNULL,
+                             str(tmp_path / "runs"), "--trainer.max_steps", "100000", "--data.init_args.num_workers",
+                             "2", "--trainer.enable_progress_bar", "false"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)

@@ -15,3 +15,7 @@ if __name__ == "__main__":  # SIGTERM while starting: mixlab/__init__.py's handl
         print("mixlab: interrupted (Ctrl-C) while starting", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT) from None
     main()
+    # done: a Ctrl-C or SIGTERM while the interpreter exits (joining loader workers, finalizing) ends it at once,
+    # quietly (the early SIGTERM handler restored by main would say "while starting")
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
