@@ -371,3 +371,15 @@ def test_smoothing_wider_than_the_curve_keeps_half_of_it(tmp_path):
     fig = L.plot_position_nll({"a": curve}, {"a": 16}, tmp_path / "p.png", smooth=100000)
     x, y = fig.axes[0].lines[0].get_data()
     assert len(y) == 17 and y[0] == pytest.approx(curve[:16].mean()) and x[0] == pytest.approx(8.5)
+
+
+def test_rows_are_labelled_by_the_run_folder(run_ckpt, tmp_path):
+    """A user test: a run trained with ``--run_name base`` was labelled ``goat`` (its mixer), while ``--help`` says
+    the default label is the run name."""
+    import shutil
+
+    shutil.copytree(run_ckpt.parents[2], tmp_path / "runs" / "text" / "base")
+    ckpt = tmp_path / "runs" / "text" / "base" / "version_0" / "checkpoints" / run_ckpt.name
+    res = L.main(["--ckpt", str(ckpt), "--lengths", "1", "--max-windows", "2", "--device", "cpu", "--out",
+                  str(tmp_path / "out")])
+    assert list(res) == ["base"]

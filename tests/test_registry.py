@@ -337,3 +337,12 @@ def test_a_misspelt_mixer_in_a_pattern_is_named_before_the_layer_count():
         parse_pattern("kda*3,mlx", 2)
     with pytest.raises(ValueError, match="has 4 entries; n_layers=2 is not a multiple$"):
         parse_pattern("kda*3,mla", 2)
+
+
+def test_closest_ignores_letter_case():
+    """A user test: ``--ckpt_path LAST`` got no "did you mean last" (``lastt`` did)."""
+    from mixlab.registry import closest
+
+    assert closest("LAST", ["last", "best"]) == "last"
+    assert closest("Goat", ["goat", "rope"]) == "goat" and closest("lastt", ["last", "best"]) == "last"
+    assert closest("zzz", ["last", "best"]) is None

@@ -69,10 +69,11 @@ def load_plugins(env: str | None = None) -> list[str]:
 
 
 def closest(word: str, candidates: list[str]) -> str | None:
-    """The candidate nearest to a misspelt ``word`` (:func:`difflib.get_close_matches`, cutoff 0.6), or None:
-    the "did you mean" of every error about an unknown name."""
-    hits = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return hits[0] if hits else None
+    """The candidate nearest to a misspelt ``word`` (:func:`difflib.get_close_matches`, cutoff 0.6, letter case
+    ignored: ``LAST`` -> ``last``), or None: the "did you mean" of every error about an unknown name."""
+    lowered = {str(c).lower(): c for c in reversed(candidates)}  # the first of candidates equal but for case
+    hits = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+    return lowered[hits[0]] if hits else None
 
 
 def did_you_mean(words: list[str], candidates: list[str]) -> str:

@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> dict:
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", nargs="+", required=True, help="checkpoint(s) to compare")
     p.add_argument("--labels", nargs="*", default=None,
-                   help="row labels, one non-empty label per --ckpt (default: the model run names)")
+                   help="row labels, one non-empty label per --ckpt (default: each checkpoint's run folder name, "
+                        "else its model's default run name)")
     p.add_argument("--lengths", nargs="+", type=float, default=[1, 2, 4, 8], help="multiples of the training length")
     p.add_argument("--train-length", type=int, default=None, help="override the training length (tokens, >= 2)")
     p.add_argument("--max-windows", type=int, default=16, help="windows per length")
@@ -538,14 +539,16 @@ def _evaluate(args, out: Path, note, standard: bool = True) -> tuple[dict[str, d
             check_forward_memory(model, batch, length, chunk, args.device, f"--lengths {m:g} ({length} tokens)",
                                  _PER_TOKEN)
         windows = [_windows(dm, args, m, length) for m, length in lengths]
-        label = args.labels[i] if args.labels is not None else getattr(model, "run_name", Path(ckpt).stem)
+        ck = Path(ckpt).resolve()
+        in_run_folder = ck.parent.name == "checkpoints" and ck.parents[1].name.startswith("version_")
+        label = args.labels[i] if args.labels is not None else (
+            ck.parents[2].name if in_run_folder else getattr(model, "run_name", Path(ckpt).stem))  # --run_name's
         if label in results:
             label = f"{label}-{i}"
         note_long_run(f"length-extrapolation {label}",
                       sum(len(ds) * forward_flops(model, length) for (_, length), ds in zip(lengths, windows)),
                       args.device)
         train_len[label], results[label] = l_train, {}
-        ck = Path(ckpt).resolve()
         # the standard protocol's scalars go into the checkpoint's own run folder (where `mixlab compare` looks),
         # whatever --out is; any other data only into --out
         in_run = standard and ck.parent.name == "checkpoints"
