@@ -156,7 +156,8 @@ def test_generate_mistakes_are_one_line_errors(text_ckpts, genome_ckpt, tmp_path
         ["--ckpt", str(not_ckpt), "--prompt", "a"], capsys)
     truncated = tmp_path / "cut.ckpt"
     truncated.write_bytes(Path(text).read_bytes()[:4096])
-    assert "not a PyTorch Lightning checkpoint" in _one_line_error(["--ckpt", str(truncated), "--prompt", "a"], capsys)
+    assert "a truncated or damaged checkpoint (the start of a torch.save archive without its end" in _one_line_error(
+        ["--ckpt", str(truncated), "--prompt", "a"], capsys)  # a user test: it read "not a torch.save zip archive"
     plain = tmp_path / "plain.pt"  # a torch.save file that Lightning did not write (a KeyError traceback before)
     torch.save({"a": 1}, plain)
     assert "not a PyTorch Lightning checkpoint (no state_dict)" in _one_line_error(

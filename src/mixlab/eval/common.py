@@ -215,6 +215,11 @@ def read_checkpoint(path: str | Path, option: str = "--ckpt") -> dict:
         raise FileNotFoundError(f"{option} {path}: file not found")
     hint = "give a .ckpt file written by python -m mixlab fit"
     if not zipfile.is_zipfile(path):  # torch's own message for this case suggests re-saving the file
+        with open(path, "rb") as fh:
+            truncated = fh.read(4) == b"PK\x03\x04"  # a zip archive's start without its end
+        if truncated:
+            raise ValueError(f"{option} {path}: a truncated or damaged checkpoint (the start of a torch.save archive "
+                             f"without its end: a save or copy that did not finish); {hint}")
         raise ValueError(f"{option} {path}: not a PyTorch Lightning checkpoint (not a torch.save zip archive); {hint}")
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
