@@ -64,6 +64,7 @@ Set ``MIXLAB_TRACEBACK=1`` to get jsonargparse's message or the full traceback i
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import dataclasses
 import difflib
@@ -251,14 +252,13 @@ class MixlabCLI(LightningCLI):
                 logging.getLogger("mixlab.cli").info("--ckpt_path %s: runtime options kept from the config: %s",
                                                      path, "; ".join(kept))
         changed = overrides.changed_leaves(before, after)
-        other = [c for c in changed if c.split(":", 1)[0] in _MODEL_IDENTITY]
+        other = {k: v for k, v in overrides.changed_values(before, after).items() if k in _MODEL_IDENTITY}
         if sub == "fit" and other:
             run = Path(str(path)).resolve().parent.parent
             hint = f"use its run's config ({run / 'config.yaml'})" if (run / "config.yaml").is_file() else \
                 "use the config it was trained with"
-            what = "; ".join("{} {} in the config, {} in the checkpoint".format(c.split(": ", 1)[0],
-                                                                            *c.split(": ", 1)[1].split(" -> ", 1))
-                             for c in other)
+            what = "; ".join(f"{k} {old} in the config, {new} in the checkpoint"
+                             for k, (old, new) in sorted(other.items()))
             raise ValueError(f"--ckpt_path {path}: the checkpoint is another model than the config's ({what}); fit "
                              f"would go on training the checkpoint's model, in its run folder: {hint}, or leave out "
                              f"--ckpt_path to train the config's model")
@@ -850,8 +850,6 @@ def _check_resumable(path: str, checkpoint: dict, group: Any) -> None:
     Raises:
         ValueError: one line naming the reason (both settings for the second).
     """
-    import ast
-
     if any(".mlp.fc1_g." in k for k in checkpoint.get("state_dict") or {}):
         raise ValueError(f"--ckpt_path {path}: written before the SwiGLU's gate and value projections were packed "
                          "into one (mlp.fc1_g / fc1_x -> mlp.fc1); its weights load for validate, test and "
@@ -1354,6 +1352,12 @@ def _same_value(given: Any, shown: str) -> bool:
         return False
 
 
+def _latest_leaves(words: list[str]) -> dict[str, tuple[str | None, str, Any]]:
+    """``{plain key: (config file or None, key as written, value)}`` of the value in effect for every option ``words``
+    set (:func:`_set_leaves`, the last setting of a key winning, as jsonargparse applies them)."""
+    return {_plain(key): (source, key, value) for source, key, value in _set_leaves(words)}
+
+
 def _set_leaves(words: list[str]) -> Iterator[tuple[str | None, str, Any]]:
     """``(config file or None, key as written, value)`` of every value ``words`` set, in the order jsonargparse
     applies them (each ``--config`` file's leaves where it stands, command-line options where they stand; a later
@@ -1431,10 +1435,7 @@ def value_sources(message: str, field: str | None, words: list[str]) -> list[tup
     with the value it was last set to (:func:`_names_value`: ``lambda_floor must be > 0; got -1``). Values left at
     their defaults are not found, nor options the message names itself (``--ckpt_path x: ...``). Used to point a
     constructor's error at the file and key."""
-    latest: dict[str, tuple[str | None, str, Any]] = {}
-    for source, key, value in _set_leaves(words):
-        latest[_plain(key)] = (source, key, value)
-    return [(source, key) for plain, (source, key, value) in latest.items()
+    return [(source, key) for plain, (source, key, value) in _latest_leaves(words).items()
             if (not field or (plain + ".").startswith(_plain(field) + "."))
             and not re.search(rf"(?<![\w.-])(--)?({re.escape(key)}|{re.escape(plain)})(?![\w.])", message)  # named
             and _names_value(message, plain.rsplit(".", 1)[-1], value)]
@@ -1466,9 +1467,7 @@ def _is_null(value: Any, from_file: bool) -> bool:
 def _null_settings(words: list[str]) -> list[tuple[str, Any]]:
     """``(place, annotation)`` of each option whose value in effect on the command line ``words`` is null: where it
     was set (``<file>: <key>`` / ``--<key>``) and its annotation (:func:`_option_annotation`)."""
-    last: dict[str, tuple[str | None, str, Any]] = {}
-    for source, written, value in _set_leaves(words):
-        last[_plain(written)] = (source, written, value)
+    last = _latest_leaves(words)
     class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
     return [(f"{source}: {written}" if source else f"--{written}", _option_annotation(key, class_paths))
             for key, (source, written, value) in last.items() if _is_null(value, source is not None)]
@@ -1540,11 +1539,8 @@ def set_at(key: str, words: list[str]) -> str | None:
     file, ``--<key as written>`` for the command line; the last source that sets it (:func:`_set_leaves`, as
     jsonargparse applies them). None when nothing sets it (its default). Used to name the place in a one-line
     error about a value that parsed but cannot run (``--trainer.precision 16-mixed`` on the CPU)."""
-    found = None
-    for source, written, _ in _set_leaves(words):
-        if _plain(written) == _plain(key):
-            found = f"{source}: {written}" if source else f"--{written}"
-    return found
+    hit = _latest_leaves(words).get(_plain(key))
+    return None if hit is None else f"{hit[0]}: {hit[1]}" if hit[0] else f"--{hit[1]}"
 
 
 def place_named_error(message: str, words: list[str]) -> str:
@@ -1552,13 +1548,8 @@ def place_named_error(message: str, words: list[str]) -> str:
     as ``<file>: <key>: must be ...`` / ``--<key>: must be ...`` where the command line ``words`` set that option;
     ``message`` as it is otherwise (a default value, an option the message only mentions)."""
     lead = re.match(r"((?:data|model|trainer|checkpoint)\.[\w.]+) (?=must )", message)
-    if lead:
-        latest = {_plain(key): (source, key) for source, key, _ in _set_leaves(words)}
-        found = latest.get(_plain(lead.group(1)))
-        if found:
-            source, key = found
-            return f"{f'{source}: {key}' if source else f'--{key}'}: {message[lead.end():]}"
-    return message
+    place = set_at(lead.group(1), words) if lead else None
+    return f"{place}: {message[lead.end():]}" if place else message
 
 
 def place_value_error(message: str, field: str | None, words: list[str]) -> str:
@@ -1726,8 +1717,6 @@ def _expected_types(message: str, leaf: str, value: str | None, key: str = "") -
     first alternative's error jsonargparse names alone), else None. ``key``: the dotted option, for a quoting hint."""
     literal = re.match(r"Expected a typing\.Literal\[(.*)\]", leaf)
     if literal:  # Literal['fold', 'n', 'error']
-        import ast
-
         try:
             choices = ast.literal_eval(f"[{literal.group(1)}]")
         except (ValueError, SyntaxError):
@@ -1746,8 +1735,6 @@ def _expected_types(message: str, leaf: str, value: str | None, key: str = "") -
     if "null" not in words and value is not None and _is_null(value, from_file=False):  # as null_value_error says
         return "null is not a value this option takes; give one, or leave the key out for its default"
     if "a string" in words and re.fullmatch(r"\{.*: None\}", str(value)):  # fasta: {a.fa,b.fa} read as a mapping
-        import ast
-
         try:
             typed = "{" + ",".join(map(str, ast.literal_eval(str(value)))) + "}"
         except (ValueError, SyntaxError):

@@ -312,10 +312,10 @@ def _as_interrupt_checkpoint(trainer: Any, loops: dict[str, Any]) -> bool:
       batches left (its metrics from part of the data) or skipped it, and logged every later step one too late.
 
     Returns False (nothing changed) for any other state, which the batch-end rules cover."""
-    batches, state = loops["epoch_loop.batch_progress"], loops["epoch_loop.state_dict"]
+    batches = loops["epoch_loop.batch_progress"]
     current = batches["current"]
-    accumulating = trainer.fit_loop.epoch_loop._should_accumulate()
-    if trainer.validating and not trainer.sanity_checking and "epoch_loop.val_loop.batch_progress" in loops:
+    validating = trainer.validating and not trainer.sanity_checking and "epoch_loop.val_loop.batch_progress" in loops
+    if validating:
         val = loops["epoch_loop.val_loop.batch_progress"]
         done = val["total"]["completed"] - val["current"]["completed"]  # val batches of the earlier validations
         val["total"].update(ready=done + 1, started=done + 1, processed=done, completed=done)
@@ -323,17 +323,16 @@ def _as_interrupt_checkpoint(trainer: Any, loops: dict[str, Any]) -> bool:
         if 0 < current["processed"] == current["completed"]:
             for counts in (batches["total"], batches["current"]):
                 counts["completed"] -= 1
-        if not accumulating:  # Lightning counts the batch on resume and again after the validation it reruns
-            state["_batches_that_stepped"] -= 1
-        return True
-    if current["started"] > current["processed"] > 0:  # a training batch in flight
+    elif current["started"] > current["processed"] > 0:  # a training batch in flight
         for counts in (batches["total"], batches["current"]):
             counts["ready"] = counts["started"] = counts["processed"]
             counts["completed"] = counts["processed"] - 1
-        if not accumulating:
-            state["_batches_that_stepped"] -= 1
-        return True
-    return False
+    else:
+        return False
+    # Lightning counts the last batch again on resume (and, inside a validation, once more after rerunning it)
+    if not trainer.fit_loop.epoch_loop._should_accumulate():
+        loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
+    return True
 
 
 def check_validation_on_optimizer_steps(trainer: Any) -> None:

@@ -36,6 +36,7 @@ import typing
 from typing import Any, Iterator
 
 __all__ = ["DEEP_MERGED", "deep_merge", "install", "replacing_dicts", "int_before_float", "changed_leaves",
+           "changed_values",
            "is_runtime_option", "keep_runtime_options"]
 
 DEEP_MERGED = frozenset({"mixer_args"})
@@ -151,12 +152,18 @@ def _leaves(value: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def changed_values(before: Any, after: Any) -> dict[str, tuple[str, str]]:
+    """``{key: (repr of old, repr of new or "unset")}`` for every leaf of ``before`` whose value differs in ``after``
+    or is gone there (nested Namespaces or dicts; keys dotted, ``init_args.`` left out)."""
+    old, new = _leaves(before), _leaves(after)
+    return {k.replace("init_args.", ""): (repr(old[k]), repr(new[k]) if k in new else "unset")
+            for k in old if k not in new or not _same(old[k], new[k])}
+
+
 def changed_leaves(before: Any, after: Any) -> list[str]:
     """``"key: old -> new"`` for every leaf of ``before`` whose value differs in ``after`` or is gone
-    there (``-> unset``) (nested Namespaces or dicts; keys dotted, ``init_args.`` left out), sorted."""
-    old, new = _leaves(before), _leaves(after)
-    return sorted(f"{k.replace('init_args.', '')}: {old[k]!r} -> {repr(new[k]) if k in new else 'unset'}"
-                  for k in old if k not in new or not _same(old[k], new[k]))
+    there (``-> unset``) (:func:`changed_values`), sorted."""
+    return sorted(f"{k}: {old} -> {new}" for k, (old, new) in changed_values(before, after).items())
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -539,16 +539,16 @@ def _evaluate(args, out: Path, note, standard: bool = True) -> tuple[dict[str, d
             check_forward_memory(model, batch, length, chunk, args.device, f"--lengths {m:g} ({length} tokens)",
                                  _PER_TOKEN)
         windows = [_windows(dm, args, m, length) for m, length in lengths]
-        ck = Path(ckpt).resolve()
-        in_run_folder = ck.parent.name == "checkpoints" and ck.parents[1].name.startswith("version_")
+        run_folder = _compare_tree(ckpt)  # <task>/<run>: the run's --run_name
         label = args.labels[i] if args.labels is not None else (
-            ck.parents[2].name if in_run_folder else getattr(model, "run_name", Path(ckpt).stem))  # --run_name's
+            run_folder.name if run_folder is not None else getattr(model, "run_name", Path(ckpt).stem))
         if label in results:
             label = f"{label}-{i}"
         note_long_run(f"length-extrapolation {label}",
                       sum(len(ds) * forward_flops(model, length) for (_, length), ds in zip(lengths, windows)),
                       args.device)
         train_len[label], results[label] = l_train, {}
+        ck = Path(ckpt).resolve()
         # the standard protocol's scalars go into the checkpoint's own run folder (where `mixlab compare` looks),
         # whatever --out is; any other data only into --out
         in_run = standard and ck.parent.name == "checkpoints"
