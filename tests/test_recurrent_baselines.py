@@ -343,6 +343,31 @@ def test_rmsnorm_takes_bfloat16_inputs_with_float32_weights_without_torchs_warni
 
 
 @torch.no_grad()
+def test_rmsnorm_on_a_realistic_bfloat16_residual_stream():
+    """Beyond i.i.d. inputs: rows of a residual stream are strongly correlated (a shared direction plus small
+    noise), their norms span many orders of magnitude (a row of 1e4, a near-zero row where eps dominates), and the
+    width is odd (37). mixlab's RMSNorm on bfloat16 with float32 weights equals the float64 formula to bfloat16's
+    rounding and keeps the zero row finite."""
+    from mixlab.mixers.layers import RMSNorm
+
+    g = _gen(13)
+    base = torch.randn(37, generator=g, dtype=F64)
+    x64 = base + 0.01 * torch.randn(4, 9, 37, generator=g, dtype=F64)  # correlated rows
+    x64[0, 0] *= 1e4
+    x64[1, 1] *= 1e-6
+    x64[2, 2] = 0.0
+    norm = RMSNorm(37, eps=1e-5)
+    norm.weight.copy_(torch.linspace(0.25, 2.0, 37))
+    x = x64.bfloat16()
+    xr = x.double()  # the formula on the same (rounded) input, in float64
+    want = xr / torch.sqrt(xr.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+    y = norm(x)
+    assert y.dtype == torch.bfloat16 and bool(torch.isfinite(y).all())
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-6)  # bf16 keeps 8 significant bits
+    assert float(y[2, 2].abs().max()) == 0.0
+
+
+@torch.no_grad()
 def test_heads_keep_float64_logits_and_a_float64_lm_decodes_like_its_parallel_forward():
     """The heads' float32 cast of the logits (for bf16 models) must leave a float64 model in float64."""
     from mixlab.heads.lm import CausalLM
