@@ -467,3 +467,36 @@ def test_an_interrupted_run_resumes_with_the_uninterrupted_schedule_and_metrics(
                                atol=1e-6)
     torch.testing.assert_close([v for *_, v in cut["train/loss"]], [v for *_, v in ref["train/loss"]], rtol=1e-6,
                                atol=1e-6)
+
+
+def test_a_run_without_a_logger_keeps_its_folder_and_resumes(tmp_path, monkeypatch):
+    """``--trainer.logger false`` (a user's smoke test): it crashed at the first step with Lightning's
+    LearningRateMonitor traceback ("Cannot use `LearningRateMonitor` callback with `Trainer` that has no logger")
+    after writing ``config.yaml`` into the working directory. Now it trains, logs no metrics (no event file), keeps
+    ``config.yaml`` and ``last.ckpt`` in the run folder, where ``--ckpt_path last`` resumes it and ``test`` reads it,
+    and writes nothing into the working directory."""
+    import sys
+
+    from mixlab import cli
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path / "runs"),
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+            "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "1",
+            "--trainer.num_sanity_val_steps", "0", "--model.init_args.backbone.d_model", "32",
+            "--model.init_args.backbone.n_layers", "1", "--data.init_args.num_workers", "0",
+            "--data.init_args.n_train", "256", "--data.init_args.batch_size", "8"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main(["fit", *argv, "--trainer.max_steps", "3"])
+    run = next((tmp_path / "runs").glob("parity/*/version_0"))
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 3
+    cli.main(["fit", *argv, "--trainer.max_steps", "5", "--ckpt_path", "last"])
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
+    cli.main(["test", *argv, "--ckpt_path", "last", "--trainer.limit_test_batches", "1"])
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "config_resume_1.yaml",
+                                                    "config_test.yaml"]
+    assert list(work.iterdir()) == []
+    assert not list((tmp_path / "runs").rglob("events.out.tfevents.*"))

@@ -7,7 +7,10 @@ Defaults added to every run:
 
 * a TensorBoard logger at ``<run_root>/<task>/<run_name>/version_N`` (``task`` from the
   datamodule's ``task_name``, ``run_name`` from the model's mixer pattern), unless the
-  config sets ``trainer.logger``;
+  config sets ``trainer.logger``; ``trainer.logger: false`` logs no metrics (and drops the
+  LearningRateMonitor, which needs a logger) but keeps the checkpoints and ``config.yaml`` in that
+  same run folder (``--ckpt_path last`` finds them; Lightning alone would write them into the
+  working directory);
 * checkpoints: ``last.ckpt`` with the newest state (:class:`~mixlab.callbacks.LastCheckpoint`:
   every validation, the end of training and Ctrl-C) and the best one, kept by the ``checkpoint``
   group (Lightning's ``ModelCheckpoint``; default lowest ``val/loss``, ``checkpoint.monitor`` and
@@ -381,10 +384,16 @@ class MixlabCLI(LightningCLI):
                 root, name = home
                 logging.getLogger("mixlab.cli").info("%s: logging into the checkpoint's run %s", self.subcommand,
                                                      root / name)
-        if logger is None or logger is True:
-            kwargs["logger"] = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
-                                                 version=_run_version(cfg.get("ckpt_path"), root / name))
-            self._note_run_dir(Path(kwargs["logger"].log_dir))
+        if logger is None or logger is True or logger is False:
+            tensorboard = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
+                                            version=_run_version(cfg.get("ckpt_path"), root / name))
+            self._note_run_dir(Path(tensorboard.log_dir))
+            if logger is False:  # no metrics logged; checkpoints and config in the run folder all the same
+                kwargs["default_root_dir"] = tensorboard.log_dir
+                self.trainer_defaults = {**self.trainer_defaults, "callbacks": [
+                    c for c in self.trainer_defaults.get("callbacks", []) if not isinstance(c, LearningRateMonitor)]}
+            else:
+                kwargs["logger"] = tensorboard
         given = cfg["trainer"].get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         extra: list[pl.Callback] = [ValSplitCheck()] if self.subcommand == "fit" else []  # an empty val split
