@@ -500,3 +500,51 @@ def test_a_run_without_a_logger_keeps_its_folder_and_resumes(tmp_path, monkeypat
                                                     "config_test.yaml"]
     assert list(work.iterdir()) == []
     assert not list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("mode,stops", [("iter", (6, 12, 16)), ("iter", (5, 9, 14)), ("noval", (6, 12, 16)),
+                                        ("noval", (4, 9, 16)), ("iter", (3, 8, 13, 16))])
+def test_a_run_resumed_again_after_crossing_an_epoch_continues_its_epoch(tmp_path, mode, stops):
+    """Resumed twice or more, each resumed run crossing an epoch boundary (6 batches per epoch): the batches, their
+    epochs and the validations equal the uninterrupted run's. A user test found the second resume a whole epoch
+    behind: after a resume Lightning no longer counts the epochs it starts (``epoch_progress.started`` stays at the
+    restored value), and the checkpoint's epoch was taken from that count, so every checkpoint of the resumed run
+    said epoch 0 and the next resume replayed the epoch."""
+    full = _fit(tmp_path / "full", mode, stops[-1])
+    seen, vals = [], []
+    ckpt = None
+    for stop in stops:
+        part = _fit(tmp_path / "run", mode, stop, ckpt=ckpt)
+        seen, vals, ckpt = seen + part.seen, vals + part.vals, str(tmp_path / "run" / "last.ckpt")
+        assert torch.load(ckpt, weights_only=False)["epoch"] == (stop - 1) // 6
+    assert seen == full.seen
+    assert vals == full.vals
+
+
+def test_max_epochs_resumes_count_the_epochs(tmp_path):
+    """``max_epochs`` 1, then ``fit --ckpt_path`` with ``max_epochs`` 2 twice, then 3: the first resume trains epoch 1,
+    the second has nothing to train (the resumed checkpoint said epoch 0 and trained one more epoch on every call),
+    the third trains epoch 2; the batches are the uninterrupted 3-epoch run's."""
+    from types import SimpleNamespace
+
+    from mixlab.cli import nothing_to_train
+
+    def fit(max_epochs, ckpt=None):
+        model = _Rec()
+        trainer = pl.Trainer(max_epochs=max_epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             callbacks=[LastCheckpoint(dirpath=tmp_path / "run")], enable_model_summary=False,
+                             num_sanity_val_steps=0, limit_val_batches=1, check_val_every_n_epoch=1)
+        trainer.fit(model, _Index(), ckpt_path=ckpt)
+        return model
+
+    full = _Rec()
+    pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+               num_sanity_val_steps=0, limit_val_batches=1, check_val_every_n_epoch=1,
+               enable_checkpointing=False).fit(full, _Index())
+    last = str(tmp_path / "run" / "last.ckpt")
+    seen = fit(1).seen + fit(2, last).seen
+    state = torch.load(last, weights_only=False)
+    assert (state["epoch"], state["global_step"]) == (1, 12)
+    assert nothing_to_train(last, state, SimpleNamespace(max_epochs=2, max_steps=-1)) is not None
+    seen += fit(3, last).seen
+    assert seen == full.seen and len(seen) == 18

@@ -258,7 +258,7 @@ def restore_sampler(sampler: ResumableSampler, state: dict[str, Any] | None) -> 
         sampler.load_state_dict(state)
 
 
-def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
+def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any], epoch: int | None = None) -> None:
     """Write the fit loop's progress in ``checkpoint`` (in place) as Lightning records it at the end of
     the last trained batch (``on_train_batch_end``), the state it resumes exactly.
 
@@ -276,13 +276,20 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
     A checkpoint written by a validation after the last batch (Lightning 2.6 has counted the batch
     completed by then) is treated the same, except ``_batches_that_stepped``: Lightning advances it only
     after that validation, so it is kept (taken back, the resumed run logged every step one too early).
-    Checkpoints written at a batch end are left as they are. Called by
+    Checkpoints written at a batch end keep their batch counts. In every case the epoch counts say that the
+    epoch of the last batch (``epoch``: Lightning's ``epoch_progress.current.processed`` when that batch started,
+    recorded by :meth:`mixlab.heads.common.Head.on_train_batch_start`) is started and not processed. Lightning's
+    own ``started`` count is not used for it: after a resume Lightning no longer counts the epochs it starts, so
+    a run resumed twice, the first resume crossing an epoch boundary, went back a whole epoch (``epoch`` None,
+    before any batch of this process: ``started - 1``). Called by
     :meth:`mixlab.heads.common.Head.on_save_checkpoint`.
     """
     if trainer is None or getattr(trainer.state, "fn", None) != "fit" or "loops" not in checkpoint:
         return
     loops = checkpoint["loops"]["fit_loop"]
     batches = loops["epoch_loop.batch_progress"]
+    if batches["current"]["processed"] > 0:
+        _epoch_in_progress(checkpoint, epoch)
     if getattr(trainer.state, "status", None) == "interrupted" and _as_interrupt_checkpoint(trainer, loops):
         return
     if not (0 < batches["current"]["processed"] == batches["current"]["completed"]):
@@ -293,10 +300,18 @@ def as_batch_end_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
     # the checkpoint before Lightning counted it (docstring)
     if not trainer.fit_loop.epoch_loop._should_accumulate() and not trainer.validating:
         loops["epoch_loop.state_dict"]["_batches_that_stepped"] -= 1
-    epochs = loops["epoch_progress"]
+
+
+def _epoch_in_progress(checkpoint: dict[str, Any], epoch: int | None) -> None:
+    """Epoch ``epoch`` (default: Lightning's ``started`` count - 1) as started and not processed in
+    ``checkpoint``'s fit loop and in ``checkpoint["epoch"]`` (:func:`as_batch_end_checkpoint`)."""
+    epochs = checkpoint["loops"]["fit_loop"]["epoch_progress"]
+    if epoch is None:
+        epoch = epochs["current"]["started"] - 1
     for counts in (epochs["total"], epochs["current"]):
-        counts["processed"] = counts["completed"] = counts["started"] - 1
-    checkpoint["epoch"] = epochs["current"]["started"] - 1
+        counts["ready"] = counts["started"] = epoch + 1
+        counts["processed"] = counts["completed"] = epoch
+    checkpoint["epoch"] = epoch
 
 
 def _as_interrupt_checkpoint(trainer: Any, loops: dict[str, Any]) -> bool:

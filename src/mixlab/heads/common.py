@@ -143,7 +143,8 @@ class Head(pl.LightningModule):
     def on_fit_start(self) -> None:
         """Compile options without effect on this device are said once here, before the progress bars (said
         from the first step, the line landed inside the bar): every submodule's ``compile_notice(device)``, the
-        model's own included."""
+        model's own included. Forgets the epoch of an earlier fit's last batch (:meth:`on_train_batch_start`)."""
+        self.__dict__.pop("_batch_epoch", None)
         for module in self.modules():
             notice = getattr(module, "compile_notice", None)
             if callable(notice):
@@ -188,9 +189,14 @@ class Head(pl.LightningModule):
             same = record.get("data") in (None, qualname(data))
             data.checkpoint_hparams = dict(args) if same and isinstance(args, dict) else None
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Remember the epoch this batch belongs to (the number Lightning gives the samplers' ``set_epoch``), for
+        the checkpoints written after it (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
+        self.__dict__["_batch_epoch"] = int(self.trainer.fit_loop.epoch_progress.current.processed)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``; the
         loops' progress as at the last batch's end, so resuming continues where training stopped
         (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
         checkpoint[CHECKPOINT_KEY] = run_record(self, self.data)
-        as_batch_end_checkpoint(self._trainer, checkpoint)
+        as_batch_end_checkpoint(self._trainer, checkpoint, self.__dict__.get("_batch_epoch"))
