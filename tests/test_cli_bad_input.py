@@ -359,3 +359,23 @@ def test_lightnings_invalid_value_message_names_the_option_that_set_it(capsys, m
     err = _fail(capsys, monkeypatch, *base, "--config", str(config))
     assert err[-2:] == [f"error: {config}: trainer.limit_val_batches: {why}", HINT]
     assert not runs.exists()
+
+
+def test_an_early_stopping_monitor_that_validation_does_not_log_is_one_line(capsys, monkeypatch, tmp_path):
+    """``--trainer.callbacks+=...EarlyStopping --trainer.callbacks.monitor val_loss`` (the metric is ``val/loss``):
+    Lightning raised a RuntimeError traceback at the first validation after the sanity check, the steps before it
+    unsaved (a user test). Now the sanity check's validation refuses it in one line naming the metrics validation
+    logs, before any training step and with nothing left in --run_root; with the sanity check off, the first
+    validation does. The right name trains."""
+    runs = tmp_path / "runs"
+    base = ["fit", "--config", GENOME, *TINY_LM, "--trainer.max_steps=2", "--trainer.val_check_interval=1",
+            "--run_root", str(runs), "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
+    err = _fail(capsys, monkeypatch, *base, "--trainer.callbacks.monitor=val_loss")
+    assert err[-2] == ("error: trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; it "
+                       "logs val/acc, val/bits_per_base, val/bits_per_token, val/loss, val/ppl"), err
+    assert _files(runs) == []
+    err = _fail(capsys, monkeypatch, *base, "--trainer.callbacks.monitor=val_loss", "--trainer.num_sanity_val_steps=0")
+    assert err[-2].startswith("error: trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged"), err
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main([*base, "--trainer.callbacks.monitor=val/loss", "--run_name=ok"])
+    assert (runs / "genome" / "ok" / "version_0" / "checkpoints" / "last.ckpt").is_file()

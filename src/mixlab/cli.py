@@ -397,11 +397,12 @@ class MixlabCLI(LightningCLI):
         given = cfg["trainer"].get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         extra: list[pl.Callback] = [ValSplitCheck()] if self.subcommand == "fit" else []  # an empty val split
+        first: list[pl.Callback] = [MonitorCheck()] if self.subcommand == "fit" else []  # before EarlyStopping's
         if cfg["trainer"].get("enable_progress_bar") is not False and not any(
                 isinstance(c, pl.callbacks.ProgressBar) for c in given):  # train/loss on the bar without a sync
             extra.append(LossProgressBar())
-        if extra:
-            kwargs["callbacks"] = [*given, *extra]
+        if extra or first:
+            kwargs["callbacks"] = [*first, *given, *extra]
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (ValueError, TypeError, MisconfigurationException) as err:  # e.g. a strategy or accelerator typo
@@ -765,6 +766,36 @@ class ValSplitCheck(pl.Callback):
         empty = no_batches("fit", trainer, split="val")
         if empty:
             raise ValueError(empty)
+
+
+class MonitorCheck(pl.Callback):
+    """Added by :class:`MixlabCLI` to every ``fit``, first among the callbacks (and not listed in
+    ``trainer.callbacks``): at the first validation that logs metrics (the sanity check when it runs, before any
+    training step), refuse an ``EarlyStopping`` callback whose ``monitor`` validation does not log. Lightning raised
+    a ``RuntimeError`` traceback there, at the first validation after the sanity check, with the steps trained
+    before it unsaved. (The ``checkpoint`` group's ``monitor`` is checked by
+    :class:`~mixlab.callbacks.BestCheckpoint`.)
+
+    Raises:
+        ValueError: ``trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; it logs
+            val/acc, val/loss, ...``.
+    """
+
+    def __init__(self) -> None:
+        self.checked = False
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning.pytorch.callbacks import EarlyStopping
+
+        logged = trainer.callback_metrics
+        names = sorted(k for k in logged if k.startswith("val/"))
+        if self.checked or not names:
+            return
+        self.checked = True
+        for cb in trainer.callbacks:
+            if isinstance(cb, EarlyStopping) and not cb._check_on_train_epoch_end and cb.monitor not in logged:
+                raise ValueError(f"trainer.callbacks: EarlyStopping monitor {cb.monitor!r} is not logged by "
+                                 f"validation; it logs {', '.join(names)}")
 
 
 _LATE_INTERVAL = re.compile(r"`val_check_interval` \((\d+)\) must be less than or equal to the number of the "
