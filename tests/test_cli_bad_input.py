@@ -379,3 +379,37 @@ def test_an_early_stopping_monitor_that_validation_does_not_log_is_one_line(caps
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     cli.main([*base, "--trainer.callbacks.monitor=val/loss", "--run_name=ok"])
     assert (runs / "genome" / "ok" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_checkpointing_off_root_dir_and_barebones(capsys, monkeypatch, tmp_path, caplog):
+    """Trainer flags from a user test: ``enable_checkpointing: false`` was refused naming a ModelCheckpoint the user
+    never added (mixlab's): now the run trains and writes no checkpoint (``--ckpt_path last`` then says so);
+    ``default_root_dir`` was silently ignored: now one warning names ``--run_root`` (none when ``--run_root`` is
+    given); ``barebones: true`` was refused naming mixlab's defaults: now one line says what to give instead."""
+    import logging
+
+    runs = tmp_path / "runs"
+    base = ["fit", "--config", GENOME, *TINY_LM, "--trainer.max_steps=2", "--trainer.val_check_interval=1",
+            "--run_root", str(runs)]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    cli.main([*base, "--trainer.enable_checkpointing=false"])
+    assert [p.name for p in runs.rglob("*.ckpt")] == []
+    err = _fail(capsys, monkeypatch, *base, "--trainer.max_steps=3", "--ckpt_path=last")
+    assert "last.ckpt; train first" in err[-2], err
+    with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
+        cli.main([*base, "--trainer.default_root_dir", str(tmp_path / "mine"), "--run_name=r"])
+        said = [r.getMessage() for r in caplog.records if "default_root_dir" in r.getMessage()]
+    assert said == []  # --run_root given: the user knows where runs go
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
+        cli.main([*base[:-2], "--trainer.default_root_dir", str(tmp_path / "mine"), "--run_name=r"])
+        said = [r.getMessage() for r in caplog.records if "default_root_dir" in r.getMessage()]
+    assert said == [f"--trainer.default_root_dir is not where mixlab writes: every run goes to "
+                    f"--run_root/<task>/<run_name>/version_N (now runs/...); give --run_root {tmp_path / 'mine'} "
+                    f"instead"], said
+    assert (tmp_path / "runs" / "genome" / "r" / "version_1" / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "mine").exists()
+    err = _fail(capsys, monkeypatch, *base, "--trainer.barebones=true")
+    assert err[-2] == ("error: --trainer.barebones: true turns off what a mixlab run is made of (its logger, "
+                       "checkpoints, metric callbacks and progress bar); for a lean run give --trainer.logger false "
+                       "--trainer.enable_checkpointing false --trainer.enable_progress_bar false"), err

@@ -87,7 +87,7 @@ from typing import Any, Callable, Iterator
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
@@ -159,6 +159,16 @@ class MixlabCLI(LightningCLI):
         """Lightning's ``fit``, ``validate`` and ``test``; not ``predict``: no mixlab head or datamodule has a
         predict step (``generate`` samples from a language model, ``test`` reports metrics)."""
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[pl.Callback]) -> pl.Trainer:
+        """LightningCLI's, without mixlab's checkpoint callbacks (``last.ckpt`` and the ``checkpoint`` group's best
+        one) under ``trainer.enable_checkpointing: false``: Lightning refused that setting, naming a ModelCheckpoint
+        the user never added."""
+        if config.get("enable_checkpointing") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+            self.trainer_defaults = {**self.trainer_defaults, "callbacks": [
+                c for c in self.trainer_defaults.get("callbacks", []) if not isinstance(c, ModelCheckpoint)]}
+        return super()._instantiate_trainer(config, callbacks)
 
     def _set_seed(self) -> None:
         """LightningCLI's seeding, after a one-line check of the range numpy takes (``-1`` and ``10**20`` were
@@ -340,6 +350,12 @@ class MixlabCLI(LightningCLI):
             logging.getLogger("mixlab.cli").warning(
                 "%s: null replaces this whole group of options with its defaults (the values set for it before are "
                 "dropped); to change one option, set that key", place)
+        root_dir = set_at("trainer.default_root_dir", self._words)
+        if root_dir and cfg["trainer"].get("default_root_dir") is not None and not set_at("run_root", self._words):
+            logging.getLogger("mixlab.cli").warning(  # Lightning's folder for logs without a logger: not mixlab's
+                "%s is not where mixlab writes: every run goes to --run_root/<task>/<run_name>/version_N (now "
+                "%s/...); give --run_root %s instead", root_dir, cfg.get("run_root", "runs"),
+                cfg["trainer"]["default_root_dir"])
         if self.subcommand in ("validate", "test") and not cfg.get("ckpt_path"):
             logging.getLogger("mixlab.cli").warning(
                 "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
@@ -434,6 +450,7 @@ class MixlabCLI(LightningCLI):
                 * ``val_check_interval`` a float outside ``(0, 1]`` (Lightning's error named no file, or blamed the
                   file that set ``check_val_every_n_epoch: null``), or a float while ``check_val_every_n_epoch`` is
                   null (validation then counts training batches across epochs);
+                * ``barebones: true`` (Lightning's refusal named mixlab's default logger and ``log_every_n_steps``);
                 * ``precision`` ``16-mixed`` (or ``16``) on the CPU, which Lightning turns into ``bf16-mixed`` with
                   one warning: ``--trainer.precision: 16-mixed needs CUDA (...); use bf16-mixed or 32-true on the
                   CPU``;
@@ -446,6 +463,10 @@ class MixlabCLI(LightningCLI):
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
         where = lambda key: set_at(key, self._words) or key  # noqa: E731
+        if trainer.get("barebones"):  # Lightning refused it naming settings the user never gave (mixlab's defaults)
+            raise ValueError(f"{where('trainer.barebones')}: true turns off what a mixlab run is made of (its logger, "
+                             f"checkpoints, metric callbacks and progress bar); for a lean run give --trainer.logger "
+                             f"false --trainer.enable_checkpointing false --trainer.enable_progress_bar false")
         interval, every = trainer.get("val_check_interval"), trainer.get("check_val_every_n_epoch")
         if isinstance(interval, float) and not 0 < interval <= 1:
             raise ValueError(f"{where('trainer.val_check_interval')}: {interval} is not a fraction of an epoch in "
