@@ -413,3 +413,27 @@ def test_checkpointing_off_root_dir_and_barebones(capsys, monkeypatch, tmp_path,
     assert err[-2] == ("error: --trainer.barebones: true turns off what a mixlab run is made of (its logger, "
                        "checkpoints, metric callbacks and progress bar); for a lean run give --trainer.logger false "
                        "--trainer.enable_checkpointing false --trainer.enable_progress_bar false"), err
+
+
+def test_seed_everything_true_draws_a_random_seed_and_records_it(monkeypatch, tmp_path):
+    """``--seed_everything true`` promises a random seed (mixlab's range message, LightningCLI's comment), but
+    Lightning 2.6 seeded 0 ("No seed found, seed set to 0", a user test). Two runs now record two drawn seeds in
+    their config.yaml; with ``PL_GLOBAL_SEED`` set (a DDP rank rerunning the command) that seed is taken."""
+    import yaml
+
+    runs = tmp_path / "runs"
+    base = ["fit", "--config", GENOME, *TINY_LM, "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
+            "--run_root", str(runs), "--seed_everything=true"]
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    seeds = []
+    for name in ("a", "b"):
+        cli.main([*base, f"--run_name={name}"])
+        config = runs / "genome" / name / "version_0" / "config.yaml"
+        seeds.append(yaml.safe_load(config.read_text())["seed_everything"])
+        monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)  # seed_everything exports it
+    assert all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds), seeds
+    assert seeds[0] != seeds[1]
+    monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
+    cli.main([*base, "--run_name=c"])
+    assert yaml.safe_load((runs / "genome" / "c" / "version_0" / "config.yaml").read_text())["seed_everything"] == 1234

@@ -75,6 +75,7 @@ import importlib
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -178,11 +179,18 @@ class MixlabCLI(LightningCLI):
             ValueError: a seed outside ``[0, 2**32 - 1]``: ``<place> <seed>: a seed in [0, 4294967295] (true: a
                 random one, false: no seeding)``, the place being ``--seed_everything`` or ``<file>:
                 seed_everything`` where the value was set (:func:`set_at`).
+
+        ``true`` draws a random seed (``secrets``; the run's ``config.yaml`` records it): Lightning 2.6 seeded 0
+        for ``true`` although its CLI says "choose randomly". DDP ranks take rank 0's (``PL_GLOBAL_SEED``).
         """
         seed = self._get(self.config, "seed_everything")
         if not isinstance(seed, bool) and isinstance(seed, int) and not 0 <= seed < 2**32:
             raise ValueError(f"{set_at('seed_everything', self._words) or '--seed_everything'} {seed}: "
                              f"{SEED_RANGE}")
+        if seed is True:  # Lightning 2.6 seeds 0 here ("No seed found, seed set to 0"), not a random seed
+            env = os.environ.get("PL_GLOBAL_SEED")  # the seed rank 0 drew (DDP ranks rerun this command)
+            seed = int(env) if env is not None and env.isdigit() else secrets.randbelow(2**32)
+            (self.config[self.subcommand] if self.subcommand else self.config)["seed_everything"] = seed
         super()._set_seed()
 
     def setup_parser(self, *args: Any, **kwargs: Any) -> None:
