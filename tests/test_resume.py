@@ -548,3 +548,19 @@ def test_max_epochs_resumes_count_the_epochs(tmp_path):
     assert nothing_to_train(last, state, SimpleNamespace(max_epochs=2, max_steps=-1)) is not None
     seen += fit(3, last).seen
     assert seen == full.seen and len(seen) == 18
+
+
+def test_nothing_to_train_under_fast_dev_run_names_it():
+    """``fit --trainer.fast_dev_run true --ckpt_path last`` (a user's smoke test of a resume): Lightning's
+    fast_dev_run sets ``max_steps`` 1, and the line named ``trainer.max_steps is 1``, which the user never set."""
+    from types import SimpleNamespace
+
+    from mixlab.cli import nothing_to_train
+
+    ckpt = {"global_step": 4}
+    line = nothing_to_train("x.ckpt", ckpt, SimpleNamespace(max_steps=1, max_epochs=-1, fast_dev_run=1))
+    assert line == ("fit: nothing to train: trainer.fast_dev_run stops Lightning at step 1 and the checkpoint x.ckpt "
+                    "is at step 4; to try a resume, give --trainer.max_steps 5 instead (nothing written)")
+    assert nothing_to_train("x.ckpt", ckpt, SimpleNamespace(max_steps=4, max_epochs=-1, fast_dev_run=False)) == (
+        "fit: nothing to train: the checkpoint x.ckpt is at step 4 and trainer.max_steps is 4; raise "
+        "trainer.max_steps to train on (nothing written)")

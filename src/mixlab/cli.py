@@ -951,6 +951,11 @@ def nothing_to_train(path: str, checkpoint: dict, trainer: pl.Trainer) -> str | 
     written)``."""
     step = int(checkpoint.get("global_step") or 0)
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
+    dev_run = getattr(trainer, "fast_dev_run", False)
+    if dev_run and max_steps is not None and step >= max_steps:  # fast_dev_run sets max_steps, not the user
+        return (f"fit: nothing to train: trainer.fast_dev_run stops Lightning at step {max_steps} and the "
+                f"checkpoint {path} is at step {step}; to try a resume, give --trainer.max_steps {step + 1} "
+                f"instead (nothing written)")
     if max_steps is not None and max_steps != -1 and step >= max_steps:
         return (f"fit: nothing to train: the checkpoint {path} is at step {step} and trainer.max_steps is "
                 f"{max_steps}; raise trainer.max_steps to train on (nothing written)")
