@@ -186,3 +186,32 @@ def test_percent_units_and_a_file_or_bad_out_is_one_line(tmp_path: Path, capsys,
         assert info.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[0] == line
     assert afile.read_text() == ""
+
+
+def test_runs_that_logged_nothing_are_named_not_dropped(logdir: Path, tmp_path: Path, capsys) -> None:
+    """A user test's short runs (fewer steps than ``log_every_n_steps``, no validation: an event file without
+    scalars) and a ``trainer.logger: false`` run (a version folder, no event file) vanished from compare without a
+    word. Now one line names them (stderr and compare.md); with no other run the error names them, and its "tasks
+    there" leaves out compare's own output folder."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    SummaryWriter(str(logdir / "parity/short/version_0")).close()  # an event file, no scalar
+    (logdir / "parity/nolog/version_0/checkpoints").mkdir(parents=True)
+    out = tmp_path / "cmp"
+    cmp = compare(logdir, out=out, plots=False)
+    assert cmp.empty == ["parity/nolog", "parity/short"]
+    assert "nolog" not in cmp.table and "short" not in cmp.table
+    line = ("runs that logged no scalar (fewer steps than trainer.log_every_n_steps and no validation, or "
+            "trainer.logger: false), left out: parity/nolog, parity/short")
+    assert line in capsys.readouterr().err.splitlines()
+    assert line in (out / "compare.md").read_text()
+    only = tmp_path / "only"
+    SummaryWriter(str(only / "parity/short/version_0")).close()
+    (only / "compare").mkdir()  # an earlier compare's output folder
+    (only / "compare" / "compare.md").write_text("")
+    with pytest.raises(FileNotFoundError) as info:
+        collect(only)
+    assert str(info.value) == (
+        f"compare: no runs with TensorBoard event files under {only}/<task>/<mixer>/ (tasks=all, mixers=all); "
+        "runs that logged no scalar (fewer steps than trainer.log_every_n_steps and no validation, or "
+        "trainer.logger: false): parity/short; tasks there: parity")

@@ -18,7 +18,8 @@ output) are not runs. Writes into ``--out`` (default ``<logdir>/compare``):
 * ``curves_<task>.png``: ``train/loss``, ``val/loss`` and the task's metrics against the
   step, one line per mixer (matplotlib, Agg backend).
 
-Runs lacking a metric are named in one message (stderr and the Markdown file). A ``<logdir>`` that is a
+Runs lacking a metric are named in one message (stderr and the Markdown file), and so are runs that logged no
+scalar at all (left out of the table). A ``<logdir>`` that is a
 file, a missing one, or an ``--out`` that cannot be a folder is one ``error:`` line (exit status 2).
 """
 
@@ -29,7 +30,7 @@ import fnmatch
 import math
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mixlab.eval.common import OneLineParser, output_problem, pyplot
@@ -97,12 +98,16 @@ class Comparison:
         table: ``{mixer: {(task, label): value}}``.
         missing: ``["<task>/<mixer>: <tag>", ...]`` runs that lack a metric.
         scalars: ``{task: {mixer: Scalars}}`` (for the curves).
+        empty: ``["<task>/<mixer>", ...]`` runs (``version_*`` folders) that logged no scalar, left out of the table:
+            fewer steps than ``trainer.log_every_n_steps`` and no validation, ``trainer.logger: false``, or a crash
+            before the first log.
     """
 
     columns: list[tuple[str, str, bool]]
     table: dict[str, dict[tuple[str, str], float]]
     missing: list[str]
     scalars: dict[str, dict[str, Scalars]]
+    empty: list[str] = field(default_factory=list)
 
 
 def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str] | None = None) -> Comparison:
@@ -125,16 +130,21 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
     table: dict[str, dict[tuple[str, str], float]] = {}
     missing: list[str] = []
     all_scalars: dict[str, dict[str, Scalars]] = {}
+    empty: list[str] = []
     for task_dir in sorted(p for p in root.iterdir() if p.is_dir()):
         task = task_dir.name
         if not _match(task, tasks):
             continue
         runs = {}
         for run_dir in sorted(p for p in task_dir.iterdir() if p.is_dir()):
-            if _match(run_dir.name, mixers) and next(run_dir.glob("version_*/**/events.out.tfevents.*"), None):
-                scalars = load_scalars(run_dir)
-                if scalars:  # a run that crashed before logging anything is not a run to compare
-                    runs[run_dir.name] = scalars
+            if not _match(run_dir.name, mixers) or next(run_dir.glob("version_*"), None) is None:
+                continue
+            has_events = next(run_dir.glob("version_*/**/events.out.tfevents.*"), None) is not None
+            scalars = load_scalars(run_dir) if has_events else {}
+            if scalars:
+                runs[run_dir.name] = scalars
+            else:  # nothing to compare, but said (compare.md and stderr), not dropped silently
+                empty.append(f"{task}/{run_dir.name}")
         if not runs:
             continue
         all_scalars[task] = runs
@@ -150,12 +160,13 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
                     task_cols.setdefault(label, metric.higher_is_better)
         columns += [(task, label, task_cols[label]) for label in sorted(task_cols, key=lambda lab: _rank(task, lab))]
     if not all_scalars:
-        there = sorted(p.name for p in root.iterdir() if p.is_dir())
+        there = sorted(p.name for p in root.iterdir() if p.is_dir() and next(p.glob("*/version_*"), None))
         runs_there = sorted({r.name for t in root.iterdir() if t.is_dir() for r in t.iterdir() if r.is_dir()})
         hints = "".join(did_you_mean([w for w in given or [] if not any(_match(n, [w]) for n in names)], names)
                         for given, names in ((tasks, there), (mixers, runs_there)))  # filters matching nothing
         raise FileNotFoundError(f"compare: no runs with TensorBoard event files under {root}/<task>/<mixer>/ "
                                 f"(tasks={tasks or 'all'}, mixers={mixers or 'all'})"
+                                + (f"; {_EMPTY}: {', '.join(empty)}" if empty else "")
                                 + (hints or (f"; tasks there: {', '.join(there)}" if there else "")))
     mad = [(t, lab) for t, lab, _ in columns if t.startswith("mad_") and lab == "acc"]
     if mad:
@@ -166,7 +177,11 @@ def collect(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
             if len(accs) == len(mad):
                 row[("MAD", label)] = sum(accs) / len(accs)
         columns.append(("MAD", label, True))
-    return Comparison(columns, table, missing, all_scalars)
+    return Comparison(columns, table, missing, all_scalars, empty)
+
+
+_EMPTY = ("runs that logged no scalar (fewer steps than trainer.log_every_n_steps and no validation, or "
+          "trainer.logger: false)")
 
 
 def _rank(task: str, label: str) -> tuple[int, int]:
@@ -265,8 +280,8 @@ def compare(logdir: str | Path, tasks: list[str] | None = None, mixers: list[str
     out.mkdir(parents=True, exist_ok=True)
     md = to_markdown(cmp)
     text = md
-    if cmp.missing:
-        msg = "runs lacking a metric: " + "; ".join(cmp.missing)
+    for msg in (["runs lacking a metric: " + "; ".join(cmp.missing)] if cmp.missing else []) + \
+            ([f"{_EMPTY}, left out: " + ", ".join(cmp.empty)] if cmp.empty else []):
         print(msg, file=sys.stderr)
         text += "\n" + msg + "\n"
     (out / "compare.md").write_text(text)
