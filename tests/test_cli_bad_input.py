@@ -437,3 +437,13 @@ def test_seed_everything_true_draws_a_random_seed_and_records_it(monkeypatch, tm
     monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
     cli.main([*base, "--run_name=c"])
     assert yaml.safe_load((runs / "genome" / "c" / "version_0" / "config.yaml").read_text())["seed_everything"] == 1234
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs no GPU")
+def test_accelerator_gpu_without_a_gpu_says_what_to_use(capsys, monkeypatch, tmp_path):
+    """Lightning's "No supported gpu backend found!" (a user test) now says there is no CUDA/MPS device and what
+    to give instead."""
+    err = _fail(capsys, monkeypatch, "fit", "--config", GENOME, *TINY_LM, "--run_root", str(tmp_path),
+                "--trainer.accelerator", "gpu")
+    assert err[-2] == ("error: --trainer.accelerator: No supported gpu backend found! (this machine has no CUDA or "
+                       "MPS device: use --trainer.accelerator cpu, or auto)"), err

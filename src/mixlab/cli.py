@@ -435,7 +435,10 @@ class MixlabCLI(LightningCLI):
                      *(name for phrase, name in _LIGHTNING_PHRASES if phrase in str(err))]
             places = [set_at(f"trainer.{name}", self._words) for name in names]
             where = next((p for p in places if p), "trainer")
-            raise ValueError(f"{where}: {err}") from err
+            hint = ""
+            if "No supported gpu backend found" in str(err):  # Lightning's whole message, for `accelerator: gpu`
+                hint = " (this machine has no CUDA or MPS device: use --trainer.accelerator cpu, or auto)"
+            raise ValueError(f"{where}: {err}{hint}") from err
         from mixlab.distributed import FSDPStrategy
 
         if isinstance(trainer.strategy, FSDPStrategy) and trainer.accelerator.__class__.__name__ == "CPUAccelerator":
