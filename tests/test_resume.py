@@ -564,3 +564,23 @@ def test_nothing_to_train_under_fast_dev_run_names_it():
     assert nothing_to_train("x.ckpt", ckpt, SimpleNamespace(max_steps=4, max_epochs=-1, fast_dev_run=False)) == (
         "fit: nothing to train: the checkpoint x.ckpt is at step 4 and trainer.max_steps is 4; raise "
         "trainer.max_steps to train on (nothing written)")
+
+
+def test_nothing_to_train_when_max_time_is_spent():
+    """``fit --ckpt_path last`` with the ``trainer.max_time`` its run already used (a user test): Lightning said
+    "Time limit reached" but wrote a ``config_resume_1.yaml`` and an empty event file first. Now the line says so
+    and nothing is written; time left, or no max_time, trains."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.callbacks import Timer
+
+    from mixlab.cli import nothing_to_train
+
+    ckpt = {"global_step": 7, "callbacks": {"Timer": {"time_elapsed": {"train": 2.4, "validate": 0.3}}}}
+    spent = SimpleNamespace(max_steps=100, max_epochs=-1, callbacks=[Timer(duration="00:00:00:02")])
+    assert nothing_to_train("x.ckpt", ckpt, spent) == (
+        "fit: nothing to train: the checkpoint x.ckpt (step 7) has trained for 2 s and trainer.max_time is 0:00:02; "
+        "raise trainer.max_time to train on (nothing written)")
+    left = SimpleNamespace(max_steps=100, max_epochs=-1, callbacks=[Timer(duration="00:00:00:03")])
+    assert nothing_to_train("x.ckpt", ckpt, left) is None
+    assert nothing_to_train("x.ckpt", ckpt, SimpleNamespace(max_steps=100, max_epochs=-1, callbacks=[])) is None

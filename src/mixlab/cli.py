@@ -944,14 +944,14 @@ def _check_resumable(path: str, checkpoint: dict, group: Any) -> None:
 
 
 def nothing_to_train(path: str, checkpoint: dict, trainer: pl.Trainer) -> str | None:
-    """The line ``fit --ckpt_path path`` prints instead of running when ``checkpoint`` has nothing left to
-    train under ``trainer``'s limits (as Lightning's fit loop stops: ``max_steps`` not -1 and the checkpoint's
-    ``global_step`` at or past it, or ``max_epochs`` not -1 and the checkpoint's finished epochs at or past
-    it), else None. Finished epochs: the fit loop's ``epoch_progress.current.processed``, plus the epoch
-    in progress when its last batch is done (a checkpoint written at the end of an epoch's last batch,
-    :func:`mixlab.distributed.as_batch_end_checkpoint`). E.g. ``fit: nothing to train: the checkpoint
-    x.ckpt is at step 400 and trainer.max_steps is 400; raise trainer.max_steps to train on (nothing
-    written)``."""
+    """The line ``fit --ckpt_path path`` prints instead of running when ``checkpoint`` has nothing left to train under
+    ``trainer``'s limits (as Lightning's fit loop stops: ``max_steps`` not -1 and the checkpoint's ``global_step``
+    at or past it, ``max_time`` and the checkpoint's training time (its Timer state) at or past it, or
+    ``max_epochs`` not -1 and the checkpoint's finished epochs at or past it), else None. Finished epochs: the fit
+    loop's ``epoch_progress.current.processed``, plus the epoch in progress when its last batch is done (a
+    checkpoint written at the end of an epoch's last batch, :func:`mixlab.distributed.as_batch_end_checkpoint`).
+    E.g. ``fit: nothing to train: the checkpoint x.ckpt is at step 400 and trainer.max_steps is 400; raise
+    trainer.max_steps to train on (nothing written)``."""
     step = int(checkpoint.get("global_step") or 0)
     max_steps, max_epochs = trainer.max_steps, trainer.max_epochs
     dev_run = getattr(trainer, "fast_dev_run", False)
@@ -962,6 +962,18 @@ def nothing_to_train(path: str, checkpoint: dict, trainer: pl.Trainer) -> str | 
     if max_steps is not None and max_steps != -1 and step >= max_steps:
         return (f"fit: nothing to train: the checkpoint {path} is at step {step} and trainer.max_steps is "
                 f"{max_steps}; raise trainer.max_steps to train on (nothing written)")
+    from lightning.pytorch.callbacks import Timer
+
+    timer = next((c for c in getattr(trainer, "callbacks", None) or [] if isinstance(c, Timer)), None)
+    if timer is not None and timer._duration is not None:  # trainer.max_time: the run's training time so far
+        state = (checkpoint.get("callbacks") or {}).get(timer.state_key) or {}
+        elapsed = float((state.get("time_elapsed") or {}).get("train") or 0.0)
+        if elapsed >= timer._duration:
+            import datetime
+
+            return (f"fit: nothing to train: the checkpoint {path} (step {step}) has trained for {elapsed:.0f} s and "
+                    f"trainer.max_time is {datetime.timedelta(seconds=timer._duration)}; raise trainer.max_time to "
+                    f"train on (nothing written)")
     loops = (checkpoint.get("loops") or {}).get("fit_loop") or {}
     epochs = (loops.get("epoch_progress") or {}).get("current")
     if max_epochs is None or max_epochs == -1 or not isinstance(epochs, dict):
