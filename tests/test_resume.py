@@ -240,6 +240,15 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+# a tiny configs/synthetic/parity.yaml run through the CLI (add the subcommand, --run_root and the limits)
+_TINY_PARITY = ["--config", str(Path(__file__).resolve().parents[1] / "configs/synthetic/parity.yaml"),
+                "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
+                "--trainer.limit_val_batches", "1", "--trainer.num_sanity_val_steps", "0",
+                "--model.init_args.backbone.d_model", "32", "--model.init_args.backbone.n_layers", "1",
+                "--data.init_args.num_workers", "0", "--data.init_args.n_train", "256",
+                "--data.init_args.batch_size", "8"]
+
+
 @pytest.mark.parametrize("limit,first,more", [
     ("max_steps", ["--trainer.max_steps", "4"], ["--trainer.max_steps", "6"]),
     ("max_epochs", ["--trainer.max_steps", "-1", "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3"],
@@ -254,13 +263,7 @@ def test_a_resume_with_nothing_left_to_train_says_so_and_writes_nothing(tmp_path
 
     from mixlab import cli
 
-    root = Path(__file__).resolve().parents[1]
-    argv = ["fit", "--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path),
-            "--trainer.val_check_interval", "2", "--trainer.enable_progress_bar", "false",
-            "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "1",
-            "--trainer.num_sanity_val_steps", "0", "--model.init_args.backbone.d_model", "32",
-            "--model.init_args.backbone.n_layers", "1", "--data.init_args.num_workers", "0",
-            "--data.init_args.n_train", "256", "--data.init_args.batch_size", "8"]
+    argv = ["fit", *_TINY_PARITY, "--run_root", str(tmp_path), "--trainer.val_check_interval", "2"]
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     cli.main([*argv, *first])
     run = next(tmp_path.glob("parity/*/version_0"))
@@ -479,16 +482,10 @@ def test_a_run_without_a_logger_keeps_its_folder_and_resumes(tmp_path, monkeypat
 
     from mixlab import cli
 
-    root = Path(__file__).resolve().parents[1]
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    argv = ["--config", str(root / "configs/synthetic/parity.yaml"), "--run_root", str(tmp_path / "runs"),
-            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
-            "--trainer.enable_model_summary", "false", "--trainer.limit_val_batches", "1",
-            "--trainer.num_sanity_val_steps", "0", "--model.init_args.backbone.d_model", "32",
-            "--model.init_args.backbone.n_layers", "1", "--data.init_args.num_workers", "0",
-            "--data.init_args.n_train", "256", "--data.init_args.batch_size", "8"]
+    argv = [*_TINY_PARITY, "--run_root", str(tmp_path / "runs"), "--trainer.logger", "false"]
     monkeypatch.setattr(sys, "argv", ["mixlab"])
     cli.main(["fit", *argv, "--trainer.max_steps", "3"])
     run = next((tmp_path / "runs").glob("parity/*/version_0"))
