@@ -415,7 +415,7 @@ def test_checkpointing_off_root_dir_and_barebones(capsys, monkeypatch, tmp_path,
                        "--trainer.enable_checkpointing false --trainer.enable_progress_bar false"), err
 
 
-def test_seed_everything_true_draws_a_random_seed_and_records_it(monkeypatch, tmp_path):
+def test_seed_everything_true_draws_a_random_seed_and_records_it(capsys, monkeypatch, tmp_path):
     """``--seed_everything true`` promises a random seed (mixlab's range message, LightningCLI's comment), but
     Lightning 2.6 seeded 0 ("No seed found, seed set to 0", a user test). Two runs now record two drawn seeds in
     their config.yaml; with ``PL_GLOBAL_SEED`` set (a DDP rank rerunning the command) that seed is taken."""
@@ -437,6 +437,15 @@ def test_seed_everything_true_draws_a_random_seed_and_records_it(monkeypatch, tm
     monkeypatch.setenv("PL_GLOBAL_SEED", "1234")
     cli.main([*base, "--run_name=c"])
     assert yaml.safe_load((runs / "genome" / "c" / "version_0" / "config.yaml").read_text())["seed_everything"] == 1234
+    # resuming such a run needs its seed (true draws another): said in one line (a user test got the sampler's
+    # "checkpoint seed 1700744455 != seed 1356856137"), and the seed it names resumes
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    more = [a if a != "--trainer.max_steps=1" else "--trainer.max_steps=2" for a in base]
+    err = _fail(capsys, monkeypatch, *more, "--run_name=a", "--ckpt_path=last")
+    assert err[-2].startswith(f"error: data: seed_everything: the checkpoint's run shuffled its data with "
+                              f"seed_everything {seeds[0]}, this command with "), err
+    assert err[-2].endswith(f"; resume with --seed_everything {seeds[0]} (true draws a new seed in every command)")
+    cli.main([*more, "--run_name=a", "--ckpt_path=last", f"--seed_everything={seeds[0]}"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="needs no GPU")

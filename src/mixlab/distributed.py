@@ -527,6 +527,12 @@ class ResumableDataModule(pl.LightningDataModule):
             elif state["seed"] != sampler.seed:  # the data seed, or seed_everything (not a data option)
                 why = f"the checkpoint's sample-order seed is {state['seed']}, this one {sampler.seed}"
                 changed = [c for c in changed if c.startswith("data.init_args.seed:")]
+                if not changed:  # the same data seed: seed_everything differs (order_seed adds it)
+                    now = int(os.environ.get("PL_GLOBAL_SEED", 0))
+                    was = int(state["seed"]) - (int(sampler.seed) - now)
+                    raise ValueError(f"seed_everything: the checkpoint's run shuffled its data with seed_everything "
+                                     f"{was}, this command with {now}; resume with --seed_everything {was} (true "
+                                     f"draws a new seed in every command)") from None
             else:  # e.g. a world size the position does not split over: not the data options
                 raise
             if not changed:
