@@ -215,3 +215,39 @@ def test_runs_that_logged_nothing_are_named_not_dropped(logdir: Path, tmp_path: 
         f"compare: no runs with TensorBoard event files under {only}/<task>/<mixer>/ (tasks=all, mixers=all); "
         "runs that logged no scalar (fewer steps than trainer.log_every_n_steps and no validation, or "
         "trainer.logger: false): parity/short; tasks there: parity")
+
+
+def test_curves_keep_one_colour_per_run_in_every_panel(tmp_path: Path) -> None:
+    """A user test: each panel chose its colours over the runs it holds, so a run without ``train/loss`` shifted the
+    others' colours in the ``val/loss`` panel, where the only legend (the first panel's) then named the wrong runs.
+    Now a run has one colour in every panel, and the legend names every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    root = tmp_path / "runs"
+    _write(root / "parity/a/version_0", {"train/loss": [(0, 1.0), (1, 0.9)], "val/loss": [(1, 0.8)]})
+    _write(root / "parity/b/version_0", {"val/loss": [(1, 0.7), (2, 0.6)]})  # no train/loss
+    _write(root / "parity/c/version_0", {"train/loss": [(0, 1.2), (1, 1.1)], "val/loss": [(1, 0.9)]})
+    seen = {}
+    orig = plt.Figure.savefig
+
+    def grab(fig, *args, **kwargs):
+        for ax in fig.axes:
+            for line in ax.get_lines():
+                seen.setdefault(line.get_label(), set()).add((matplotlib.colors.to_hex(line.get_color()),
+                                                              line.get_linestyle()))
+            legend = ax.get_legend()
+            if legend is not None:
+                seen["legend"] = [t.get_text() for t in legend.get_texts()]
+        return orig(fig, *args, **kwargs)
+
+    plt.Figure.savefig = grab
+    try:
+        compare(root, out=tmp_path / "out")
+    finally:
+        plt.Figure.savefig = orig
+    assert seen["legend"] == ["a", "b", "c"]
+    assert all(len(seen[m]) == 1 for m in "abc"), seen  # one style per run across the panels
+    assert len({next(iter(seen[m])) for m in "abc"}) == 3

@@ -242,6 +242,11 @@ def plot_curves(cmp: Comparison, out: Path) -> list[Path]:
         if not tags:
             continue
         fig, axes = plt.subplots(1, len(tags), figsize=(4.5 * len(tags), 3.4), squeeze=False)
+        # one colour and line style per run in every panel (a panel without some runs shifted the colours of the
+        # others, and the only legend, the first panel's, then named other runs' lines: a user test)
+        palette = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
+        style = {m: (palette(i % palette.N), ("-", "--", ":", "-.")[i // palette.N % 4])
+                 for i, m in enumerate(sorted(runs))}
         for ax, tag in zip(axes[0], tags):
             for mixer, s in sorted(runs.items()):
                 t = tag if tag in s else _find_tag(s, tag)
@@ -251,11 +256,15 @@ def plot_curves(cmp: Comparison, out: Path) -> list[Path]:
                 for _, step, value in s[t]:
                     last[step] = value
                 steps = sorted(last)
-                ax.plot(steps, [last[k] for k in steps], marker="." if len(steps) < 30 else None, label=mixer)
+                ax.plot(steps, [last[k] for k in steps], marker="." if len(steps) < 30 else None, label=mixer,
+                        color=style[mixer][0], linestyle=style[mixer][1])
             ax.set_title(f"{task}: {tag}")
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-        axes[0][0].legend(fontsize=8)
+        from matplotlib.lines import Line2D
+
+        axes[0][0].legend(handles=[Line2D([], [], color=c, linestyle=ls, label=m) for m, (c, ls) in style.items()],
+                          fontsize=8)  # every run, whichever panel holds its lines
         fig.tight_layout()
         path = out / f"curves_{task}.png"
         fig.savefig(path, dpi=110)
