@@ -371,8 +371,9 @@ def test_an_early_stopping_monitor_that_validation_does_not_log_is_one_line(caps
     base = ["fit", "--config", GENOME, *TINY_LM, "--trainer.max_steps=2", "--trainer.val_check_interval=1",
             "--run_root", str(runs), "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"]
     err = _fail(capsys, monkeypatch, *base, "--trainer.callbacks.monitor=val_loss")
-    assert err[-2] == ("error: trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; it "
-                       "logs val/acc, val/bits_per_base, val/bits_per_token, val/loss, val/ppl"), err
+    assert err[-2] == ("error: trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; did "
+                       "you mean val/loss? It logs val/acc, val/bits_per_base, val/bits_per_token, val/loss, "
+                       "val/ppl"), err
     assert _files(runs) == []
     err = _fail(capsys, monkeypatch, *base, "--trainer.callbacks.monitor=val_loss", "--trainer.num_sanity_val_steps=0")
     assert err[-2].startswith("error: trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged"), err
@@ -396,10 +397,24 @@ def test_checkpointing_off_root_dir_and_barebones(capsys, monkeypatch, tmp_path,
     assert [p.name for p in runs.rglob("*.ckpt")] == []
     err = _fail(capsys, monkeypatch, *base, "--trainer.max_steps=3", "--ckpt_path=last")
     assert "last.ckpt; train first" in err[-2], err
+    # resuming a run's own checkpoint without saving: its steps would be logged twice by the next resume (a user
+    # test); refused in one line, a new run from it trains
+    cli.main([*base, "--run_name=saved"])
+    ckpt = runs / "genome" / "saved" / "version_0" / "checkpoints" / "last.ckpt"
+    err = _fail(capsys, monkeypatch, *base, "--run_name=saved", "--trainer.max_steps=3", "--ckpt_path=last",
+                "--trainer.enable_checkpointing=false")
+    assert err[-2] == (f"error: --ckpt_path {ckpt} with trainer.enable_checkpointing false would train on in that "
+                       f"run's folder without saving: its logged steps would be logged again by the next resume; turn "
+                       f"checkpointing on, or give --run_name to train a new run from it"), err
+    cli.main([*base, "--run_name=other", "--trainer.max_steps=3", f"--ckpt_path={ckpt}",
+              "--trainer.enable_checkpointing=false"])
+    assert (runs / "genome" / "other" / "version_0" / "config.yaml").is_file()
     with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
         cli.main([*base, "--trainer.default_root_dir", str(tmp_path / "mine"), "--run_name=r"])
         said = [r.getMessage() for r in caplog.records if "default_root_dir" in r.getMessage()]
-    assert said == []  # --run_root given: the user knows where runs go
+    assert said == [f"--trainer.default_root_dir is not where mixlab writes: every run goes to "
+                    f"--run_root/<task>/<run_name>/version_N (now {runs}/...)"], said
+    caplog.clear()
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING, logger="mixlab.cli"):
         cli.main([*base[:-2], "--trainer.default_root_dir", str(tmp_path / "mine"), "--run_name=r"])

@@ -359,11 +359,11 @@ class MixlabCLI(LightningCLI):
                 "%s: null replaces this whole group of options with its defaults (the values set for it before are "
                 "dropped); to change one option, set that key", place)
         root_dir = set_at("trainer.default_root_dir", self._words)
-        if root_dir and cfg["trainer"].get("default_root_dir") is not None and not set_at("run_root", self._words):
-            logging.getLogger("mixlab.cli").warning(  # Lightning's folder for logs without a logger: not mixlab's
+        if root_dir and cfg["trainer"].get("default_root_dir") is not None:  # Lightning's folder without a logger
+            logging.getLogger("mixlab.cli").warning(
                 "%s is not where mixlab writes: every run goes to --run_root/<task>/<run_name>/version_N (now "
-                "%s/...); give --run_root %s instead", root_dir, cfg.get("run_root", "runs"),
-                cfg["trainer"]["default_root_dir"])
+                "%s/...)%s", root_dir, cfg.get("run_root", "runs"), "" if set_at("run_root", self._words) else
+                f"; give --run_root {cfg['trainer']['default_root_dir']} instead")
         if self.subcommand in ("validate", "test") and not cfg.get("ckpt_path"):
             logging.getLogger("mixlab.cli").warning(
                 "%s without --ckpt_path evaluates the model's initial (untrained) weights; --ckpt_path last (or "
@@ -408,6 +408,12 @@ class MixlabCLI(LightningCLI):
                 root, name = home
                 logging.getLogger("mixlab.cli").info("%s: logging into the checkpoint's run %s", self.subcommand,
                                                      root / name)
+        if self.subcommand == "fit" and cfg["trainer"].get("enable_checkpointing") is False and \
+                _run_version(cfg.get("ckpt_path"), root / name) is not None:
+            # its steps would be logged into the run but kept by no checkpoint: a later resume logs them again
+            raise ValueError(f"--ckpt_path {cfg['ckpt_path']} with trainer.enable_checkpointing false would train "
+                             f"on in that run's folder without saving: its logged steps would be logged again by "
+                             f"the next resume; turn checkpointing on, or give --run_name to train a new run from it")
         if logger is None or logger is True or logger is False:
             tensorboard = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
                                             version=_run_version(cfg.get("ckpt_path"), root / name))
@@ -809,8 +815,8 @@ class MonitorCheck(pl.Callback):
     :class:`~mixlab.callbacks.BestCheckpoint`.)
 
     Raises:
-        ValueError: ``trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; it logs
-            val/acc, val/loss, ...``.
+        ValueError: ``trainer.callbacks: EarlyStopping monitor 'val_loss' is not logged by validation; did you
+            mean val/loss? It logs val/acc, val/loss, ...``.
     """
 
     def __init__(self) -> None:
@@ -826,8 +832,10 @@ class MonitorCheck(pl.Callback):
         self.checked = True
         for cb in trainer.callbacks:
             if isinstance(cb, EarlyStopping) and not cb._check_on_train_epoch_end and cb.monitor not in logged:
+                near = difflib.get_close_matches(str(cb.monitor), names, n=1)
                 raise ValueError(f"trainer.callbacks: EarlyStopping monitor {cb.monitor!r} is not logged by "
-                                 f"validation; it logs {', '.join(names)}")
+                                 f"validation" + (f"; did you mean {near[0]}?" if near else "")
+                                 + f" It logs {', '.join(names)}")
 
 
 _LATE_INTERVAL = re.compile(r"`val_check_interval` \((\d+)\) must be less than or equal to the number of the "
