@@ -162,13 +162,16 @@ class MixlabCLI(LightningCLI):
         return {k: v for k, v in LightningCLI.subcommands().items() if k != "predict"}
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[pl.Callback]) -> pl.Trainer:
-        """LightningCLI's, without mixlab's checkpoint callbacks (``last.ckpt`` and the ``checkpoint`` group's best
-        one) under ``trainer.enable_checkpointing: false``: Lightning refused that setting, naming a ModelCheckpoint
-        the user never added."""
-        if config.get("enable_checkpointing") is False:
-            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        """LightningCLI's, without the default callbacks that a trainer setting turns off: mixlab's checkpoint
+        callbacks (``last.ckpt`` and the ``checkpoint`` group's best one) under ``enable_checkpointing: false``
+        (Lightning refused it, naming a ModelCheckpoint the user never added), the LearningRateMonitor under
+        ``logger: false`` (it needs a logger: Lightning's traceback at the first step)."""
+        off = tuple(kind for kind, key in ((ModelCheckpoint, "enable_checkpointing"), (LearningRateMonitor, "logger"))
+                    if config.get(key) is False)
+        if off:
+            callbacks = [c for c in callbacks if not isinstance(c, off)]
             self.trainer_defaults = {**self.trainer_defaults, "callbacks": [
-                c for c in self.trainer_defaults.get("callbacks", []) if not isinstance(c, ModelCheckpoint)]}
+                c for c in self.trainer_defaults.get("callbacks", []) if not isinstance(c, off)]}
         return super()._instantiate_trainer(config, callbacks)
 
     def _set_seed(self) -> None:
@@ -408,20 +411,17 @@ class MixlabCLI(LightningCLI):
                 root, name = home
                 logging.getLogger("mixlab.cli").info("%s: logging into the checkpoint's run %s", self.subcommand,
                                                      root / name)
-        if self.subcommand == "fit" and cfg["trainer"].get("enable_checkpointing") is False and \
-                _run_version(cfg.get("ckpt_path"), root / name) is not None:
+        version = _run_version(cfg.get("ckpt_path"), root / name)  # the checkpoint's own run: log into it
+        if self.subcommand == "fit" and cfg["trainer"].get("enable_checkpointing") is False and version is not None:
             # its steps would be logged into the run but kept by no checkpoint: a later resume logs them again
             raise ValueError(f"--ckpt_path {cfg['ckpt_path']} with trainer.enable_checkpointing false would train "
                              f"on in that run's folder without saving: its logged steps would be logged again by "
                              f"the next resume; turn checkpointing on, or give --run_name to train a new run from it")
         if logger is None or logger is True or logger is False:
-            tensorboard = TensorBoardLogger(str(root), name=name, default_hp_metric=False,
-                                            version=_run_version(cfg.get("ckpt_path"), root / name))
+            tensorboard = TensorBoardLogger(str(root), name=name, default_hp_metric=False, version=version)
             self._note_run_dir(Path(tensorboard.log_dir))
-            if logger is False:  # no metrics logged; checkpoints and config in the run folder all the same
-                kwargs["default_root_dir"] = tensorboard.log_dir
-                self.trainer_defaults = {**self.trainer_defaults, "callbacks": [
-                    c for c in self.trainer_defaults.get("callbacks", []) if not isinstance(c, LearningRateMonitor)]}
+            if logger is False:  # no metrics logged (no LearningRateMonitor: _instantiate_trainer); checkpoints and
+                kwargs["default_root_dir"] = tensorboard.log_dir  # config in the run folder all the same
             else:
                 kwargs["logger"] = tensorboard
         given = cfg["trainer"].get("callbacks") or []

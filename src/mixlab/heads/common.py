@@ -8,7 +8,12 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 
-from mixlab.distributed import ResumableDataModule, as_batch_end_checkpoint, check_validation_on_optimizer_steps
+from mixlab.distributed import (
+    ResumableDataModule,
+    as_batch_end_checkpoint,
+    check_validation_on_optimizer_steps,
+    fit_progress,
+)
 from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
@@ -192,7 +197,7 @@ class Head(pl.LightningModule):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Remember the epoch this batch belongs to (the number Lightning gives the samplers' ``set_epoch``), for
         the checkpoints written after it (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
-        self.__dict__["_batch_epoch"] = int(self.trainer.fit_loop.epoch_progress.current.processed)
+        self.__dict__["_batch_epoch"] = fit_progress(self.trainer)[0]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``; the
