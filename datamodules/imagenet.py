@@ -577,6 +577,13 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             ``0``: the accelerator decodes everything; ``1``: the workers do (they need about 2 ms of a core per
             ImageNet-sized image, so a share larger than the idle cores can carry starves the step; on the H200 hosts
             measured, 15 workers on 16 cores, no share gained: BENCHMARKS.md).
+        jpeg_decoder: with ``decode: gpu`` on CUDA, the JPEG decoder: ``"torchvision"`` (``decode_jpeg``: nvJPEG's
+            CUDA kernels on the SMs, Huffman decoding on the host), ``"nvimgcodec"`` (NVIDIA nvImageCodec, ``pip install
+            'nvidia-nvimgcodec-cu13[nvjpeg]'``: the GPU's hardware JPEG decoder where it has one, A100 / H100 / H200,
+            so that decoding takes no SM time from the model) or ``"auto"`` (nvimgcodec when it is installed, else
+            torchvision). :func:`~mixlab.datamodules.imagenet_gpu.decode_jpegs`. A CPU device decodes with
+            torchvision. ``"nvimgcodec"`` without the package raises ImportError when the loaders are built for a
+            CUDA device.
         decode_thread: with the device stage prefetched, decode the next batch's JPEGs in a second background
             thread while the stage thread crops and augments the current one (torchvision's ``decode_jpeg`` on CUDA
             returns only after nvJPEG's device work, which waits behind the training step's kernels), instead of
@@ -631,6 +638,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
         decode_thread: bool = False,
+        jpeg_decoder: Literal["auto", "torchvision", "nvimgcodec"] = "torchvision",
         worker_nice: int = 0,
         switch_interval_ms: float | None = None,
     ) -> None:
@@ -640,6 +648,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             raise ValueError(f"ImageNetDataModule: format must be 'wds' or 'folder'; got {format!r}")
         if decode not in ("auto", "cpu", "gpu"):
             raise ValueError(f"ImageNetDataModule: decode must be 'auto', 'cpu' or 'gpu'; got {decode!r}")
+        if jpeg_decoder not in ("auto", "torchvision", "nvimgcodec"):
+            raise ValueError("ImageNetDataModule: jpeg_decoder must be 'auto', 'torchvision' or 'nvimgcodec'; got "
+                             f"{jpeg_decoder!r}")
         if cpu_decode_fraction and (decode == "cpu" or format == "folder"):
             warnings.warn(f"ImageNetDataModule: cpu_decode_fraction={cpu_decode_fraction} has no effect with "
                           f"{'format=folder' if format == 'folder' else 'decode=cpu'}: the workers decode every image")
@@ -658,6 +669,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         self._switch_interval_before: float | None = None
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
+        self.jpeg_decoder = jpeg_decoder
         self._gpu_pipelines: dict[bool, Any] = {}
         if batch_size % 2:
             warnings.warn(f"ImageNetDataModule: batch_size={batch_size} is odd; timm Mixup needs even batches")
@@ -698,14 +710,34 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         gpu = self.format == "wds" and torch.cuda.is_available() and getattr(device, "type", None) == "cuda"
         return "gpu" if gpu else "cpu"
 
+    def jpeg_decoder_name(self) -> str:
+        """``jpeg_decoder`` with ``"auto"`` resolved: ``"nvimgcodec"`` when nvImageCodec imports, else
+        ``"torchvision"``."""
+        if self.jpeg_decoder != "auto":
+            return self.jpeg_decoder
+        from mixlab.datamodules.imagenet_gpu import nvimgcodec_available
+
+        return "nvimgcodec" if nvimgcodec_available() else "torchvision"
+
     def gpu_pipeline(self, train: bool):
         """The accelerator side of ``decode: gpu`` for training (``train=True``) or evaluation:
-        :class:`mixlab.datamodules.imagenet_gpu.GpuPipeline`, ``EncodedBatch -> (images, labels)``."""
-        if train not in self._gpu_pipelines:
-            from mixlab.datamodules.imagenet_gpu import GpuPipeline
+        :class:`mixlab.datamodules.imagenet_gpu.GpuPipeline`, ``EncodedBatch -> (images, labels)``.
 
+        Raises:
+            ImportError: ``jpeg_decoder: nvimgcodec`` for a CUDA device without nvImageCodec installed."""
+        if train not in self._gpu_pipelines:
+            from mixlab.datamodules.imagenet_gpu import GpuPipeline, nvimgcodec_available
+
+            device = self._root_device()
+            if (self.jpeg_decoder == "nvimgcodec" and getattr(device, "type", None) == "cuda"
+                    and not nvimgcodec_available()):
+                raise ImportError("ImageNetDataModule: jpeg_decoder 'nvimgcodec' needs NVIDIA nvImageCodec: pip "
+                                  "install 'nvidia-nvimgcodec-cu13[nvjpeg]' (or mixlab's extra '.[hwjpeg]'; cu12 for "
+                                  "a CUDA 12 build of torch), or set data.init_args.jpeg_decoder to torchvision or "
+                                  "auto")
             self._gpu_pipelines[train] = GpuPipeline(self.transform("train" if train else "val"), train,
-                                                     cuda_graphs=self.cuda_graphs)
+                                                     cuda_graphs=self.cuda_graphs,
+                                                     jpeg_decoder=self.jpeg_decoder_name())
         return self._gpu_pipelines[train]
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -870,7 +902,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
-        return (f"decode gpu: decoding and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
+        jpeg = (f"decoding ({self.jpeg_decoder_name()})" if device.type == "cuda" else
+                "decoding" + (f" (jpeg_decoder {self.jpeg_decoder} has no effect on a CPU device: torchvision)"
+                              if self.jpeg_decoder == "nvimgcodec" else ""))
+        return (f"decode gpu: {jpeg} and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
                 f"{self._worker_share_summary()}" + (f"; DataLoader workers{at_nice}" if at_nice else no_nice))
 
     def _worker_share_summary(self) -> str:

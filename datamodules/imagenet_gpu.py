@@ -41,7 +41,10 @@ tables and one ``take``; colour jitter (when on) the same way, one step at a tim
 
 Differences to the CPU path (measured in ``tests/test_imagenet_gpu.py``):
 
-* JPEG decoder: nvJPEG (or libjpeg-turbo through torchvision on CPU) vs PIL's libjpeg: +-1-2 levels;
+* JPEG decoder (``jpeg_decoder``, :func:`decode_jpegs`): torchvision's nvJPEG on CUDA differs from PIL's libjpeg by
+  3.3 levels on average, up to 30, more than 2 levels on half of the values (an H100, 32 synthetic 500x375 JPEGs;
+  the chroma upsampling, most likely); nvImageCodec's hardware decoder by at most 1 level (mean 1e-4); libjpeg-turbo
+  through torchvision on a CPU device by +-1-2 levels;
 * the crop + resize's matrix products run in TF32 on CUDA (:func:`resized_crops`): a few percent of pixels
   (2.8% measured) 1 level off torchvision's float32 ``resized_crop``; worker-decoded images use torchvision's
   uint8 resize (fixed-point weights): about a fifth of pixels 1 level off the float32 result, never more;
@@ -60,6 +63,7 @@ the batch then has one image less.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -80,7 +84,8 @@ from torch.profiler import record_function
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "decode_crop_cpu", "worker_decoded",
            "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops",
-           "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts"]
+           "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts", "JPEG_DECODERS",
+           "nvimgcodec_available"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -369,12 +374,34 @@ def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[
 _DECODE_STREAMS: dict[torch.device, Any] = {}
 
 
-def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str]) -> list[Tensor | None]:
+JPEG_DECODERS = ("torchvision", "nvimgcodec")
+"""The accelerator's JPEG decoders (:func:`decode_jpegs`'s ``decoder``): ``"torchvision"``,
+``torchvision.io.decode_jpeg`` (nvJPEG's default backend on CUDA: Huffman decoding on the host for small images,
+the IDCT and colour conversion in CUDA kernels on the SMs); ``"nvimgcodec"``, NVIDIA nvImageCodec (``pip install
+nvidia-nvimgcodec-cu13[nvjpeg]``), which sends each JPEG to the GPU's hardware JPEG decoder (NVJPG engines: A100,
+H100, H200, ...) when the GPU has one and the file suits it, so that decoding leaves the SMs to the model, and to
+nvJPEG's CUDA backends otherwise."""
+
+
+def nvimgcodec_available() -> bool:
+    """Whether nvImageCodec's Python package (``nvidia.nvimgcodec``) imports."""
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str],
+                 decoder: str = "torchvision") -> list[Tensor | None]:
     """Decode a batch of JPEGs to RGB uint8 ``[3, H_b, W_b]`` tensors on ``device``.
 
-    One batched ``torchvision.io.decode_jpeg`` call on the ``split`` of ``data`` (one op, no per-image
-    slicing); when it raises (it fails for the whole batch), each image alone, then with PIL; an image no
-    decoder reads is skipped with a counted warning and its entry is ``None``.
+    ``decoder`` (:data:`JPEG_DECODERS`; CUDA only, a CPU device always uses torchvision's libjpeg-turbo):
+    ``"torchvision"``: one batched ``torchvision.io.decode_jpeg`` call on the ``split`` of ``data`` (one op, no
+    per-image slicing); ``"nvimgcodec"``: one batched nvImageCodec decode (:class:`_NvImageCodec`; the images are
+    ``[3, H_b, W_b]`` views of its ``[H_b, W_b, 3]`` buffers). Images the batched call does not decode (torchvision
+    fails the whole batch; nvImageCodec returns None for the image) are decoded alone by torchvision, then by PIL;
+    an image no decoder reads is skipped with a counted warning and its entry is ``None``.
 
     On CUDA the decode runs under a dedicated stream, which the caller's stream then waits for, and the images
     are marked as used by the caller's stream (``record_stream``). torchvision allocates the output images on
@@ -382,7 +409,15 @@ def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list
     on the caller's stream it could write into memory that the caller's queued kernels still read (memory
     freed by the previous batch): on an H200, index tensors of the previous batch's crop were overwritten
     (``index_copy_(): index out of bounds``) when the stage ran ahead in the prefetch thread at 512 px.
+    nvImageCodec's images live in its own stream-ordered pool, which ``record_stream`` does not reach: their
+    user keeps them until the device has read them (:meth:`GpuPipeline.finish` holds them behind an event).
+
+    Raises:
+        ValueError: ``decoder`` not in :data:`JPEG_DECODERS`.
+        ImportError: ``decoder="nvimgcodec"`` on CUDA without nvImageCodec installed.
     """
+    if decoder not in JPEG_DECODERS:
+        raise ValueError(f"decode_jpegs: decoder must be one of {JPEG_DECODERS}; got {decoder!r}")
     if device.type != "cuda":
         return _decode_jpegs(data, offsets, device, keys)
     caller = torch.cuda.current_stream(device)
@@ -390,12 +425,75 @@ def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list
     if dec is None:
         dec = _DECODE_STREAMS[device] = torch.cuda.Stream(device)
     with torch.cuda.stream(dec):  # its memory pool holds only decoded images, each released after the caller's use
-        imgs = _decode_jpegs(data, offsets, device, keys)
+        imgs = (_decode_nvimgcodec(data, offsets, device, keys, dec) if decoder == "nvimgcodec" else
+                _decode_jpegs(data, offsets, device, keys))
     caller.wait_stream(dec)
     for im in imgs:
         if im is not None:
             im.record_stream(caller)
     return imgs
+
+
+def _decode_nvimgcodec(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str],
+                       stream: Any) -> list[Tensor | None]:
+    """:func:`decode_jpegs` with nvImageCodec (:class:`_NvImageCodec`, on ``stream``); the images it returns None
+    for are decoded alone by torchvision, then PIL, or skipped and counted (:func:`_decode_jpegs`)."""
+    imgs = _NvImageCodec.get(device).decode(data, offsets, stream)
+    missing = [k for k, im in enumerate(imgs) if im is None]
+    if missing:
+        idx = torch.tensor(missing)
+        sub_off = torch.zeros(len(missing) + 1, dtype=torch.int64)
+        sub_off[1:] = (offsets[idx + 1] - offsets[idx]).cumsum(0)
+        sub = torch.cat([data[offsets[k]:offsets[k + 1]] for k in missing])
+        for k, im in zip(missing, _decode_jpegs(sub, sub_off, device, [keys[k] for k in missing])):
+            imgs[k] = im
+    return imgs
+
+
+class _NvImageCodec:
+    """One nvImageCodec ``Decoder`` per CUDA device (:meth:`get`), built at first use: hardware JPEG decoding
+    first (``HW_GPU_ONLY``, every image it takes), nvJPEG's CUDA and hybrid backends for the rest; RGB output
+    without EXIF rotation (as ``torchvision.io.decode_jpeg`` and the CPU path's PIL). Calls are serialised (a
+    lock): the training stage and an evaluation loader may share the device."""
+
+    _decoders: dict[torch.device, _NvImageCodec] = {}
+    _lock = threading.Lock()
+    CPU_THREADS = 4  # its host threads (JPEG parsing, hybrid Huffman decoding); the DataLoader workers have the rest
+
+    def __init__(self, device: torch.device) -> None:
+        try:
+            from nvidia import nvimgcodec
+        except ImportError as err:
+            raise ImportError("jpeg_decoder 'nvimgcodec' needs nvImageCodec: pip install "
+                              "'nvidia-nvimgcodec-cu13[nvjpeg]' (cu12 for a CUDA 12 build of torch), or use "
+                              "jpeg_decoder 'torchvision'") from err
+        kind = nvimgcodec.BackendKind
+        backends = [nvimgcodec.Backend(kind.HW_GPU_ONLY), nvimgcodec.Backend(kind.GPU_ONLY),
+                    nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
+        self.decoder = nvimgcodec.Decoder(device_id=device.index or 0, max_num_cpu_threads=self.CPU_THREADS,
+                                          backends=backends)
+        self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB, allow_any_depth=False,
+                                              apply_exif_orientation=False)
+        self.device = device
+        self.lock = threading.Lock()
+
+    @classmethod
+    def get(cls, device: torch.device) -> _NvImageCodec:
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        with cls._lock:
+            if device not in cls._decoders:
+                cls._decoders[device] = cls(device)
+            return cls._decoders[device]
+
+    def decode(self, data: Tensor, offsets: Tensor, stream: Any) -> list[Tensor | None]:
+        """The JPEGs ``data[offsets[i]:offsets[i + 1]]`` (host uint8) decoded on ``stream``: uint8 ``[3, H, W]``
+        views of nvImageCodec's ``[H, W, 3]`` device images, None where it could not decode the image."""
+        buf = data.numpy()
+        off = offsets.tolist()
+        chunks = [buf[a:b] for a, b in zip(off[:-1], off[1:])]
+        with self.lock:
+            out = self.decoder.decode(chunks, params=self.params, cuda_stream=stream.cuda_stream)
+        return [None if im is None else torch.as_tensor(im, device=self.device).permute(2, 0, 1) for im in out]
 
 
 def _decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list[str]) -> list[Tensor | None]:
@@ -1154,6 +1252,11 @@ class GpuPipeline:
         cuda_graphs: training batches on a CUDA device replay the colour-jitter / RandAugment layers as
             CUDA graphs (:class:`_AugmentGraphs`, built at the first batch, for that batch size); no effect
             on the CPU, for evaluation, or for a batch of another size (eager, the same images).
+        jpeg_decoder: the JPEG decoder on CUDA (:data:`JPEG_DECODERS`, :func:`decode_jpegs`); a CPU device
+            always decodes with torchvision.
+
+    Raises:
+        ValueError: ``jpeg_decoder`` not in :data:`JPEG_DECODERS`.
 
     ``__call__(batch)`` returns images float32 ``[B', 3, H, W]`` (normalised, on ``batch.labels.device``)
     and labels int64 ``[B']``; ``B' = B`` minus images no decoder could read (counted, warned).
@@ -1166,8 +1269,12 @@ class GpuPipeline:
     ``.item()``, ``nonzero``, blocking copy).
     """
 
-    def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True) -> None:
-        self.train, self.cuda_graphs = train, cuda_graphs
+    def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True,
+                 jpeg_decoder: str = "torchvision") -> None:
+        if jpeg_decoder not in JPEG_DECODERS:
+            raise ValueError(f"GpuPipeline: jpeg_decoder must be one of {JPEG_DECODERS}; got {jpeg_decoder!r}")
+        self.train, self.cuda_graphs, self.jpeg_decoder = train, cuda_graphs, jpeg_decoder
+        self._held: collections.deque = collections.deque()  # (event, images) read by queued kernels (finish)
         self._graphs: _AugmentGraphs | None = None
         self.decode_seconds = 0.0  # host wall time in decode_jpegs so far (it returns after nvJPEG's device work)
         if train:
@@ -1198,7 +1305,8 @@ class GpuPipeline:
         p_n = batch.num_decoded  # the first p_n images arrive decoded (batch.pixels)
         t = time.perf_counter()
         with record_function("stage/decode"):  # phases named for profiles (scripts/bench_input.py --profile)
-            imgs = decode_jpegs(batch.data, batch.offsets, dev, batch.keys[p_n:]) if len(batch) > p_n else []
+            imgs = (decode_jpegs(batch.data, batch.offsets, dev, batch.keys[p_n:], self.jpeg_decoder)
+                    if len(batch) > p_n else [])
         self.decode_seconds += time.perf_counter() - t
         return imgs
 
@@ -1221,6 +1329,7 @@ class GpuPipeline:
         with record_function("stage/crop_resize"):
             out = None if graphs is None else graphs.x[:len(keep)]
             x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
+        self._hold(imgs, dev)
         with record_function("stage/augment"):
             x = self._augment(x, params if self.train else {}, graphs)
         if graphs is not None:
@@ -1228,7 +1337,19 @@ class GpuPipeline:
         return x, labels
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_graphs": None}  # CUDA graphs stay in their process
+        return {**self.__dict__, "_graphs": None, "_held": collections.deque()}  # CUDA state stays in its process
+
+    def _hold(self, imgs: list[Tensor], dev: torch.device) -> None:
+        """Keep nvImageCodec's decoded images (memory of its own stream-ordered pool, which ``record_stream`` does
+        not protect) until the kernels queued so far on the current stream, the crop that reads them, have run:
+        an event marks that point; held images whose event has passed are let go (no wait)."""
+        if dev.type != "cuda" or self.jpeg_decoder != "nvimgcodec" or not imgs:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
+        self._held.append((event, imgs))
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
 
     def _graphs_for(self, n: int, dev: torch.device) -> _AugmentGraphs | None:
         """The CUDA graphs of the augmentation (:class:`_AugmentGraphs`) for a training batch of ``n`` images

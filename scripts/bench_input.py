@@ -704,6 +704,10 @@ def main(argv: list[str] | None = None) -> str:
                         "time and how much of the stage's work overlapped the model's")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
+    p.add_argument("--jpeg-decoder", default="torchvision", choices=["torchvision", "nvimgcodec"],
+                   help="decode gpu: the loader rows' JPEG decoder on CUDA (datamodule jpeg_decoder; nvimgcodec: the "
+                        "GPU's hardware JPEG decoder, needs nvidia-nvimgcodec-cu13); the --cli-steps fits take it "
+                        "from --cli-args/--cli-variants")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-loader", action="store_true",
@@ -829,7 +833,7 @@ def main(argv: list[str] | None = None) -> str:
                                   image_size=a.image_size, batch_size=a.batch_size, num_workers=a.workers,
                                   train_samples=10**9, shuffle_buffer=min(5000, 4 * a.batch_size),
                                   persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs,
-                                  cpu_decode_fraction=fraction)
+                                  cpu_decode_fraction=fraction, jpeg_decoder=a.jpeg_decoder)
 
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -845,7 +849,8 @@ def main(argv: list[str] | None = None) -> str:
                 f"- device: {device_name(device)}; torch {torch.__version__}",
                 f"- data: {what if a.shards is None else train_pattern}",
                 f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"
-                + (f"; training augmentation (decode gpu) {graphs_mode}" if "gpu" in a.decode else
+                + (f"; training augmentation (decode gpu) {graphs_mode}, JPEGs decoded by {a.jpeg_decoder}"
+                   if "gpu" in a.decode else
                    "; training augmentation by timm's transforms in the loader workers (decode cpu)"),
                 f"- command: `{cmd}`", "",
                 "| pipeline | decode | workers | measured | img/s | ms/batch | note |",

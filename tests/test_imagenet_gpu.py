@@ -1023,3 +1023,86 @@ def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
     dm = ImageNetDataModule(train_path="x.tar", decode="gpu", cuda_graphs=False, prefetch_batches=0)
     text = dm.pipeline_summary()
     assert "in on_after_batch_transfer" in text and text.endswith("launched op by op")
+
+
+def test_jpeg_decoder_choice_is_checked_and_resolved(monkeypatch):
+    """``jpeg_decoder`` outside the choices is refused by the datamodule, the pipeline and ``decode_jpegs``, each
+    naming the argument; ``auto`` resolves to nvimgcodec exactly when it imports; the summary names it (and that a
+    CPU device decodes with torchvision)."""
+    from mixlab.datamodules import imagenet_gpu
+
+    with pytest.raises(ValueError, match="jpeg_decoder must be 'auto', 'torchvision' or 'nvimgcodec'; got 'dali'"):
+        ImageNetDataModule(train_path="x.tar", jpeg_decoder="dali")
+    with pytest.raises(ValueError, match="GpuPipeline: jpeg_decoder must be one of"):
+        GpuPipeline(train_transform(32), train=True, jpeg_decoder="nvjpeg")
+    with pytest.raises(ValueError, match="decode_jpegs: decoder must be one of"):
+        decode_jpegs(torch.zeros(4, dtype=torch.uint8), torch.tensor([0, 4]), torch.device("cpu"), ["k"], "pil")
+    for available, name in ((True, "nvimgcodec"), (False, "torchvision")):
+        monkeypatch.setattr(imagenet_gpu, "nvimgcodec_available", lambda a=available: a)
+        dm = ImageNetDataModule(train_path="x.tar", decode="gpu", jpeg_decoder="auto")
+        assert dm.jpeg_decoder_name() == name and dm.gpu_pipeline(True).jpeg_decoder == name
+    text = ImageNetDataModule(train_path="x.tar", decode="gpu", jpeg_decoder="nvimgcodec").pipeline_summary()
+    assert "jpeg_decoder nvimgcodec has no effect on a CPU device: torchvision" in text
+    dm = ImageNetDataModule(train_path="x.tar", decode="gpu", jpeg_decoder="nvimgcodec")
+    monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cuda", 0))
+    with pytest.raises(ImportError, match=r"jpeg_decoder 'nvimgcodec' needs NVIDIA nvImageCodec: pip install"):
+        dm.gpu_pipeline(True)
+
+
+def test_nvimgcodec_images_it_cannot_decode_go_to_torchvision_then_pil(samples, monkeypatch):
+    """nvImageCodec returns None for an image it cannot decode: that image (only) is decoded by torchvision alone
+    (then PIL), and one no decoder reads is skipped and counted; the others are nvImageCodec's, in batch order."""
+    from mixlab.datamodules import imagenet_gpu
+
+    jpegs = [s["jpg"] for s in samples[:5]]
+    jpegs[3] = jpegs[3][:100]  # truncated: no decoder reads it
+    data = torch.from_numpy(np.frombuffer(b"".join(jpegs), np.uint8).copy())
+    off = torch.zeros(6, dtype=torch.int64)
+    off[1:] = torch.tensor([len(j) for j in jpegs]).cumsum(0)
+    ref = [Image.open(io.BytesIO(j)).convert("RGB") for j in jpegs[:3] + jpegs[4:]]
+    seen = []
+
+    class Fake:  # stands in for the CUDA-only decoder: marks its images, fails images 1 and 3
+        def decode(self, d, o, stream):
+            from torchvision.io import decode_jpeg
+
+            seen.append(stream)
+            return [None if i in (1, 3) else decode_jpeg(d[o[i]:o[i + 1]]) for i in range(len(o) - 1)]
+
+    monkeypatch.setattr(imagenet_gpu._NvImageCodec, "get", classmethod(lambda cls, device: Fake()))
+    before = SKIPPED["corrupt"]
+    with pytest.warns(RuntimeWarning, match="k3"):
+        imgs = imagenet_gpu._decode_nvimgcodec(data, off, torch.device("cpu"), [f"k{i}" for i in range(5)], "s")
+    assert seen == ["s"] and imgs[3] is None and SKIPPED["corrupt"] == before + 1
+    for im, r in zip(imgs[:3] + imgs[4:], ref):
+        assert (im.permute(1, 2, 0).int() - torch.from_numpy(np.array(r)).int()).abs().float().mean() < 1.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nvimgcodec_decode_on_cuda_equals_pil_and_the_stage_keeps_its_images(samples):
+    """On CUDA (with nvImageCodec installed): its images equal PIL's (the CPU path's decoder) to within one level
+    (an H100, 32 ImageNet-sized JPEGs: max 1, mean 1e-4 levels; torchvision's nvJPEG: max 30, mean 3.3), small and
+    ImageNet-sized JPEGs; prefetched with a decode thread over two passes the stage gives the same batches as run
+    directly (its images are held until the crop has read them) and labels as the torchvision stage."""
+    pytest.importorskip("nvidia.nvimgcodec")
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(1)
+    jpegs = [s["jpg"] for s in samples] + [synthetic_jpeg(rng, 500, 375) for _ in range(8)]
+    data = torch.from_numpy(np.frombuffer(b"".join(jpegs), np.uint8).copy())
+    off = torch.zeros(len(jpegs) + 1, dtype=torch.int64)
+    off[1:] = torch.tensor([len(j) for j in jpegs]).cumsum(0)
+    nv = decode_jpegs(data, off, dev, [f"k{i}" for i in range(len(jpegs))], "nvimgcodec")
+    for im, j in zip(nv, jpegs, strict=True):
+        ref = torch.from_numpy(np.array(Image.open(io.BytesIO(j)).convert("RGB"))).permute(2, 0, 1)
+        d = (im.cpu().int() - ref.int()).abs()
+        assert im.device.type == "cuda" and d.max() <= 2 and d.float().mean() < 0.05
+    tf = train_transform(32)
+    batches = _encoded_batches(samples, tf, 4)
+    pipe = GpuPipeline(tf, train=True, jpeg_decoder="nvimgcodec")
+    direct = [pipe(b.to(dev)) for b in batches]
+    for (x, y), b in zip(direct, batches):
+        assert torch.equal(y, GpuPipeline(tf, train=True)(b.to(dev))[1]) and x.isfinite().all()
+    pre = DevicePrefetcher(batches, pipe, dev, depth=1, priority_consumer=True, decode_thread=True)
+    for _ in range(2):
+        for (x, y), (xr, yr) in zip(pre, direct, strict=True):
+            assert torch.equal(x, xr) and torch.equal(y, yr)
