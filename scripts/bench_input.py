@@ -29,7 +29,9 @@ going under the resolution the crop needs (train: both crop sides >= 2 x 224; ev
 Writes a Markdown table with date, device and command to ``--out`` and prints it. ``--profile N`` adds where the
 device stage's time goes (phases, top kernels); ``--profile-end-to-end N`` profiles N prefetched training steps
 and reports each CUDA stream's busy time and how much of the stage's work ran concurrently with the model's
-(is the stage's device time hidden, or added to the step?).
+(is the stage's device time hidden, or added to the step?). ``--decoders torchvision nvimgcodec`` adds the JPEG
+decode alone of one training batch with each accelerator decoder (``jpeg_decoder``), with its difference to PIL's
+images; ``--jpeg-decoder`` picks the decoder of the loader rows.
 
 ``--cli-steps N`` adds the issue's measure: ``python -m mixlab fit --config configs/vit/goat_imagenet.yaml``
 (``--cli-config``) for ``N`` steps on the same shards (every ``--decode`` mode and ``--cpu-decode-fraction``), next
@@ -147,6 +149,46 @@ def time_stage(dm, split: str, device: torch.device, reps: int) -> tuple[float, 
     ops = stage_op_counts(lambda batch: to_device(dm, batch, device), b)
     sync(device)
     return len(y) / t, 1000 * t, ops
+
+
+def time_decoders(dm, device: torch.device, decoders: list[str], reps: int, compare: int = 32
+                  ) -> list[tuple[str, float, float, str]]:
+    """The JPEG decode alone (:func:`~mixlab.datamodules.imagenet_gpu.decode_jpegs`, one batched call) of one held
+    training batch with each of ``decoders``: ``(decoder, images/s, ms per batch until the device is done, note)``;
+    the note gives the host time until the call returns and the largest and mean difference, in levels, to PIL
+    (the ``decode: cpu`` path's decoder) on the batch's first ``compare`` images. On a CPU device every decoder is
+    torchvision's libjpeg-turbo (said in the note)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from mixlab.datamodules.imagenet_gpu import decode_jpegs
+
+    b = held_batch(dm, "train", device)
+    data, off, keys = b.data, b.offsets, b.keys[b.num_decoded:]
+    ends = off.tolist()
+    ref = [np.asarray(Image.open(io.BytesIO(data[ends[i]:ends[i + 1]].numpy().tobytes())).convert("RGB"))
+           for i in range(min(compare, len(ends) - 1))]
+    out = []
+    for name in decoders:
+        for _ in range(2):
+            decode_jpegs(data, off, device, keys, name)
+        sync(device)
+        host, total = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            imgs = decode_jpegs(data, off, device, keys, name)
+            host.append(time.perf_counter() - t0)
+            sync(device)
+            total.append(time.perf_counter() - t0)
+        d = [np.abs(im.permute(1, 2, 0).cpu().numpy().astype(np.int32) - r) for im, r in zip(imgs, ref)]
+        note = (f"host {1000 * statistics.median(host):.1f} ms until the call returns; vs PIL: max "
+                f"{max(int(x.max()) for x in d)}, mean {float(np.mean([x.mean() for x in d])):.3g} levels "
+                f"({len(d)} images)" + ("" if device.type == "cuda" else "; CPU device: torchvision's libjpeg-turbo"))
+        t = statistics.median(total)
+        out.append((name, len(imgs) / t, 1000 * t, note))
+    return out
 
 
 def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 30) -> list[str]:
@@ -708,6 +750,9 @@ def main(argv: list[str] | None = None) -> str:
                    help="decode gpu: the loader rows' JPEG decoder on CUDA (datamodule jpeg_decoder; nvimgcodec: the "
                         "GPU's hardware JPEG decoder, needs nvidia-nvimgcodec-cu13); the --cli-steps fits take it "
                         "from --cli-args/--cli-variants")
+    p.add_argument("--decoders", nargs="+", default=[], choices=["torchvision", "nvimgcodec"],
+                   help="decode gpu: also time the JPEG decode alone of one training batch with each decoder, and its "
+                        "difference to PIL's images (the decode cpu path's decoder)")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-loader", action="store_true",
@@ -917,6 +962,9 @@ def main(argv: list[str] | None = None) -> str:
                 stage_ops.append(f"{split} ({mode}) {ops['ops']:,} ({ops['compute']:,} compute, "
                                  f"{ops['decode']} decoder calls, "
                                  f"{ops['syncs']} syncing)")
+                if split == "train" and not fraction:
+                    for name, ips, ms, note in time_decoders(dm, device, a.decoders, max(3, a.batches // 3)):
+                        row(split, f"{mode}, {name}", "JPEG decode alone (one batched call)", ips, f"{ms:.1f}", note)
                 if a.profile:
                     profiles += [""] + profile_stage(dm, split, device, a.profile)
             if split == "train" and not a.no_end_to_end:

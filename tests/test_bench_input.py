@@ -17,7 +17,7 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
 
     out = tmp_path / "bench.md"
     text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data"), "--profile", "1",
-                             "--profile-end-to-end", "2"])
+                             "--profile-end-to-end", "2", "--decoders", "torchvision"])
     assert out.read_text() == text
     lines = text.splitlines()
     assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
@@ -44,7 +44,11 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
             ("train", "gpu", "end to end (loader + device stage + model step)")} <= measured
     assert ("train", "gpu", "end to end, device stage prefetched (2 ahead)") in measured
     assert rows[1][:2] == ("model", "-") and rows[1][3].startswith("tiny evaluation forward")
-    assert len(rows) == 15 and "PIL `draft`" in text
+    assert len(rows) == 16 and "PIL `draft`" in text
+    decode_row = next(line for line in lines if "JPEG decode alone" in line)  # libjpeg-turbo equals PIL to 1-2 levels
+    assert "| train | gpu, torchvision |" in decode_row and "host " in decode_row
+    mx, mean = re.search(r"vs PIL: max (\d+), mean ([\d.e-]+) levels \(8 images\)", decode_row).groups()
+    assert int(mx) <= 4 and float(mean) < 1 and "CPU device: torchvision's libjpeg-turbo" in decode_row
     # --profile: each split's device stage by phase (host time measured on the CPU; no kernels without a GPU)
     for split in ("train", "val"):
         at = lines.index(f"### Device stage profile, {split}, 1 calls on one held batch of 8")
@@ -55,8 +59,6 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
         assert lines[phases + 6] == "(no accelerator kernels: the stage ran on cpu)"  # not an empty kernel table
     at = lines.index("### End-to-end profile, train, 2 steps (stage 2 ahead)")
     assert lines[at + 2] == "(no CUDA streams: the run is on cpu)"
-    import re
-
     ops = int(re.search(r"ops per batch of 8: train \(gpu\) ([\d,]+) ", text).group(1).replace(",", ""))
     assert ops > 300 and "0 syncing" in text  # the ops inside the phase labels are counted (it read 1 once)
 
