@@ -487,12 +487,15 @@ class _NvImageCodec:
 
     def decode(self, data: Tensor, offsets: Tensor, stream: Any) -> list[Tensor | None]:
         """The JPEGs ``data[offsets[i]:offsets[i + 1]]`` (host uint8) decoded on ``stream``: uint8 ``[3, H, W]``
-        views of nvImageCodec's ``[H, W, 3]`` device images, None where it could not decode the image."""
+        views of nvImageCodec's ``[H, W, 3]`` device images, None where it could not decode the image (every
+        entry None when it returned fewer images than it was given: the caller decodes them otherwise)."""
         buf = data.numpy()
         off = offsets.tolist()
         chunks = [buf[a:b] for a, b in zip(off[:-1], off[1:])]
         with self.lock:
             out = self.decoder.decode(chunks, params=self.params, cuda_stream=stream.cuda_stream)
+        if len(out) != len(chunks):  # older nvImageCodec releases left out the images they could not decode
+            return [None] * len(chunks)
         return [None if im is None else torch.as_tensor(im, device=self.device).permute(2, 0, 1) for im in out]
 
 
