@@ -726,15 +726,12 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         Raises:
             ImportError: ``jpeg_decoder: nvimgcodec`` for a CUDA device without nvImageCodec installed."""
         if train not in self._gpu_pipelines:
-            from mixlab.datamodules.imagenet_gpu import GpuPipeline, nvimgcodec_available
+            from mixlab.datamodules.imagenet_gpu import NVIMGCODEC_MISSING, GpuPipeline, nvimgcodec_available
 
             device = self._root_device()
             if (self.jpeg_decoder == "nvimgcodec" and getattr(device, "type", None) == "cuda"
                     and not nvimgcodec_available()):
-                raise ImportError("ImageNetDataModule: jpeg_decoder 'nvimgcodec' needs NVIDIA nvImageCodec: pip "
-                                  "install 'nvidia-nvimgcodec-cu13[nvjpeg]' (or mixlab's extra '.[hwjpeg]'; cu12 for "
-                                  "a CUDA 12 build of torch), or set data.init_args.jpeg_decoder to torchvision or "
-                                  "auto")
+                raise ImportError(f"ImageNetDataModule: {NVIMGCODEC_MISSING}")
             self._gpu_pipelines[train] = GpuPipeline(self.transform("train" if train else "val"), train,
                                                      cuda_graphs=self.cuda_graphs,
                                                      jpeg_decoder=self.jpeg_decoder_name())

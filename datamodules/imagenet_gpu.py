@@ -383,6 +383,12 @@ H100, H200, ...) when the GPU has one and the file suits it, so that decoding le
 nvJPEG's CUDA backends otherwise."""
 
 
+NVIMGCODEC_MISSING = ("jpeg_decoder 'nvimgcodec' needs NVIDIA nvImageCodec: pip install "
+                      "'nvidia-nvimgcodec-cu13[nvjpeg]' (or mixlab's extra '.[hwjpeg]'; cu12 for a CUDA 12 build of "
+                      "torch), or set data.init_args.jpeg_decoder to torchvision or auto")
+"""The one error text for ``jpeg_decoder: nvimgcodec`` without nvImageCodec installed."""
+
+
 def nvimgcodec_available() -> bool:
     """Whether nvImageCodec's Python package (``nvidia.nvimgcodec``) imports."""
     try:
@@ -464,9 +470,7 @@ class _NvImageCodec:
         try:
             from nvidia import nvimgcodec
         except ImportError as err:
-            raise ImportError("jpeg_decoder 'nvimgcodec' needs nvImageCodec: pip install "
-                              "'nvidia-nvimgcodec-cu13[nvjpeg]' (cu12 for a CUDA 12 build of torch), or use "
-                              "jpeg_decoder 'torchvision'") from err
+            raise ImportError(NVIMGCODEC_MISSING) from err
         kind = nvimgcodec.BackendKind
         backends = [nvimgcodec.Backend(kind.HW_GPU_ONLY), nvimgcodec.Backend(kind.GPU_ONLY),
                     nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
