@@ -55,6 +55,44 @@ def test_compiled_blocks_give_the_eager_values():
     torch.testing.assert_close(g_out, g_ref)
 
 
+def test_stochastic_depth_rates_share_one_compiled_graph():
+    """The blocks of a linearly increasing drop-path schedule differ only in the rate, a buffer: compiled one by
+    one (as ``_compiled_blocks`` does), 12 training blocks need 2 graphs (rate 0 is an ``Identity``) and none is
+    left eager. With timm's float rate each block needed its own graph, and Dynamo's limit of 8 per code object
+    left blocks 9-12 eager on the GPU (BENCHMARKS.md, thirty-fifth session)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Backbone(BackboneConfig(d_model=32, n_layers=12, n_heads=2, mixer="goat", causal=False, drop_path=0.1))
+    cnt = CompileCounter()
+    x, c = torch.randn(2, 5, 32), Coords.seq(5)
+    for blk in model.blocks:
+        x = torch.compile(blk, backend=cnt, dynamic=False)(x, c)
+    assert cnt.frame_count == 2 and x.isfinite().all()
+    torch._dynamo.reset()
+
+
+def test_drop_path_drops_whole_samples_at_its_rate_and_keeps_the_mean():
+    """Training: each sample's branch is 0 or ``x / (1 - p)`` (one draw per sample), dropped at rate ``p``, the
+    mean kept; bf16 in, bf16 out; evaluation returns ``x``; the rate is not in the state dict; bad rates raise."""
+    import pytest
+
+    torch.manual_seed(0)
+    dp = bb.DropPath(0.25)
+    x = torch.ones(40000, 3, 2)
+    y = dp(x)
+    per_sample = y.flatten(1)
+    assert (per_sample == per_sample[:, :1]).all()  # whole samples
+    assert per_sample[:, 0].unique().tolist() == [0.0, torch.tensor(4 / 3).item()]
+    assert abs((per_sample[:, 0] == 0).float().mean().item() - 0.25) < 0.01
+    assert abs(y.mean().item() - 1) < 0.02
+    assert dp(x.bfloat16()).dtype == torch.bfloat16
+    assert dp.eval()(x) is x and list(dp.state_dict()) == [] and "drop_prob=0.25" in repr(dp)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="DropPath: drop_prob must be in"):
+            bb.DropPath(bad)
+
 
 def test_goat_key_range_of_sequence_coordinates_needs_no_host_sync():
     """The key-range check of GOAT's key-linear lane (bf16 holds it exactly below 32768) reads the

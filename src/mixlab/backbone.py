@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from timm.layers import DropPath, Mlp, SwiGLUPacked
+from timm.layers import Mlp, SwiGLUPacked
 from torch import Tensor, nn
 
 from mixlab.coords import Coords
@@ -218,6 +218,39 @@ def make_norm(cfg: BackboneConfig) -> nn.Module:
     if cfg.norm == "layernorm":
         return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
     raise ValueError(f"BackboneConfig.norm must be 'rmsnorm' or 'layernorm'; got {cfg.norm!r}")
+
+
+class DropPath(nn.Module):
+    """Stochastic depth (Huang et al., 2016, "Deep Networks with Stochastic Depth"; timm's ``DropPath``): in
+    training, each sample's residual branch ``x [B, ...]`` (any dtype) is zeroed with probability ``drop_prob``
+    and the kept ones are scaled by ``1 / (1 - drop_prob)``; in evaluation ``x`` is returned as it is.
+
+    As timm's, except that ``1 - drop_prob`` lives in a 0-dim float32 buffer (not saved in checkpoints) instead of a
+    Python float: ``torch.compile`` then does not guard on the rate, so blocks that differ only in their rate share
+    one graph. With a float, each block of a linearly increasing schedule needed a graph of its own, and Dynamo's
+    recompile limit (8 graphs per code object) left blocks 9-12 of ViT-S eager (BENCHMARKS.md, thirty-fifth
+    session). The mask is drawn in float32 (``bernoulli_`` with the buffer as probability) and cast to ``x``'s dtype
+    after the scaling.
+
+    Raises:
+        ValueError: ``drop_prob`` outside ``[0, 1)``.
+    """
+
+    def __init__(self, drop_prob: float) -> None:
+        super().__init__()
+        if not 0 <= drop_prob < 1:
+            raise ValueError(f"DropPath: drop_prob must be in [0, 1); got {drop_prob}")
+        self.drop_prob = drop_prob
+        self.register_buffer("keep", torch.tensor(1.0 - drop_prob), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training:
+            return x
+        mask = torch.empty((x.shape[0],) + (1,) * (x.dim() - 1), device=x.device).bernoulli_(self.keep)
+        return x * (mask / self.keep).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"drop_prob={self.drop_prob:g}"
 
 
 class Block(nn.Module):
