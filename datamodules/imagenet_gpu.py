@@ -404,8 +404,8 @@ def decode_jpegs(data: Tensor, offsets: Tensor, device: torch.device, keys: list
 
     ``decoder`` (:data:`JPEG_DECODERS`; CUDA only, a CPU device always uses torchvision's libjpeg-turbo):
     ``"torchvision"``: one batched ``torchvision.io.decode_jpeg`` call on the ``split`` of ``data`` (one op, no
-    per-image slicing); ``"nvimgcodec"``: one batched nvImageCodec decode (:class:`_NvImageCodec`; the images are
-    ``[3, H_b, W_b]`` views of its ``[H_b, W_b, 3]`` buffers). Images the batched call does not decode (torchvision
+    per-image slicing); ``"nvimgcodec"``: one batched nvImageCodec decode (:class:`_NvImageCodec`; planar images
+    in its own buffers). Images the batched call does not decode (torchvision
     fails the whole batch; nvImageCodec returns None for the image) are decoded alone by torchvision, then by PIL;
     an image no decoder reads is skipped with a counted warning and its entry is ``None``.
 
@@ -465,6 +465,7 @@ class _NvImageCodec:
     _decoders: dict[torch.device, _NvImageCodec] = {}
     _lock = threading.Lock()
     CPU_THREADS = 4  # its host threads (JPEG parsing, hybrid Huffman decoding); the DataLoader workers have the rest
+    PLANAR = True  # ask for planar [3, H, W] images (the crop reads them without a per-image layout copy)
 
     def __init__(self, device: torch.device) -> None:
         try:
@@ -476,8 +477,10 @@ class _NvImageCodec:
                     nvimgcodec.Backend(kind.HYBRID_CPU_GPU)]
         self.decoder = nvimgcodec.Decoder(device_id=device.index or 0, max_num_cpu_threads=self.CPU_THREADS,
                                           backends=backends)
-        self.params = nvimgcodec.DecodeParams(color_spec=nvimgcodec.ColorSpec.SRGB, allow_any_depth=False,
-                                              apply_exif_orientation=False)
+        common = dict(color_spec=nvimgcodec.ColorSpec.SRGB, allow_any_depth=False, apply_exif_orientation=False)
+        planar = getattr(getattr(nvimgcodec, "SampleFormat", None), "P_RGB", None)  # nvImageCodec >= 0.9
+        self.planar = self.PLANAR and planar is not None
+        self.params = nvimgcodec.DecodeParams(**common, **({"sample_format": planar} if self.planar else {}))
         self.device = device
         self.lock = threading.Lock()
 
@@ -491,8 +494,9 @@ class _NvImageCodec:
 
     def decode(self, data: Tensor, offsets: Tensor, stream: Any) -> list[Tensor | None]:
         """The JPEGs ``data[offsets[i]:offsets[i + 1]]`` (host uint8) decoded on ``stream``: uint8 ``[3, H, W]``
-        views of nvImageCodec's ``[H, W, 3]`` device images, None where it could not decode the image (every
-        entry None when it returned fewer images than it was given: the caller decodes them otherwise)."""
+        device images (nvImageCodec's planar ``P_RGB`` buffers; with older releases, views of its ``[H, W, 3]``
+        buffers), None where it could not decode the image (every entry None when it returned fewer images than it
+        was given: the caller decodes them otherwise)."""
         buf = data.numpy()
         off = offsets.tolist()
         chunks = [buf[a:b] for a, b in zip(off[:-1], off[1:])]
@@ -500,6 +504,8 @@ class _NvImageCodec:
             out = self.decoder.decode(chunks, params=self.params, cuda_stream=stream.cuda_stream)
         if len(out) != len(chunks):  # older nvImageCodec releases left out the images they could not decode
             return [None] * len(chunks)
+        if self.planar:
+            return [None if im is None else torch.as_tensor(im, device=self.device) for im in out]
         return [None if im is None else torch.as_tensor(im, device=self.device).permute(2, 0, 1) for im in out]
 
 

@@ -1085,6 +1085,21 @@ def test_nvimgcodec_images_it_cannot_decode_go_to_torchvision_then_pil(samples, 
     codec = object.__new__(imagenet_gpu._NvImageCodec)
     codec.decoder, codec.params, codec.lock = Short(), None, contextlib.nullcontext()
     assert codec.decode(data, off, type("S", (), {"cuda_stream": 0})()) == [None] * len(jpegs)
+    # planar buffers (P_RGB, nvImageCodec >= 0.9) are the images as they are; interleaved ones become [3, H, W] views
+    hwc = np.arange(2 * 3 * 5 * 3, dtype=np.uint8).reshape(2, 3, 5, 3)
+
+    class Layout:
+        def __init__(self, planar):
+            self.planar = planar
+
+        def decode(self, cs, params, cuda_stream):
+            return [np.ascontiguousarray(im.transpose(2, 0, 1)) if self.planar else im for im in hwc]
+
+    two = off[:3]
+    for planar in (True, False):
+        codec.decoder, codec.planar, codec.device = Layout(planar), planar, torch.device("cpu")
+        for im, ref in zip(codec.decode(data, two, type("S", (), {"cuda_stream": 0})()), hwc, strict=True):
+            assert torch.equal(im, torch.from_numpy(ref).permute(2, 0, 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
