@@ -580,10 +580,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         jpeg_decoder: with ``decode: gpu`` on CUDA, the JPEG decoder: ``"torchvision"`` (``decode_jpeg``: nvJPEG's
             CUDA kernels on the SMs, Huffman decoding on the host), ``"nvimgcodec"`` (NVIDIA nvImageCodec, ``pip install
             'nvidia-nvimgcodec-cu13[nvjpeg]'``: the GPU's hardware JPEG decoder where it has one, A100 / H100 / H200,
-            so that decoding takes no SM time from the model) or ``"auto"`` (nvimgcodec when it is installed, else
-            torchvision). :func:`~mixlab.datamodules.imagenet_gpu.decode_jpegs`. A CPU device decodes with
-            torchvision. ``"nvimgcodec"`` without the package raises ImportError when the loaders are built for a
-            CUDA device.
+            so that decoding takes no SM time from the model; its images equal PIL's to one level, but it trained
+            slower in every fit measured on H100 and H200 hosts: BENCHMARKS.md, thirty-seventh session).
+            :func:`~mixlab.datamodules.imagenet_gpu.decode_jpegs`. A CPU device decodes with torchvision.
+            ``"nvimgcodec"`` without the package raises ImportError when the loaders are built for a CUDA device.
         decode_thread: with the device stage prefetched, decode the next batch's JPEGs in a second background
             thread while the stage thread crops and augments the current one (torchvision's ``decode_jpeg`` on CUDA
             returns only after nvJPEG's device work, which waits behind the training step's kernels), instead of
@@ -638,7 +638,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
         decode_thread: bool = False,
-        jpeg_decoder: Literal["auto", "torchvision", "nvimgcodec"] = "torchvision",
+        jpeg_decoder: Literal["torchvision", "nvimgcodec"] = "torchvision",
         worker_nice: int = 0,
         switch_interval_ms: float | None = None,
     ) -> None:
@@ -648,8 +648,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             raise ValueError(f"ImageNetDataModule: format must be 'wds' or 'folder'; got {format!r}")
         if decode not in ("auto", "cpu", "gpu"):
             raise ValueError(f"ImageNetDataModule: decode must be 'auto', 'cpu' or 'gpu'; got {decode!r}")
-        if jpeg_decoder not in ("auto", "torchvision", "nvimgcodec"):
-            raise ValueError("ImageNetDataModule: jpeg_decoder must be 'auto', 'torchvision' or 'nvimgcodec'; got "
+        if jpeg_decoder not in ("torchvision", "nvimgcodec"):
+            raise ValueError("ImageNetDataModule: jpeg_decoder must be 'torchvision' or 'nvimgcodec'; got "
                              f"{jpeg_decoder!r}")
         if cpu_decode_fraction and (decode == "cpu" or format == "folder"):
             warnings.warn(f"ImageNetDataModule: cpu_decode_fraction={cpu_decode_fraction} has no effect with "
@@ -710,15 +710,6 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         gpu = self.format == "wds" and torch.cuda.is_available() and getattr(device, "type", None) == "cuda"
         return "gpu" if gpu else "cpu"
 
-    def jpeg_decoder_name(self) -> str:
-        """``jpeg_decoder`` with ``"auto"`` resolved: ``"nvimgcodec"`` when nvImageCodec imports, else
-        ``"torchvision"``."""
-        if self.jpeg_decoder != "auto":
-            return self.jpeg_decoder
-        from mixlab.datamodules.imagenet_gpu import nvimgcodec_available
-
-        return "nvimgcodec" if nvimgcodec_available() else "torchvision"
-
     def gpu_pipeline(self, train: bool):
         """The accelerator side of ``decode: gpu`` for training (``train=True``) or evaluation:
         :class:`mixlab.datamodules.imagenet_gpu.GpuPipeline`, ``EncodedBatch -> (images, labels)``.
@@ -734,7 +725,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                 raise ImportError(f"ImageNetDataModule: {NVIMGCODEC_MISSING}")
             self._gpu_pipelines[train] = GpuPipeline(self.transform("train" if train else "val"), train,
                                                      cuda_graphs=self.cuda_graphs,
-                                                     jpeg_decoder=self.jpeg_decoder_name())
+                                                     jpeg_decoder=self.jpeg_decoder)
         return self._gpu_pipelines[train]
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -899,7 +890,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
-        jpeg = (f"decoding ({self.jpeg_decoder_name()})" if device.type == "cuda" else
+        jpeg = (f"decoding ({self.jpeg_decoder})" if device.type == "cuda" else
                 "decoding" + (f" (jpeg_decoder {self.jpeg_decoder} has no effect on a CPU device: torchvision)"
                               if self.jpeg_decoder == "nvimgcodec" else ""))
         return (f"decode gpu: {jpeg} and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
