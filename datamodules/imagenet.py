@@ -564,6 +564,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             the first batch (:class:`~mixlab.datamodules.imagenet_gpu._AugmentGraphs`): the same images, one
             launch per family instead of ~70 ops (H200: 458 instead of 784 ops per batch of 256 for the whole
             stage). ``false``: every op launched from Python. No effect on a CPU device.
+        augment_impl: with ``cuda_graphs`` on CUDA, how the augmentation layers run: ``"triton"`` (default) each
+            layer as two Triton kernels over the whole batch, every layer of a batch in one CUDA graph
+            (:mod:`~mixlab.datamodules.imagenet_triton`; the same images as ``"torch"``), ``"torch"`` the
+            family-batched torch ops in their graphs. Without Triton installed, ``"torch"``.
         priority_training: with the device stage prefetched on CUDA, run the training step on a
             high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
             SMs the model leaves idle rather than delaying its kernels
@@ -635,6 +639,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         decode: Literal["auto", "cpu", "gpu"] = "auto",
         prefetch_batches: int = 2,
         cuda_graphs: bool = True,
+        augment_impl: Literal["triton", "torch"] = "triton",
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
         decode_thread: bool = False,
@@ -651,6 +656,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         if jpeg_decoder not in ("torchvision", "nvimgcodec"):
             raise ValueError("ImageNetDataModule: jpeg_decoder must be 'torchvision' or 'nvimgcodec'; got "
                              f"{jpeg_decoder!r}")
+        if augment_impl not in ("triton", "torch"):
+            raise ValueError(f"ImageNetDataModule: augment_impl must be 'triton' or 'torch'; got {augment_impl!r}")
         if cpu_decode_fraction and (decode == "cpu" or format == "folder"):
             warnings.warn(f"ImageNetDataModule: cpu_decode_fraction={cpu_decode_fraction} has no effect with "
                           f"{'format=folder' if format == 'folder' else 'decode=cpu'}: the workers decode every image")
@@ -669,7 +676,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         self._switch_interval_before: float | None = None
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs
         self.priority_training, self.cpu_decode_fraction = priority_training, cpu_decode_fraction
-        self.jpeg_decoder = jpeg_decoder
+        self.jpeg_decoder, self.augment_impl = jpeg_decoder, augment_impl
         self._gpu_pipelines: dict[bool, Any] = {}
         if batch_size % 2:
             warnings.warn(f"ImageNetDataModule: batch_size={batch_size} is odd; timm Mixup needs even batches")
@@ -725,7 +732,8 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                 raise ImportError(f"ImageNetDataModule: {NVIMGCODEC_MISSING}")
             self._gpu_pipelines[train] = GpuPipeline(self.transform("train" if train else "val"), train,
                                                      cuda_graphs=self.cuda_graphs,
-                                                     jpeg_decoder=self.jpeg_decoder)
+                                                     jpeg_decoder=self.jpeg_decoder,
+                                                     augment_impl=self.augment_impl)
         return self._gpu_pipelines[train]
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
@@ -883,7 +891,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             where += (f" (thread switch interval {self.switch_interval_ms:g} ms)" if self.prefetch_batches
                       else " (switch_interval_ms has no effect with prefetch_batches 0)")
         if self.cuda_graphs and device.type == "cuda":
-            graphs = "in CUDA graphs"
+            from mixlab.datamodules.imagenet_gpu import triton_available
+
+            fused = self.augment_impl == "triton" and triton_available()
+            graphs = ("as Triton kernels in one CUDA graph" if fused else "in CUDA graphs"
+                      + (" (augment_impl triton: Triton is not installed)" if self.augment_impl == "triton" else ""))
         else:
             graphs = "launched op by op" + (" (cuda_graphs has no effect on a CPU device)" if self.cuda_graphs else "")
         priority = ""

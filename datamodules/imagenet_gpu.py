@@ -22,7 +22,9 @@ module splits the same recipe in two:
   Its device ops per batch are a fixed sequence: they depend neither on which RandAugment ops the images
   drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), the per-batch
   parameters reach the device in two transfers (the augmentation plan, the erasing boxes), and nothing in
-  the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs (:class:`_AugmentGraphs`).
+  the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs: by default each layer as
+  two Triton kernels over the whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one graph
+  (:class:`_FusedGraphs`); with ``augment_impl="torch"`` the family-batched ops below (:class:`_AugmentGraphs`).
 * **optionally, a share of the decoding in the workers** (``cpu_decode_fraction`` of the datamodule,
   ``cpu_fraction`` of :func:`collate_encoded`): the first images of each training batch are decoded, cropped,
   resized and flipped in the worker (:func:`decode_crop_cpu`) and reach the accelerator as uint8 pixels (pinned by
@@ -84,7 +86,7 @@ from torch.profiler import record_function
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "decode_crop_cpu", "worker_decoded",
            "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops",
-           "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts", "JPEG_DECODERS",
+           "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts", "JPEG_DECODERS", "AUGMENT_IMPLS",
            "nvimgcodec_available"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
@@ -375,6 +377,14 @@ _DECODE_STREAMS: dict[torch.device, Any] = {}
 
 
 JPEG_DECODERS = ("torchvision", "nvimgcodec")
+AUGMENT_IMPLS = ("triton", "torch")  # GpuPipeline's augment_impl
+
+
+def triton_available() -> bool:
+    """Whether Triton is installed (the fused augmentation kernels, :mod:`.imagenet_triton`; CUDA only)."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 """The accelerator's JPEG decoders (:func:`decode_jpegs`'s ``decoder``): ``"torchvision"``,
 ``torchvision.io.decode_jpeg`` (nvJPEG's default backend on CUDA: Huffman decoding on the host for small images,
 the IDCT and colour conversion in CUDA kernels on the SMs); ``"nvimgcodec"``, NVIDIA nvImageCodec (``pip install
@@ -1171,30 +1181,158 @@ class _AugmentGraphs:
         layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1), m)
 
 
+_KERNEL_MODE = {0: 0, 2: 1, 3: 2}  # PIL resampling code -> imagenet_triton's sampling (nearest, bilinear, bicubic)
+
+
+class _FusedLayer:
+    """One RandAugment layer (or colour-jitter step) for the fused Triton kernels (:mod:`.imagenet_triton`):
+    the same ops as :class:`_Layer`, planned per IMAGE instead of per family, so that the device work is two
+    kernels over the whole batch and a few ops on its ``[n, 3, 256]`` tables, whatever the images drew.
+
+    Args:
+        up: the stage's :class:`_Upload` (the plan's arrays are added to it: a layout fixed by the batch size).
+        op: int ``[B]`` index in :data:`RA_OPS` per image (-1: none); arg: float ``[B]`` timm arguments;
+            interp: int ``[B]`` PIL resampling codes (geometric ops: 0, 2 or 3).
+        hw: image (height, width).
+
+    Raises:
+        ValueError: a geometric op with a resampling code other than 0, 2 or 3.
+    """
+
+    def __init__(self, up: _Upload, op: np.ndarray, arg: np.ndarray, interp: np.ndarray,
+                 hw: tuple[int, int]) -> None:
+        op, arg, interp = np.asarray(op, np.int64), np.asarray(arg, np.float64), np.asarray(interp, np.int64)
+        n = len(op)
+        fam, mode, eq = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+        aff, blend = np.tile(_IDENTITY["affine"], (n, 1)), np.tile(_IDENTITY["blend"], (n, 1))
+        lut = np.tile(_LUT_IDENTITY, (n, 1))
+        for o in np.unique(op[op >= 0]):
+            sel = op == o
+            name, a = RA_OPS[o], arg[sel]
+            family = _FAMILY[name]
+            if family == "affine":
+                codes = interp[sel]
+                if not np.isin(codes, list(_KERNEL_MODE)).all():
+                    raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in "
+                                     f"{sorted(_KERNEL_MODE)}")
+                fam[sel], aff[sel] = 3, _affine_params(name, a, *hw)
+                mode[sel] = [_KERNEL_MODE[int(k)] for k in codes]
+            elif family == "blend":
+                fam[sel], blend[sel] = 2, np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
+            elif family == "equalize":
+                fam[sel], eq[sel] = 1, 1
+            else:
+                fam[sel], lut[sel] = 1, _lut_params(name, a)
+        self.slots = [up.add(fam), up.add(aff), up.add(mode), up.add(blend), up.add(lut), up.add(eq)]
+
+    def run(self, x: Tensor, out: Tensor, segs: list[Tensor], fill: Tensor, scratch: tuple[Tensor, ...]) -> None:
+        """Apply the layer to ``x`` into ``out`` (float32 ``[B, 3, H, W]`` levels, contiguous, distinct memory) with
+        :func:`.imagenet_triton.layer_stats`, the tables (:func:`_lut_tables`, :func:`_equalize_tables`) and
+        :func:`.imagenet_triton.layer_apply`. ``fill``: float64 ``[3]`` levels outside the image (geometric ops);
+        ``scratch``: the statistics buffers (:func:`fused_scratch`)."""
+        from mixlab.datamodules.imagenet_triton import layer_apply, layer_stats
+
+        fam, aff, mode, blend, lut, eq = (segs[k] for k in self.slots)
+        hist, lo, hi, gsum = scratch
+        hist.zero_()
+        lo.fill_(255)
+        hi.zero_()
+        gsum.zero_()
+        layer_stats(x, fam, hist, lo, hi, gsum)
+        hw = x.shape[-2] * x.shape[-1]
+        on = eq > 0
+        tables = torch.where(on.view(-1, 1, 1), _equalize_tables(hist, on, hw),
+                             _lut_tables(lut, grey_mean(gsum, hw), lo, hi))
+        layer_apply(x, out, fam, aff, mode, blend, tables.contiguous(), fill)
+
+
+def fused_scratch(n: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The statistics buffers of :meth:`_FusedLayer.run` for ``n`` images: histograms int32 ``[n, 3, 256]``,
+    per-channel minimum and maximum int32 ``[n, 3]``, grey-level sums int32 ``[n]``."""
+    return (torch.zeros(n, 3, 256, dtype=torch.int32, device=device),
+            torch.zeros(n, 3, dtype=torch.int32, device=device), torch.zeros(n, 3, dtype=torch.int32, device=device),
+            torch.zeros(n, dtype=torch.int32, device=device))
+
+
+def run_fused_layers(layers: list[_FusedLayer], x: Tensor, spare: Tensor, segs: list[Tensor], fill: Tensor,
+                     scratch: tuple[Tensor, ...]) -> Tensor:
+    """Apply ``layers`` in turn, ping-ponging between ``x`` and ``spare`` (same shape); returns the one holding the
+    result (``x`` after an even number of layers)."""
+    for layer in layers:
+        layer.run(x, spare, segs, fill, scratch)
+        x, spare = spare, x
+    return x
+
+
+class _FusedGraphs(_AugmentGraphs):
+    """:class:`_AugmentGraphs` for the fused Triton layers (:class:`_FusedLayer`): ONE CUDA graph for all the
+    layers of a batch of ``n`` images (each layer's launches do not depend on what the images drew, so there is
+    no per-family padding: ``quantum`` is None). The images live in :attr:`x` (``[n, 3, H, W]``) and the
+    layers ping-pong with :attr:`spare`; :meth:`run` returns the buffer holding the result."""
+
+    quantum = None
+
+    def __init__(self, n: int, hw: tuple[int, int], device: torch.device) -> None:
+        super().__init__(n, hw, device)
+        self.quantum = None
+        self.x = torch.zeros(n, 3, *hw, device=device)
+        self.spare = torch.zeros_like(self.x)
+        self.scratch = fused_scratch(n, device)
+        self.result: Tensor = self.x
+
+    def run(self, layers: list[_FusedLayer], segs: list[Tensor], s_fill: int) -> Tensor:
+        if not self.graphs:
+            with self._capturing() as scratch:
+                body = functools.partial(self._fused_body, layers, segs, s_fill)
+                self.graphs["all"] = self._capture(body, scratch)
+        self.graphs["all"].replay()
+        return self.result
+
+    def _fused_body(self, layers: list[_FusedLayer], segs: list[Tensor], s_fill: int, x: Tensor) -> None:
+        spare = self.spare if x is self.x else torch.zeros_like(x)
+        out = run_fused_layers(layers, x, spare, segs, segs[s_fill], self.scratch)
+        if x is self.x:
+            self.result = out
+
+
 def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     """Point ops as per-image, per-channel lookup tables: x float32 ``[n, 3, H, W]`` levels, par float64
-    ``[n, 8]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``. AutoContrast (PIL's LUT in float64 from
-    each channel's min and max) reads the image; the rest are fixed LUTs, Contrast's around the rounded mean
-    grey level (as ``ImageEnhance.Contrast``). Equalize is :func:`_equalize`."""
-    n = x.shape[0]
-    dev = x.device
+    ``[n, 8]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``, through :func:`_lut_tables` from the images'
+    statistics. Equalize is :func:`_equalize`."""
+    n, _, h, w = x.shape
+    gsum = _gray(x).sum(dim=(-3, -2, -1), dtype=torch.float64)
+    lo, hi = x.amin(dim=(-2, -1)), x.amax(dim=(-2, -1))
+    return _lut_tables(par, grey_mean(gsum, h * w), lo, hi).reshape(-1).take(_table_index(x))
+
+
+def grey_mean(gsum: Tensor, hw: int) -> Tensor:
+    """PIL ``ImageStat.Stat(img.convert('L')).mean`` rounded as ``ImageEnhance.Contrast`` does (``int(mean +
+    0.5)``): gsum ``[n]`` the exact sums of the grey levels (any dtype) over ``hw`` pixels -> float32 ``[n]``."""
+    return torch.floor(gsum.to(torch.float64) / hw + 0.5).to(torch.float32)
+
+
+def _lut_tables(par: Tensor, mean: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """The point ops' per-image, per-channel lookup tables (float32 ``[n, 3, 256]``) from their parameters
+    (par float64 ``[n, 8]``, :func:`_lut_params`) and the images' statistics: ``mean`` the rounded mean grey level
+    ``[n]`` (:func:`grey_mean`: Contrast blends with it), ``lo`` / ``hi`` each channel's minimum and maximum level
+    ``[n, 3]`` (AutoContrast's range; PIL builds that LUT in float64)."""
+    n = par.shape[0]
+    dev = par.device
     pf = par.to(torch.float32)
     mask, t, f, add, c0, c1, is_con, is_ac = pf.view(n, 8, 1, 1).unbind(1)  # each [n, 1, 1]
     vi = torch.arange(256, device=dev)
     v = vi.to(torch.float32)
     vm = (vi & mask.to(torch.int64)).to(torch.float32)  # [n, 1, 256]
-    mean = torch.floor(_gray(x).mean(dim=(-3, -2, -1)) + 0.5).view(n, 1, 1)
-    d = mean * is_con
+    d = mean.to(torch.float32).view(n, 1, 1) * is_con
     low = ((d + f * (vm - d)).clamp(0, 255).floor() + add).clamp(max=255)
     lut = torch.where(v < t, low, c0 + c1 * vm)  # [n, 1, 256]
     # AutoContrast: per channel lo..hi -> 0..255, int() of the LUT value (PIL builds it in float64)
-    lo = x.amin(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)  # [n, 3, 1]
-    hi = x.amax(dim=(-2, -1)).to(torch.float64).unsqueeze(-1)
+    lo = lo.to(torch.float64).unsqueeze(-1)  # [n, 3, 1]
+    hi = hi.to(torch.float64).unsqueeze(-1)
     vd = vi.to(torch.float64)
     scale = torch.full_like(hi, 255.0) / (hi - lo).clamp_min(1)  # not 255 / t: that is 255 * (1 / t)
     auto = torch.where(hi > lo, (vd * scale - lo * scale).floor().clamp(0, 255), vd).to(torch.float32)
-    table = torch.where(is_ac > 0, auto, lut)  # [n, 3, 256]
-    return table.reshape(-1).take(_table_index(x))
+    return torch.where(is_ac > 0, auto, lut)  # [n, 3, 256]
 
 
 def _table_index(x: Tensor) -> Tensor:
@@ -1205,23 +1343,30 @@ def _table_index(x: Tensor) -> Tensor:
 
 
 def _equalize(x: Tensor, par: Tensor) -> Tensor:
-    """Equalize (``torchvision.transforms.v2.functional.equalize``, batched: PIL's LUT from each channel's
-    histogram; a channel with one level apart from its maximum is kept): x float32 ``[n, 3, H, W]`` integer
-    levels, par float64 ``[n, 1]`` (1: equalize, 0: identity, the CUDA-graph padding) -> float32 ``[n, 3, H, W]``."""
+    """Equalize (``torchvision.transforms.v2.functional.equalize``, batched): x float32 ``[n, 3, H, W]`` integer
+    levels, par float64 ``[n, 1]`` (1: equalize, 0: identity, the CUDA-graph padding) -> float32 ``[n, 3, H, W]``,
+    through :func:`_equalize_tables` of each channel's histogram."""
     n, _, h, w = x.shape
     dev = x.device
     flat_idx = _table_index(x)
     hist = torch.zeros(n * 3 * 256, dtype=torch.int32, device=dev)
     hist.scatter_add_(0, flat_idx.view(-1), torch.ones(1, dtype=torch.int32, device=dev).expand(flat_idx.numel()))
-    hist = hist.view(n, 3, 256)
+    return _equalize_tables(hist.view(n, 3, 256), par.view(n) > 0, h * w).reshape(-1).take(flat_idx)
+
+
+def _equalize_tables(hist: Tensor, on: Tensor, hw: int) -> Tensor:
+    """Equalize's lookup tables (float32 ``[n, 3, 256]``; PIL's LUT from each channel's histogram, as torchvision's
+    ``equalize``; a channel with one level apart from its maximum is kept) from the histograms (int ``[n, 3,
+    256]`` over ``hw`` pixels); images with ``on`` (bool ``[n]``) false get the identity."""
+    n = hist.shape[0]
+    dev = hist.device
+    hist = hist.to(torch.int64)
     cum = hist.cumsum(dim=-1)
-    step = (h * w - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
+    step = (hw - hist.gather(-1, cum.argmax(dim=-1, keepdim=True))).div(255, rounding_mode="floor")
     eq = (cum[..., :-1] + step // 2).div(step.clamp(min=1), rounding_mode="floor").clamp(0, 255)
     eq = torch.cat([torch.zeros_like(eq[..., :1]), eq], dim=-1).to(torch.float32)
     v = torch.arange(256, device=dev, dtype=torch.float32)
-    on = par.to(torch.float32).view(n, 1, 1) > 0
-    table = torch.where((step != 0) & on, eq, v)  # [n, 3, 256]
-    return table.reshape(-1).take(flat_idx)
+    return torch.where((step != 0) & on.view(n, 1, 1), eq, v)  # [n, 3, 256]
 
 
 def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor | None = None) -> Tensor:
@@ -1267,9 +1412,14 @@ class GpuPipeline:
             on the CPU, for evaluation, or for a batch of another size (eager, the same images).
         jpeg_decoder: the JPEG decoder on CUDA (:data:`JPEG_DECODERS`, :func:`decode_jpegs`); a CPU device
             always decodes with torchvision.
+        augment_impl: with ``cuda_graphs`` on CUDA, ``"triton"``: each layer as two Triton kernels over the whole
+            batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one CUDA graph; ``"torch"``: the
+            family-batched torch ops (:class:`_Layer`), one graph per (layer, family, image count). ``"triton"``
+            without Triton installed runs ``"torch"``.
 
     Raises:
-        ValueError: ``jpeg_decoder`` not in :data:`JPEG_DECODERS`.
+        ValueError: ``jpeg_decoder`` not in :data:`JPEG_DECODERS`, ``augment_impl`` not in
+            :data:`AUGMENT_IMPLS`.
 
     ``__call__(batch)`` returns images float32 ``[B', 3, H, W]`` (normalised, on ``batch.labels.device``)
     and labels int64 ``[B']``; ``B' = B`` minus images no decoder could read (counted, warned).
@@ -1283,10 +1433,13 @@ class GpuPipeline:
     """
 
     def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True,
-                 jpeg_decoder: str = "torchvision") -> None:
+                 jpeg_decoder: str = "torchvision", augment_impl: str = "triton") -> None:
         if jpeg_decoder not in JPEG_DECODERS:
             raise ValueError(f"GpuPipeline: jpeg_decoder must be one of {JPEG_DECODERS}; got {jpeg_decoder!r}")
+        if augment_impl not in AUGMENT_IMPLS:
+            raise ValueError(f"GpuPipeline: augment_impl must be one of {AUGMENT_IMPLS}; got {augment_impl!r}")
         self.train, self.cuda_graphs, self.jpeg_decoder = train, cuda_graphs, jpeg_decoder
+        self.augment_impl = augment_impl
         self._held: collections.deque = collections.deque()  # (event, images) read by queued kernels (finish)
         self._graphs: _AugmentGraphs | None = None
         self.decode_seconds = 0.0  # host wall time in decode_jpegs so far (it returns after nvJPEG's device work)
@@ -1371,7 +1524,8 @@ class GpuPipeline:
         if not (self.cuda_graphs and self.train and dev.type == "cuda" and n > 0):
             return None
         if self._graphs is None:
-            self._graphs = _AugmentGraphs(n, tuple(self.size), dev)
+            cls = _FusedGraphs if self.augment_impl == "triton" and triton_available() else _AugmentGraphs
+            self._graphs = cls(n, tuple(self.size), dev)
         return self._graphs if self._graphs.n == n else None
 
     def _eval(self, imgs: list[Tensor]) -> Tensor:
@@ -1422,9 +1576,15 @@ class GpuPipeline:
         return x if out is None else out.copy_(x)
 
     def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int],
-               quantum: int | None = None) -> list[_Layer]:
-        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``), in the CPU
-        path's order, planned into ``up`` from the draws ``p`` (:meth:`TrainParams.__call__`)."""
+               quantum: int | None = None, fused: bool = False) -> list[_Layer] | list[_FusedLayer]:
+        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``; with ``fused``
+        :class:`_FusedLayer`), in the CPU path's order, planned into ``up`` from the draws ``p``
+        (:meth:`TrainParams.__call__`)."""
+        def layer(op, arg, interp, families, modes):
+            if fused:
+                return _FusedLayer(up, op, arg, interp, hw)
+            return _Layer(up, op, arg, interp, hw, families, modes, quantum)
+
         out = []
         if "cj_order" in p:  # torchvision ColorJitter: a random order of brightness, contrast, saturation (hue unused)
             order, factor = p["cj_order"].numpy(), p["cj_factor"].numpy()
@@ -1433,12 +1593,11 @@ class GpuPipeline:
             for s in range(order.shape[1]):
                 f = factor[np.arange(len(order)), order[:, s]]
                 op = np.where(f != 1.0, jit[order[:, s]], -1)
-                out.append(_Layer(up, op, f, np.zeros_like(op), hw, {"lut", "blend"}, (3,), quantum))
+                out.append(layer(op, f, np.zeros_like(op), {"lut", "blend"}, (3,)))
         if "ra_op" in p:
             ops, args, interps = p["ra_op"].numpy(), p["ra_arg"].numpy(), p["ra_interp"].numpy()
-            for layer in range(ops.shape[1]):
-                out.append(_Layer(up, ops[:, layer], args[:, layer], interps[:, layer], hw, self.params.ra_families,
-                                  self.params.ra_modes, quantum))
+            for k in range(ops.shape[1]):
+                out.append(layer(ops[:, k], args[:, k], interps[:, k], self.params.ra_families, self.params.ra_modes))
         return out
 
     def _augment(self, x: Tensor, p: dict[str, Tensor], graphs: _AugmentGraphs | None = None) -> Tensor:
@@ -1449,9 +1608,12 @@ class GpuPipeline:
         up = _Upload()
         s_norm = up.add(self.mean + self.std, np.float64)
         s_fill = up.add(self.fill if self.train else (0.0,) * 3, np.float64)
-        layers = self.layers(up, p, tuple(x.shape[-2:]), None if graphs is None else graphs.quantum)
+        fused = isinstance(graphs, _FusedGraphs)
+        layers = self.layers(up, p, tuple(x.shape[-2:]), None if graphs is None else graphs.quantum, fused)
         segs = up.to(x.device, None if graphs is None else graphs.plan_buffer(up))
-        if graphs is not None:
+        if fused:
+            x = graphs.run(layers, segs, s_fill)
+        elif graphs is not None:
             graphs.run(layers, segs, s_fill)
         else:
             fill = segs[s_fill].to(x.dtype).view(1, 3, 1, 1)

@@ -746,6 +746,9 @@ def main(argv: list[str] | None = None) -> str:
                         "time and how much of the stage's work overlapped the model's")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
+    p.add_argument("--augment-impl", default="triton", choices=["triton", "torch"],
+                   help="decode gpu: the loader rows' training augmentation in CUDA graphs: fused Triton kernels or "
+                        "the family-batched torch ops (datamodule augment_impl)")
     p.add_argument("--jpeg-decoder", default="torchvision", choices=["torchvision", "nvimgcodec"],
                    help="decode gpu: the loader rows' JPEG decoder on CUDA (datamodule jpeg_decoder; nvimgcodec: the "
                         "GPU's hardware JPEG decoder, needs nvidia-nvimgcodec-cu13); the --cli-steps fits take it "
@@ -878,15 +881,17 @@ def main(argv: list[str] | None = None) -> str:
                                   image_size=a.image_size, batch_size=a.batch_size, num_workers=a.workers,
                                   train_samples=10**9, shuffle_buffer=min(5000, 4 * a.batch_size),
                                   persistent_workers=False, decode=mode, cuda_graphs=not a.no_cuda_graphs,
-                                  cpu_decode_fraction=fraction, jpeg_decoder=a.jpeg_decoder)
+                                  cpu_decode_fraction=fraction, jpeg_decoder=a.jpeg_decoder,
+                                  augment_impl=a.augment_impl)
 
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, ...]] = []
     cmd = "python " + " ".join(shlex.quote(v) for v in [sys.argv[0] if argv is None else "scripts/bench_input.py",
                                                          *(sys.argv[1:] if argv is None else argv)])
-    graphs_mode = ("launched op by op (--no-cuda-graphs)" if a.no_cuda_graphs else "in CUDA graphs"
-                   if device.type == "cuda" else "launched op by op (CUDA graphs need a CUDA device)")
+    graphs_mode = ("launched op by op (--no-cuda-graphs)" if a.no_cuda_graphs else
+                   f"in CUDA graphs ({a.augment_impl})" if device.type == "cuda" else
+                   "launched op by op (CUDA graphs need a CUDA device)")
 
     def render() -> list[str]:
         """The report's header and table of the rows measured so far."""
