@@ -564,10 +564,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             the first batch (:class:`~mixlab.datamodules.imagenet_gpu._AugmentGraphs`): the same images, one
             launch per family instead of ~70 ops (H200: 458 instead of 784 ops per batch of 256 for the whole
             stage). ``false``: every op launched from Python. No effect on a CPU device.
-        augment_impl: with ``cuda_graphs`` on CUDA, how the augmentation layers run: ``"triton"`` (default) each
-            layer as two Triton kernels over the whole batch, every layer of a batch in one CUDA graph
-            (:mod:`~mixlab.datamodules.imagenet_triton`; the same images as ``"torch"``), ``"torch"`` the
-            family-batched torch ops in their graphs. Without Triton installed, ``"torch"``.
+        augment_impl: with ``cuda_graphs`` on CUDA, how the augmentation layers run: ``"torch"`` (default) the
+            family-batched torch ops in their graphs; ``"triton"`` each layer as two Triton kernels over the whole
+            batch, every layer of a batch in one CUDA graph (:mod:`~mixlab.datamodules.imagenet_triton`; the same
+            images as ``"torch"``; a quarter of its device time, no end-to-end gain measured yet: BENCHMARKS.md).
+            Without Triton installed, ``"torch"``.
         priority_training: with the device stage prefetched on CUDA, run the training step on a
             high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
             SMs the model leaves idle rather than delaying its kernels
@@ -639,7 +640,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         decode: Literal["auto", "cpu", "gpu"] = "auto",
         prefetch_batches: int = 2,
         cuda_graphs: bool = True,
-        augment_impl: Literal["triton", "torch"] = "triton",
+        augment_impl: Literal["torch", "triton"] = "torch",
         priority_training: bool = True,
         cpu_decode_fraction: float = 0.0,
         decode_thread: bool = False,

@@ -22,9 +22,9 @@ module splits the same recipe in two:
   Its device ops per batch are a fixed sequence: they depend neither on which RandAugment ops the images
   drew nor on the batch size (:func:`stage_op_counts` counts them; a test holds it), the per-batch
   parameters reach the device in two transfers (the augmentation plan, the erasing boxes), and nothing in
-  the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs: by default each layer as
-  two Triton kernels over the whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one graph
-  (:class:`_FusedGraphs`); with ``augment_impl="torch"`` the family-batched ops below (:class:`_AugmentGraphs`).
+  the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs: by default the family-batched
+  ops below (:class:`_AugmentGraphs`); with ``augment_impl="triton"`` each layer as two Triton kernels over the
+  whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one graph (:class:`_FusedGraphs`).
 * **optionally, a share of the decoding in the workers** (``cpu_decode_fraction`` of the datamodule,
   ``cpu_fraction`` of :func:`collate_encoded`): the first images of each training batch are decoded, cropped,
   resized and flipped in the worker (:func:`decode_crop_cpu`) and reach the accelerator as uint8 pixels (pinned by
@@ -1412,10 +1412,10 @@ class GpuPipeline:
             on the CPU, for evaluation, or for a batch of another size (eager, the same images).
         jpeg_decoder: the JPEG decoder on CUDA (:data:`JPEG_DECODERS`, :func:`decode_jpegs`); a CPU device
             always decodes with torchvision.
-        augment_impl: with ``cuda_graphs`` on CUDA, ``"triton"``: each layer as two Triton kernels over the whole
-            batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one CUDA graph; ``"torch"``: the
-            family-batched torch ops (:class:`_Layer`), one graph per (layer, family, image count). ``"triton"``
-            without Triton installed runs ``"torch"``.
+        augment_impl: with ``cuda_graphs`` on CUDA, ``"torch"`` (default): the family-batched torch ops
+            (:class:`_Layer`), one graph per (layer, family, image count); ``"triton"``: each layer as two Triton
+            kernels over the whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one CUDA
+            graph. ``"triton"`` without Triton installed runs ``"torch"``.
 
     Raises:
         ValueError: ``jpeg_decoder`` not in :data:`JPEG_DECODERS`, ``augment_impl`` not in
@@ -1433,7 +1433,7 @@ class GpuPipeline:
     """
 
     def __init__(self, transform: Any, train: bool, cuda_graphs: bool = True,
-                 jpeg_decoder: str = "torchvision", augment_impl: str = "triton") -> None:
+                 jpeg_decoder: str = "torchvision", augment_impl: str = "torch") -> None:
         if jpeg_decoder not in JPEG_DECODERS:
             raise ValueError(f"GpuPipeline: jpeg_decoder must be one of {JPEG_DECODERS}; got {jpeg_decoder!r}")
         if augment_impl not in AUGMENT_IMPLS:

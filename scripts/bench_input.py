@@ -746,7 +746,7 @@ def main(argv: list[str] | None = None) -> str:
                         "time and how much of the stage's work overlapped the model's")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
-    p.add_argument("--augment-impl", default="triton", choices=["triton", "torch"],
+    p.add_argument("--augment-impl", default="torch", choices=["torch", "triton"],
                    help="decode gpu: the loader rows' training augmentation in CUDA graphs: fused Triton kernels or "
                         "the family-batched torch ops (datamodule augment_impl)")
     p.add_argument("--jpeg-decoder", default="torchvision", choices=["torchvision", "nvimgcodec"],

@@ -1084,15 +1084,16 @@ def test_fused_triton_layer_on_cuda_equals_the_family_reference():
                 assert f["differ"] == 0, (case, fam, f)
 
 
-def test_augment_impl_is_checked_and_summarised():
+def test_augment_impl_is_checked_and_passed_on():
     """``augment_impl`` outside the choices is refused by the datamodule and the pipeline, naming the argument;
-    the datamodule passes it to its pipelines."""
+    the datamodule passes it to its pipelines (default ``torch``)."""
     with pytest.raises(ValueError, match="augment_impl must be 'triton' or 'torch'; got 'cuda'"):
         ImageNetDataModule(train_path="x.tar", augment_impl="cuda")
     with pytest.raises(ValueError, match="GpuPipeline: augment_impl must be one of"):
         GpuPipeline(train_transform(32), train=True, augment_impl="kornia")
-    dm = ImageNetDataModule(train_path="x.tar", decode="gpu", augment_impl="torch")
-    assert dm.gpu_pipeline(True).augment_impl == "torch"
+    assert ImageNetDataModule(train_path="x.tar", decode="gpu").gpu_pipeline(True).augment_impl == "torch"
+    dm = ImageNetDataModule(train_path="x.tar", decode="gpu", augment_impl="triton")
+    assert dm.gpu_pipeline(True).augment_impl == "triton"
 
 
 def test_jpeg_decoder_choice_is_checked(monkeypatch):
