@@ -90,6 +90,7 @@ from mixlab.distributed import (
     check_num_workers,
     consumer_slice,
     fit_progress,
+    loader_generator,
     stream_seed,
     worker_init_ignoring_sigterm,
     worker_skip,
@@ -838,6 +839,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         ds = self.wds_dataset(split) if self.format == "wds" else self.folder_dataset(split)
         kw: dict[str, Any] = dict(num_workers=self.num_workers, drop_last=train,
                                   pin_memory=torch.cuda.is_available(),
+                                  generator=loader_generator(self.order_seed(self.seed)),
                                   persistent_workers=train and self.num_workers > 0 and self.persistent_workers,
                                   worker_init_fn=worker_init_ignoring_sigterm(functools.partial(
                                       _nice_then, self.worker_nice,

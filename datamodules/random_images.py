@@ -19,6 +19,8 @@ import lightning as L
 import torch
 from torch import Tensor
 
+from mixlab.distributed import loader_generator
+
 __all__ = ["RandomImageDataModule"]
 
 
@@ -61,7 +63,7 @@ class RandomImageDataModule(L.LightningDataModule):
         gen = torch.Generator().manual_seed(self.seed)
         labels = torch.randint(0, self.num_classes, (self.steps_per_epoch * self.batch_size,), generator=gen)
         return torch.utils.data.DataLoader(labels, batch_size=self.batch_size, drop_last=True,
-                                           pin_memory=torch.cuda.is_available())
+                                           pin_memory=torch.cuda.is_available(), generator=loader_generator(self.seed))
 
     def on_after_batch_transfer(self, batch: Tensor, dataloader_idx: int) -> tuple[Tensor, Tensor]:
         """Labels ``[B]`` on the device -> ``(images, labels)`` with the fixed images (made on the first call)."""

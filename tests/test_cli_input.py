@@ -781,6 +781,11 @@ def test_resumed_monitor_check_needs_a_kept_best_file():
         _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}}, group)
     _check_resumable("x.ckpt", {"callbacks": {key: {"best_model_path": "b.ckpt"}}},
                            {"monitor": "val/acc", "mode": "max"})
+    # a run without a monitor: the fix says null, as the command line reads it ("None" is a string there)
+    none = "BestCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 0}"
+    with pytest.raises(ValueError, match=r"monitor null \(min\); this command says val/loss \(min\): resume with "
+                                         r"--checkpoint.monitor null --checkpoint.mode min$"):
+        _check_resumable("x.ckpt", {"callbacks": {none: {"best_model_path": "b.ckpt"}}}, group)
 
 
 def test_a_model_or_data_option_before_config_is_one_line_naming_it(capsys, monkeypatch):

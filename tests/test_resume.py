@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 
@@ -91,6 +93,75 @@ def test_extending_a_run_stopped_at_max_steps_continues_its_epoch(tmp_path, mode
     rest = _fit(tmp_path / "run", mode, 14, ckpt=str(tmp_path / "run" / "last.ckpt"), workers=workers, acc=acc)
     assert first.seen + rest.seen == full.seen
     assert first.vals + rest.vals == full.vals
+
+
+class _Draws(_Rec):
+    """Each training step draws from torch's, NumPy's and Python's global generators (as Mixup / CutMix, dropout
+    and stochastic depth do) and records the draws."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = []
+
+    def training_step(self, batch, i):
+        d = (float(torch.rand(())), float(np.random.rand()), random.random())
+        self.draws.append(d)
+        return (self.w * batch.float()).sum() * d[0]
+
+
+@pytest.mark.parametrize("mode,stop,workers", [("iter", 5, 0), ("iter", 9, 2), ("noval", 6, 0)])
+def test_a_resumed_run_draws_the_random_numbers_of_the_uninterrupted_run(tmp_path, mode, stop, workers):
+    """The checkpoint holds the global random-number states and the first batch of the resumed fit restores
+    them: its steps draw what the uninterrupted run's steps drew (torch, NumPy, Python), across validations and
+    DataLoader workers (whose iterators draw a seed from torch's generator after the checkpoint is loaded).
+    Before, a resumed ViT's Mixup / CutMix and stochastic depth drew other numbers than the uninterrupted run."""
+    kw = dict(val_check_interval=4, check_val_every_n_epoch=None, limit_val_batches=1) if mode == "iter" \
+        else dict(limit_val_batches=0, max_epochs=-1)
+
+    def fit(folder, max_steps, ckpt=None):
+        model = _Draws()
+        pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, callbacks=[LastCheckpoint(dirpath=folder)],
+                   enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                   **kw).fit(model, _Index(workers), ckpt_path=ckpt)
+        return model.draws
+
+    pl.seed_everything(3)
+    full = fit(tmp_path / "full", 14)
+    pl.seed_everything(3)
+    first = fit(tmp_path / "run", stop)
+    pl.seed_everything(3)  # a new process: its generators start where the first run's did, not at step `stop`
+    rest = fit(tmp_path / "run", 14, str(tmp_path / "run" / "last.ckpt"))
+    assert len(full) == 14 and first + rest == full
+    state = torch.load(tmp_path / "run" / "last.ckpt", weights_only=True)["mixlab_rng"]
+    assert set(state) == {"torch", "numpy", "python"}
+
+
+def test_a_resumed_vit_with_mixup_and_stochastic_depth_has_the_uninterrupted_losses(tmp_path):
+    """The user's case: ViT with Mixup / CutMix (NumPy draws) and stochastic depth (torch draws) on the embedded
+    digits, stopped at step 5 (inside the first epoch) and extended to 12 from ``last.ckpt``: the losses from step 5
+    on equal the uninterrupted run's bit for bit. Before, the resumed run mixed and dropped differently."""
+    from mixlab.datamodules.digits import DigitsDataModule
+    from mixlab.heads.vit import ImageClassifier
+
+    def fit(folder, max_steps, ckpt=None):
+        pl.seed_everything(0)
+        model = ImageClassifier(num_classes=10, img_size=16, patch_size=4, label_smoothing=0.1,
+                                mixup=dict(mixup_alpha=0.8, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5,
+                                           mode="batch"),
+                                backbone=BackboneConfig(d_model=16, n_layers=2, n_heads=2, mixer="rope",
+                                                        causal=False, drop_path=0.5),
+                                optim=OptimConfig(lr=3e-3, warmup_steps=2, total_steps=12))
+        rec = _Losses()
+        pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   callbacks=[LastCheckpoint(dirpath=folder), rec]).fit(
+            model, DigitsDataModule(image_size=16, batch_size=16, augment=False), ckpt_path=ckpt)
+        return rec.losses
+
+    full = fit(tmp_path / "full", 12)
+    first = fit(tmp_path / "run", 5)
+    rest = fit(tmp_path / "run", 12, str(tmp_path / "run" / "last.ckpt"))
+    assert len(full) == 12 and first + rest == full
 
 
 def _lm_data(tmp_path: Path) -> GenomeDataModule:

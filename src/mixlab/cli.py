@@ -945,10 +945,13 @@ def _check_resumable(path: str, checkpoint: dict, group: Any) -> None:
             continue
         now = {"monitor": _get(group, "monitor"), "mode": _get(group, "mode")}
         if (was.get("monitor"), was.get("mode")) != (now["monitor"], now["mode"]):
+            def arg(v: Any) -> str:  # as the command line reads it back (None -> null)
+                return "null" if v is None else str(v)
+
             raise ValueError(f"--ckpt_path {path}: that run kept its best checkpoint by checkpoint.monitor "
-                             f"{was.get('monitor')} ({was.get('mode')}); this command says {now['monitor']} "
-                             f"({now['mode']}): resume with --checkpoint.monitor {was.get('monitor')} "
-                             f"--checkpoint.mode {was.get('mode')}")
+                             f"{arg(was.get('monitor'))} ({was.get('mode')}); this command says "
+                             f"{arg(now['monitor'])} ({now['mode']}): resume with --checkpoint.monitor "
+                             f"{arg(was.get('monitor'))} --checkpoint.mode {was.get('mode')}")
 
 
 def nothing_to_train(path: str, checkpoint: dict, trainer: pl.Trainer) -> str | None:

@@ -59,7 +59,7 @@ __all__ = ["FSDPStrategy", "rank_world", "worker_init_ignoring_sigterm", "Resuma
            "ResumableDataModule", "SplitLoaders", "consumer_slice", "stream_seed", "worker_skip", "SeededStream",
            "fit_progress", "EpochSyncLoader", "as_batch_end_checkpoint",
            "check_validation_on_optimizer_steps", "check_at_least", "check_num_workers", "check_seed",
-           "MAX_NUM_WORKERS", "changed_data_options", "LOADER_OPTIONS", "MAX_SEED"]
+           "MAX_NUM_WORKERS", "changed_data_options", "LOADER_OPTIONS", "MAX_SEED", "loader_generator"]
 
 log = logging.getLogger("mixlab.distributed")
 
@@ -508,6 +508,7 @@ class ResumableDataModule(pl.LightningDataModule):
             state, self._pending_sampler_state = self._pending_sampler_state, None
             self._restore_train_sampler(sampler, state)
         loader_kwargs.setdefault("persistent_workers", num_workers > 0)
+        loader_kwargs.setdefault("generator", loader_generator(self.order_seed(seed)))
         loader_kwargs["worker_init_fn"] = worker_init_ignoring_sigterm(loader_kwargs.get("worker_init_fn"))
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler,
                           drop_last=train if drop_last is None else drop_last,
@@ -602,6 +603,14 @@ def changed_data_options(before: dict[str, Any] | None, now: dict[str, Any] | No
 
 
 # --------------------------------------------------------------------------- iterable data
+def loader_generator(seed: int) -> torch.Generator:
+    """A DataLoader's own generator, seeded from the data seed (its iterators draw their workers' base seed from
+    it). Without one every iterator draws that seed from torch's global generator, so where a loader is created
+    (a resume, a new epoch, a validation) would shift the numbers the model draws next (Mixup / CutMix, dropout,
+    stochastic depth), which a checkpoint restores (:func:`mixlab.heads.common.rng_states`)."""
+    return torch.Generator().manual_seed(int(seed) % 2**63)
+
+
 def check_at_least(nullable: tuple[str, ...] = (), **limits: tuple[int | None, int]) -> None:
     """Refuse datamodule options below their least value: ``limits`` maps each option to ``(value, least)``;
     ``None`` is "not set" (the options in ``nullable`` say so in the message).

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 
 from mixlab.distributed import (
@@ -18,10 +20,38 @@ from mixlab.optim import OptimConfig, build_optimizer
 
 T = TypeVar("T")
 
-__all__ = ["Head", "CHECKPOINT_KEY", "run_record", "as_config", "plain_hparams", "qualname", "float_logits"]
+__all__ = ["Head", "CHECKPOINT_KEY", "RNG_KEY", "rng_states", "set_rng_states", "run_record", "as_config",
+           "plain_hparams", "qualname", "float_logits"]
 
 CHECKPOINT_KEY = "mixlab"
 """Key of the run record every head writes into its checkpoints (see :func:`run_record`)."""
+
+RNG_KEY = "mixlab_rng"
+"""Key of the random-number states every head writes into its checkpoints (see :func:`rng_states`)."""
+
+
+def rng_states(device: torch.device | None = None) -> dict[str, Any]:
+    """The global random-number states a training step draws from: torch's CPU generator, ``device``'s CUDA
+    generator (dropout, stochastic depth on a GPU), NumPy's (timm's Mixup / CutMix) and Python's ``random``.
+    Tensors and plain Python values only, so a checkpoint holding them loads with ``weights_only=True``."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                           "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                                     "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if device is not None and device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_states(states: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore :func:`rng_states`; a CUDA state is applied only on a CUDA ``device``."""
+    torch.set_rng_state(states["torch"])
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    if "cuda" in states and device is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 def float_logits(logits: Any) -> Any:
@@ -193,15 +223,26 @@ class Head(pl.LightningModule):
             args = record.get("data_args") if "data_args" in record else checkpoint.get("datamodule_hyper_parameters")
             same = record.get("data") in (None, qualname(data))
             data.checkpoint_hparams = dict(args) if same and isinstance(args, dict) else None
+        if trainer is not None and trainer.state.fn == "fit" and RNG_KEY in checkpoint:
+            self.__dict__["_rng_pending"] = checkpoint[RNG_KEY]  # applied at the first training batch
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Remember the epoch this batch belongs to (the number Lightning gives the samplers' ``set_epoch``), for
-        the checkpoints written after it (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
+        the checkpoints written after it (:func:`mixlab.distributed.as_batch_end_checkpoint`). The first batch
+        of a resumed fit first restores the checkpoint's random-number states (:func:`set_rng_states`): set
+        here, not at loading, so that what runs in between (a DataLoader iterator draws its base seed from
+        torch's generator) does not move them, and the model's own draws (Mixup / CutMix, dropout, stochastic
+        depth) continue as in the uninterrupted run."""
+        pending = self.__dict__.pop("_rng_pending", None)
+        if pending is not None:
+            set_rng_states(pending, self.device)
         self.__dict__["_batch_epoch"] = fit_progress(self.trainer)[0]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """Record the head class and the datamodule (class and arguments): ``checkpoint["mixlab"]``; the
-        loops' progress as at the last batch's end, so resuming continues where training stopped
+        global random-number states (:func:`rng_states`, ``checkpoint["mixlab_rng"]``); the loops' progress as
+        at the last batch's end, so resuming continues where training stopped
         (:func:`mixlab.distributed.as_batch_end_checkpoint`)."""
         checkpoint[CHECKPOINT_KEY] = run_record(self, self.data)
+        checkpoint[RNG_KEY] = rng_states(self.device)
         as_batch_end_checkpoint(self._trainer, checkpoint, self.__dict__.get("_batch_epoch"))
