@@ -901,6 +901,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       + (" (augment_impl triton: Triton is not installed)" if self.augment_impl == "triton" else ""))
         else:
             graphs = "launched op by op" + (" (cuda_graphs has no effect on a CPU device)" if self.cuda_graphs else "")
+            if self.augment_impl == "triton":
+                graphs += (" (augment_impl triton has no effect " + ("on a CPU device)" if device.type != "cuda"
+                                                                      else "without cuda_graphs)"))
         priority = ""
         if self.prefetch_batches and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"

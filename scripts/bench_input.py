@@ -950,7 +950,8 @@ def main(argv: list[str] | None = None) -> str:
             dm = dm_for(decode, fraction)
             if decode == "cpu":
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
-                row(split, mode, "loader (decoded, augmented)", ips, note=f"{n} images")
+                label = "loader (decoded, augmented)" if split == "train" else "loader (decoded, resized, cropped)"
+                row(split, mode, label, ips, note=f"{n} images")
             else:
                 ips, n = time_loader(dm, split, device, a.warmup, a.batches, stage=False)
                 row(split, mode, "loader (bytes + parameters" + (", the share decoded)" if fraction else ")"), ips,

@@ -35,8 +35,9 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
         rows.append(tuple(cells[:4]))
     assert rows[0][:2] == ("model", "-") and rows[0][3].startswith("tiny fwd+bwd+AdamW")
     measured = {(p, d, m) for p, d, _, m in rows}
+    assert ("train", "cpu", "loader (decoded, augmented)") in measured
+    assert ("val", "cpu", "loader (decoded, resized, cropped)") in measured  # evaluation is not augmented
     for split in ("train", "val"):
-        assert (split, "cpu", "loader (decoded, augmented)") in measured
         for m in ("loader (bytes + parameters)", "loader + device stage", "device stage alone",
                   "loader + device stage, prefetched (2 ahead)"):
             assert (split, "gpu", m) in measured

@@ -1084,7 +1084,7 @@ def test_fused_triton_layer_on_cuda_equals_the_family_reference():
                 assert f["differ"] == 0, (case, fam, f)
 
 
-def test_augment_impl_is_checked_and_passed_on():
+def test_augment_impl_is_checked_passed_on_and_summarised():
     """``augment_impl`` outside the choices is refused by the datamodule and the pipeline, naming the argument;
     the datamodule passes it to its pipelines (default ``torch``)."""
     with pytest.raises(ValueError, match="augment_impl must be 'triton' or 'torch'; got 'cuda'"):
@@ -1094,6 +1094,8 @@ def test_augment_impl_is_checked_and_passed_on():
     assert ImageNetDataModule(train_path="x.tar", decode="gpu").gpu_pipeline(True).augment_impl == "torch"
     dm = ImageNetDataModule(train_path="x.tar", decode="gpu", augment_impl="triton")
     assert dm.gpu_pipeline(True).augment_impl == "triton"
+    assert "(augment_impl triton has no effect on a CPU device)" in dm.pipeline_summary()
+    assert "augment_impl" not in ImageNetDataModule(train_path="x.tar", decode="gpu").pipeline_summary()
 
 
 def test_jpeg_decoder_choice_is_checked(monkeypatch):
