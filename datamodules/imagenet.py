@@ -885,13 +885,16 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             return (f"decode cpu: JPEG decoding and augmentation in {self.num_workers} DataLoader worker(s){at_nice}"
                     f"{no_nice}{unused}")
         device = self._root_device() or torch.device("cpu")
-        where = (f"{self.prefetch_batches} batch(es) ahead in a background thread" if self.prefetch_batches
-                 else "in on_after_batch_transfer")
+        prefetch = self.train_prefetch_batches()
+        where = (f"{prefetch} batch(es) ahead in a background thread" if prefetch
+                 else "in on_after_batch_transfer" + (" (num_workers 0: the samples' augmentation draws reseed the "
+                                                       "random generators the training step draws from)"
+                                                       if self.prefetch_batches else ""))
         if self.decode_thread:
             where += (" (decode_thread: the JPEG decode one batch ahead in a thread of its own)"
-                      if self.prefetch_batches else " (decode_thread has no effect with prefetch_batches 0)")
+                      if prefetch else " (decode_thread has no effect with prefetch_batches 0)")
         if self.switch_interval_ms is not None:
-            where += (f" (thread switch interval {self.switch_interval_ms:g} ms)" if self.prefetch_batches
+            where += (f" (thread switch interval {self.switch_interval_ms:g} ms)" if prefetch
                       else " (switch_interval_ms has no effect with prefetch_batches 0)")
         if self.cuda_graphs and device.type == "cuda":
             from mixlab.datamodules.imagenet_gpu import triton_available
@@ -905,7 +908,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                 graphs += (" (augment_impl triton has no effect " + ("on a CPU device)" if device.type != "cuda"
                                                                       else "without cuda_graphs)"))
         priority = ""
-        if self.prefetch_batches and self.priority_training:
+        if prefetch and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"
                         else " (priority_training has no effect on a CPU device)")
         jpeg = (f"decoding ({self.jpeg_decoder})" if device.type == "cuda" else
@@ -928,11 +931,20 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                    else "by the DataLoader in the training process (num_workers 0)")
         return f"; {n} of {b} images of each training batch decoded, cropped, resized and flipped {workers}"
 
+    def train_prefetch_batches(self) -> int:
+        """``prefetch_batches`` for the training loader: 0 with ``num_workers: 0``. The training samples' parameter
+        draws (:func:`seeded_rngs`) then run in the process that trains, reseeding Python's, NumPy's and torch's
+        global generators per sample and restoring them; from the prefetch thread they would interleave with the
+        training step's own draws (Mixup / CutMix, dropout) at whatever moment the threads switch, so two runs
+        of one seed differed from their first step (seen on an H100). In the training step the order is fixed."""
+        return 0 if self.num_workers == 0 else self.prefetch_batches
+
     def prefetched(self, loader: Any, train: bool) -> Any:
         """``loader`` behind a :class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher` running the device
         stage (``decode: gpu``, ``prefetch_batches > 0``, a trainer's root device known); else ``loader``."""
         device = self._root_device()
-        if self.decode_mode() != "gpu" or self.prefetch_batches == 0 or device is None:
+        if self.decode_mode() != "gpu" or (self.train_prefetch_batches() if train else self.prefetch_batches) == 0 \
+                or device is None:
             return loader
         from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 

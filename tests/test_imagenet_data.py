@@ -503,8 +503,8 @@ def test_switch_interval_holds_while_the_device_stage_runs_and_is_restored(shard
     before = sys.getswitchinterval()
     for decode, during in (("gpu", 0.0005), ("cpu", before)):
         dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), val_path=None,
-                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=0, train_samples=8,
-                                shuffle_buffer=4, decode=decode, switch_interval_ms=0.5)
+                                num_classes=N_CLASSES, image_size=8, batch_size=2, num_workers=1, train_samples=8,
+                                shuffle_buffer=4, decode=decode, switch_interval_ms=0.5)  # 0 workers: no prefetch
         seen = []
 
         class Interval(pl.Callback):

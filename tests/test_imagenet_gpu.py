@@ -1039,6 +1039,24 @@ def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
     assert "in on_after_batch_transfer" in text and text.endswith("launched op by op")
 
 
+def test_no_prefetch_thread_for_training_with_num_workers_0(monkeypatch):
+    """With ``num_workers: 0`` the training samples' parameter draws reseed the process's global generators
+    (``seeded_rngs``); from the prefetch thread they would interleave with the training step's Mixup / dropout
+    draws (two runs of one seed differed from their first step on an H100), so the training loader is not
+    prefetched then (the stage runs in the training step) and the summary says why; evaluation stays prefetched."""
+    from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
+
+    loader = [1, 2]
+    for workers, prefetched in ((0, False), (1, True)):
+        dm = ImageNetDataModule(train_path="x.tar", decode="gpu", num_workers=workers, prefetch_batches=2)
+        monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cpu"))
+        assert isinstance(dm.prefetched(loader, True), DevicePrefetcher) == prefetched, workers
+        assert isinstance(dm.prefetched(loader, False), DevicePrefetcher)
+        text = dm.pipeline_summary()
+        assert ("num_workers 0: the samples' augmentation draws reseed" in text) == (not prefetched), text
+        assert ("2 batch(es) ahead" in text) == prefetched, text
+
+
 def test_fused_triton_layer_equals_the_family_reference_under_interpreter():
     """The fused augmentation layer (two Triton kernels over the batch, :mod:`mixlab.datamodules.imagenet_triton`)
     under Triton's CPU interpreter equals the family-batched torch reference exactly: every RandAugment op (each

@@ -136,10 +136,13 @@ def test_a_resumed_run_draws_the_random_numbers_of_the_uninterrupted_run(tmp_pat
     assert set(state) == {"torch", "numpy", "python"}
 
 
-def test_a_resumed_vit_with_mixup_and_stochastic_depth_has_the_uninterrupted_losses(tmp_path):
-    """The user's case: ViT with Mixup / CutMix (NumPy draws) and stochastic depth (torch draws) on the embedded
-    digits, stopped at step 5 (inside the first epoch) and extended to 12 from ``last.ckpt``: the losses from step 5
-    on equal the uninterrupted run's bit for bit. Before, the resumed run mixed and dropped differently."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_resumed_vit_with_mixup_and_stochastic_depth_has_the_uninterrupted_losses(tmp_path, device):
+    """The user's case: ViT with Mixup / CutMix (NumPy draws) and stochastic depth (torch draws; on CUDA the CUDA
+    generator, bf16-mixed) on the embedded digits, stopped at step 5 (inside the first epoch) and extended to 12
+    from ``last.ckpt``: the losses from step 5 on equal the uninterrupted run's bit for bit (an H100: equal).
+    Before, the resumed run mixed and dropped differently."""
     from mixlab.datamodules.digits import DigitsDataModule
     from mixlab.heads.vit import ImageClassifier
 
@@ -152,7 +155,9 @@ def test_a_resumed_vit_with_mixup_and_stochastic_depth_has_the_uninterrupted_los
                                                         causal=False, drop_path=0.5),
                                 optim=OptimConfig(lr=3e-3, warmup_steps=2, total_steps=12))
         rec = _Losses()
-        pl.Trainer(max_steps=max_steps, accelerator="cpu", logger=False, enable_progress_bar=False,
+        gpu = dict(accelerator="gpu", devices=1, precision="bf16-mixed") if device == "cuda" else dict(
+            accelerator="cpu")
+        pl.Trainer(max_steps=max_steps, **gpu, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                    callbacks=[LastCheckpoint(dirpath=folder), rec]).fit(
             model, DigitsDataModule(image_size=16, batch_size=16, augment=False), ckpt_path=ckpt)
