@@ -935,9 +935,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         """``prefetch_batches`` for the training loader: 0 with ``num_workers: 0``. The training samples' parameter
         draws (:func:`seeded_rngs`) then run in the process that trains, reseeding Python's, NumPy's and torch's
         global generators per sample and restoring them; from the prefetch thread they would interleave with the
-        training step's own draws (Mixup / CutMix, dropout) at whatever moment the threads switch (the likely
-        cause of two H100 runs of one seed that differed from their first step). In the training step the order
-        is fixed."""
+        training step's own draws (Mixup / CutMix, dropout) at whatever moment the threads switch: two runs of one
+        seed differed from their first step (an H100; on the CPU device too). In the training step the order is
+        fixed."""
         return 0 if self.num_workers == 0 else self.prefetch_batches
 
     def prefetched(self, loader: Any, train: bool) -> Any:

@@ -26,6 +26,7 @@ from mixlab.datamodules.imagenet import (
 )
 
 N_CLASSES, PER_CLASS = 3, 4
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.fixture(scope="module")
@@ -603,3 +604,46 @@ def test_randaugment_posterize_of_zero_bits_is_a_black_image_not_an_error():
     for _ in range(60):
         out = t10(img)
         assert out.shape == (3, 32, 32) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device,workers", [("cpu", 0), ("cpu", 2), pytest.param("cuda", 0, marks=_CUDA),
+                                            pytest.param("cuda", 2, marks=_CUDA)])
+def test_vit_resume_on_the_gpu_stage_has_the_uninterrupted_losses(tmp_path, device, workers):
+    """``decode: gpu`` (the device stage; prefetched in a thread with workers, in the step without; on CUDA with
+    its CUDA graphs and bf16-mixed), ViT with Mixup / CutMix and stochastic depth: 10 steps against 5 + 5 resumed
+    from ``last.ckpt`` give the same losses. Written after an H100 run with ``num_workers: 0`` differed from its
+    first step (the samples' seeded draws then ran in the prefetch thread); the CUDA cases have not run yet."""
+    from mixlab.backbone import BackboneConfig
+    from mixlab.callbacks import LastCheckpoint
+    from mixlab.datamodules.imagenet import write_synthetic_shards
+    from mixlab.heads.vit import ImageClassifier
+    from mixlab.optim import OptimConfig
+
+    pattern = write_synthetic_shards(tmp_path / "data", 128, size=(160, 120), maxcount=16)
+    losses: list[float] = []
+
+    class Losses(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    def fit(folder, max_steps, ckpt=None):
+        pl.seed_everything(0)
+        model = ImageClassifier(num_classes=10, img_size=64, patch_size=16, label_smoothing=0.1,
+                                mixup=dict(mixup_alpha=0.8, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5, mode="batch"),
+                                backbone=BackboneConfig(d_model=32, n_layers=2, n_heads=2, mixer="goat", causal=False,
+                                                        drop_path=0.5),
+                                optim=OptimConfig(lr=3e-3, warmup_steps=2, total_steps=10))
+        dm = ImageNetDataModule(format="wds", train_path=pattern, val_path=pattern, num_classes=10, image_size=64,
+                                batch_size=8, num_workers=workers, train_samples=128, decode="gpu")
+        start = len(losses)
+        acc = dict(accelerator="gpu", devices=1, precision="bf16-mixed") if device == "cuda" else dict(
+            accelerator="cpu")
+        pl.Trainer(max_steps=max_steps, **acc, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=0,
+                   callbacks=[LastCheckpoint(dirpath=folder), Losses()]).fit(model, dm, ckpt_path=ckpt)
+        return losses[start:]
+
+    full = fit(tmp_path / "full", 10)
+    first = fit(tmp_path / "run", 5)
+    rest = fit(tmp_path / "run", 10, str(tmp_path / "run" / "last.ckpt"))
+    assert len(full) == 10 and first + rest == full

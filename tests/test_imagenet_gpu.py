@@ -1042,8 +1042,9 @@ def test_pipeline_summary_says_where_images_are_decoded_and_augmented():
 def test_no_prefetch_thread_for_training_with_num_workers_0(monkeypatch):
     """With ``num_workers: 0`` the training samples' parameter draws reseed the process's global generators
     (``seeded_rngs``); from the prefetch thread they would interleave with the training step's Mixup / dropout
-    draws (likely why two runs of one seed differed from their first step on an H100), so the training loader is not
-    prefetched then (the stage runs in the training step) and the summary says why; evaluation stays prefetched."""
+    draws (two runs of one seed differed from their first step, on an H100 and on the CPU), so the training loader
+    is not prefetched then (the stage runs in the training step) and the summary says why; evaluation stays
+    prefetched."""
     from mixlab.datamodules.imagenet_gpu import DevicePrefetcher
 
     loader = [1, 2]
