@@ -1107,14 +1107,19 @@ class _AugmentGraphs:
 
     def __init__(self, n: int, hw: tuple[int, int], device: torch.device) -> None:
         self.n, self.hw, self.device = n, tuple(hw), device
-        self.quantum = -(-n // AUGMENT_GRAPH_BUCKETS)
-        self.x = torch.zeros(n + self.quantum, 3, *hw, device=device)  # scratch rows stay integer levels
+        self.quantum = self._quantum(n)
+        self.x = torch.zeros(n + (self.quantum or 0), 3, *hw, device=device)  # scratch rows stay integer levels
         self.plan: Tensor | None = None
         self.layout: tuple | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle()
         self.side = torch.cuda.Stream(device)
         self.done: torch.cuda.Event | None = None
+
+    @staticmethod
+    def _quantum(n: int) -> int | None:
+        """The padding quantum of the families' image counts (:class:`_Layer`'s ``quantum``)."""
+        return -(-n // AUGMENT_GRAPH_BUCKETS)
 
     def begin(self) -> None:
         """Make the current stream wait for the previous batch's use of the buffers (another stream's)."""
@@ -1181,7 +1186,9 @@ class _AugmentGraphs:
         layer.run(f, x, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1), m)
 
 
-_KERNEL_MODE = {0: 0, 2: 1, 3: 2}  # PIL resampling code -> imagenet_triton's sampling (nearest, bilinear, bicubic)
+# the fused kernels' per-image codes (:mod:`.imagenet_triton`): op family (0: no op) and affine sampling
+_KERNEL_FAMILY = {"lut": 1, "equalize": 1, "blend": 2, "affine": 3}
+_KERNEL_MODE = {0: 0, 2: 1, 3: 2}  # PIL resampling code -> nearest, bilinear, bicubic
 
 
 class _FusedLayer:
@@ -1210,19 +1217,20 @@ class _FusedLayer:
             sel = op == o
             name, a = RA_OPS[o], arg[sel]
             family = _FAMILY[name]
+            fam[sel] = _KERNEL_FAMILY[family]
             if family == "affine":
                 codes = interp[sel]
                 if not np.isin(codes, list(_KERNEL_MODE)).all():
                     raise ValueError(f"RandAugment resampling {sorted(set(codes.tolist()))} not in "
                                      f"{sorted(_KERNEL_MODE)}")
-                fam[sel], aff[sel] = 3, _affine_params(name, a, *hw)
+                aff[sel] = _affine_params(name, a, *hw)
                 mode[sel] = [_KERNEL_MODE[int(k)] for k in codes]
             elif family == "blend":
-                fam[sel], blend[sel] = 2, np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
+                blend[sel] = np.stack([np.full_like(a, float(name.startswith("Sharpness"))), a], 1)
             elif family == "equalize":
-                fam[sel], eq[sel] = 1, 1
+                eq[sel] = 1
             else:
-                fam[sel], lut[sel] = 1, _lut_params(name, a)
+                lut[sel] = _lut_params(name, a)
         self.slots = [up.add(fam), up.add(aff), up.add(mode), up.add(blend), up.add(lut), up.add(eq)]
 
     def run(self, x: Tensor, out: Tensor, segs: list[Tensor], fill: Tensor, scratch: tuple[Tensor, ...]) -> None:
@@ -1270,12 +1278,12 @@ class _FusedGraphs(_AugmentGraphs):
     no per-family padding: ``quantum`` is None). The images live in :attr:`x` (``[n, 3, H, W]``) and the
     layers ping-pong with :attr:`spare`; :meth:`run` returns the buffer holding the result."""
 
-    quantum = None
+    @staticmethod
+    def _quantum(n: int) -> None:
+        return None  # no scratch rows: a layer's launches cover the whole batch
 
     def __init__(self, n: int, hw: tuple[int, int], device: torch.device) -> None:
         super().__init__(n, hw, device)
-        self.quantum = None
-        self.x = torch.zeros(n, 3, *hw, device=device)
         self.spare = torch.zeros_like(self.x)
         self.scratch = fused_scratch(n, device)
         self.result: Tensor = self.x
@@ -1299,7 +1307,7 @@ def _lut_family(x: Tensor, par: Tensor) -> Tensor:
     """Point ops as per-image, per-channel lookup tables: x float32 ``[n, 3, H, W]`` levels, par float64
     ``[n, 8]`` (:func:`_lut_params`) -> float32 ``[n, 3, H, W]``, through :func:`_lut_tables` from the images'
     statistics. Equalize is :func:`_equalize`."""
-    n, _, h, w = x.shape
+    h, w = x.shape[-2:]
     gsum = _gray(x).sum(dim=(-3, -2, -1), dtype=torch.float64)
     lo, hi = x.amin(dim=(-2, -1)), x.amax(dim=(-2, -1))
     return _lut_tables(par, grey_mean(gsum, h * w), lo, hi).reshape(-1).take(_table_index(x))

@@ -23,16 +23,11 @@ for a CUDA stage, when Triton is installed.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["FAMILY_CODES", "layer_stats", "layer_apply", "mode_codes"]
-
-# per-image family codes of the fused layer (the plan's ``fam`` array)
-FAMILY_CODES = {"none": 0, "lut": 1, "equalize": 1, "blend": 2, "affine": 3}
-_MODE_CODES = {0: 0, 2: 1, 3: 2}  # PIL resampling code -> kernel mode (nearest, bilinear, bicubic)
+__all__ = ["layer_stats", "layer_apply"]
 _BLOCK = 1024  # pixels per program
 
 
@@ -196,7 +191,8 @@ def layer_stats(x: Tensor, fam: Tensor, hist: Tensor, lo: Tensor, hi: Tensor, gs
 
     Args:
         x: float32 ``[n, 3, H, W]``, contiguous, integer levels 0..255.
-        fam: int64 ``[n]``: :data:`FAMILY_CODES` per image; only images with code 1 are read.
+        fam: int64 ``[n]``: the family code per image (0 no op, 1 lookup table, 2 blend, 3 affine:
+            ``imagenet_gpu._KERNEL_FAMILY``); only images with code 1 are read.
         hist: int32 ``[n, 3, 256]`` zeros -> each channel's histogram.
         lo: int32 ``[n, 3]`` filled with 255 -> each channel's minimum level; hi: int32 ``[n, 3]`` zeros -> maximum.
         gsum: int32 ``[n]`` zeros -> the sum over pixels of PIL's grey level ``(19595 R + 38470 G + 7471 B + 2^15)
@@ -214,8 +210,9 @@ def layer_apply(x: Tensor, out: Tensor, fam: Tensor, aff: Tensor, mode: Tensor, 
     levels 0..255; not the same memory: the Sharpness and affine pixels read their neighbours).
 
     Args:
-        fam: int64 ``[n]`` :data:`FAMILY_CODES`. aff: float64 ``[n, 6]`` PIL affine coefficients (family 3):
-            output pixel centre ``(X + .5, Y + .5)`` reads the input at ``(a X' + b Y' + c, d X' + e Y' + f)``.
+        fam: int64 ``[n]`` family codes (:func:`layer_stats`).
+        aff: float64 ``[n, 6]`` PIL affine coefficients (family 3): output pixel centre ``(X + .5, Y + .5)`` reads
+            the input at ``(a X' + b Y' + c, d X' + e Y' + f)``.
         mode: int64 ``[n]`` sampling of the affine images: 0 nearest, 1 bilinear, 2 bicubic (``grid_sample``'s).
         blend: float64 ``[n, 2]``: (1 Sharpness / 0 Color, factor) of the blend images (family 2).
         tables: float32 ``[n, 3, 256]`` each channel's lookup table (family 1).
@@ -226,11 +223,3 @@ def layer_apply(x: Tensor, out: Tensor, fam: Tensor, aff: Tensor, mode: Tensor, 
         return
     _apply[(n, triton.cdiv(h * w, _BLOCK))](x, out, fam, aff, mode, blend, tables, fill, h, w, BLOCK=_BLOCK,
                                             enable_fp_fusion=False)
-
-
-def mode_codes(pil_codes: Tensor) -> Tensor:
-    """PIL resampling codes (0 nearest, 2 bilinear, 3 bicubic) -> the kernel's sampling modes."""
-    lut = torch.full((4,), -1, dtype=torch.int64)
-    for k, v in _MODE_CODES.items():
-        lut[k] = v
-    return lut.to(pil_codes.device)[pil_codes]

@@ -11,6 +11,7 @@ import torch
 
 from mixlab.datamodules.imagenet_gpu import (
     _FAMILY,
+    _GEOMETRIC,
     RA_OPS,
     _FusedLayer,
     _Layer,
@@ -98,9 +99,7 @@ def two_layers(x: torch.Tensor, g: torch.Generator) -> dict:
     ref = x.clone()
     for layer in refs:
         layer(ref, segs, segs[s_fill].to(x.dtype).view(1, 3, 1, 1))
-    geometric = [k for k in range(n) if any(RA_OPS[p[0][k]] in ("Rotate", "ShearX", "ShearY", "TranslateX",
-                                                                   "TranslateY", "TranslateXRel", "TranslateYRel")
-                                            for p in plans if p[0][k] >= 0)]
+    geometric = [k for k in range(n) if any(RA_OPS[p[0][k]] in _GEOMETRIC for p in plans if p[0][k] >= 0)]
     spare = torch.empty_like(x)
     got = run_fused_layers(fused, x.clone(), spare, segs2, segs2[s_fill2], fused_scratch(n, dev))
     other = [k for k in range(n) if k not in geometric]
