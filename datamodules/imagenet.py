@@ -568,8 +568,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         augment_impl: with ``cuda_graphs`` on CUDA, how the augmentation layers run: ``"torch"`` (default) the
             family-batched torch ops in their graphs; ``"triton"`` each layer as two Triton kernels over the whole
             batch, every layer of a batch in one CUDA graph (:mod:`~mixlab.datamodules.imagenet_triton`; the same
-            images as ``"torch"``; a quarter of its device time, no end-to-end gain measured yet: BENCHMARKS.md).
-            Without Triton installed, ``"torch"``.
+            images as ``"torch"``; a quarter of its device time), and the crop + resize of training and evaluation
+            batches on CUDA as two Triton kernels instead of TF32 GEMMs (float32 sums: torchvision's
+            ``resized_crop`` to a rare one-level tie). Without Triton installed, ``"torch"``.
         priority_training: with the device stage prefetched on CUDA, run the training step on a
             high-priority CUDA stream while the stage's kernels keep the lowest priority, so they fill the
             SMs the model leaves idle rather than delaying its kernels
@@ -900,13 +901,14 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             from mixlab.datamodules.imagenet_gpu import triton_available
 
             fused = self.augment_impl == "triton" and triton_available()
-            graphs = ("as Triton kernels in one CUDA graph" if fused else "in CUDA graphs"
+            graphs = ("as Triton kernels in one CUDA graph, crop + resize as Triton kernels" if fused
+                      else "in CUDA graphs"
                       + (" (augment_impl triton: Triton is not installed)" if self.augment_impl == "triton" else ""))
         else:
             graphs = "launched op by op" + (" (cuda_graphs has no effect on a CPU device)" if self.cuda_graphs else "")
             if self.augment_impl == "triton":
-                graphs += (" (augment_impl triton has no effect " + ("on a CPU device)" if device.type != "cuda"
-                                                                      else "without cuda_graphs)"))
+                graphs += (" (augment_impl triton has no effect on a CPU device)" if device.type != "cuda" else
+                           " (augment_impl triton without cuda_graphs: the crop + resize as Triton kernels only)")
         priority = ""
         if prefetch and self.priority_training:
             priority = ("; training step on a high-priority CUDA stream" if device.type == "cuda"

@@ -24,7 +24,8 @@ module splits the same recipe in two:
   parameters reach the device in two transfers (the augmentation plan, the erasing boxes), and nothing in
   the stage waits for the device. On CUDA the RandAugment layers replay CUDA graphs: by default the family-batched
   ops below (:class:`_AugmentGraphs`); with ``augment_impl="triton"`` each layer as two Triton kernels over the
-  whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one graph (:class:`_FusedGraphs`).
+  whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one graph (:class:`_FusedGraphs`),
+  and the crop + resize as two Triton kernels (``resized_crops(impl="triton")``) instead of batched GEMMs.
 * **optionally, a share of the decoding in the workers** (``cpu_decode_fraction`` of the datamodule,
   ``cpu_fraction`` of :func:`collate_encoded`): the first images of each training batch are decoded, cropped,
   resized and flipped in the worker (:func:`decode_crop_cpu`) and reach the accelerator as uint8 pixels (pinned by
@@ -48,7 +49,8 @@ Differences to the CPU path (measured in ``tests/test_imagenet_gpu.py``):
   the chroma upsampling, most likely); nvImageCodec's hardware decoder by at most 1 level (mean 1e-4); libjpeg-turbo
   through torchvision on a CPU device by +-1-2 levels;
 * the crop + resize's matrix products run in TF32 on CUDA (:func:`resized_crops`): a few percent of pixels
-  (2.8% measured) 1 level off torchvision's float32 ``resized_crop``; worker-decoded images use torchvision's
+  (2.8% measured) 1 level off torchvision's float32 ``resized_crop`` (``augment_impl="triton"``: float32 sums, a
+  rare tie off by one level); worker-decoded images use torchvision's
   uint8 resize (fixed-point weights): about a fifth of pixels 1 level off the float32 result, never more;
 * geometric RandAugment ops (Rotate, ShearX/Y, TranslateX/YRel) use ``grid_sample`` (bicubic a=-0.75)
   where PIL uses a=-0.5; fill, centre convention and out-of-image test follow PIL;
@@ -85,7 +87,8 @@ from torch import Tensor
 from torch.profiler import record_function
 
 __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "decode_crop_cpu", "worker_decoded",
-           "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "resized_crops",
+           "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "aa_resample_windows",
+           "resized_crops",
            "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts", "JPEG_DECODERS", "AUGMENT_IMPLS",
            "nvimgcodec_available"]
 
@@ -640,6 +643,24 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
     ``n_max / out_size`` if ``resized`` is None (``in_sizes <= n_max``), else the weights are computed densely on
     ``[n, out_size, n_max]`` in float64 (the same values; the sums differ only in summation order).
     """
+    if taps is None and resized is None:
+        taps = _window_taps(n_max / out_size, n_max)
+    if taps is None:  # dense: every input pixel of every row
+        size, centre, stretch, lo, hi = _aa_windows(in_sizes, out_size, resized, offsets, flip)
+        j = torch.arange(n_max, device=in_sizes.device, dtype=torch.float64).view(1, 1, -1)
+        w = _cubic_aa((j - centre + 0.5) / stretch) * ((j >= lo) & (j < hi))
+        return _normalise(w).to(torch.float32)
+    start, w = aa_resample_windows(in_sizes, out_size, taps, resized, offsets, flip)
+    j = start.unsqueeze(-1) + torch.arange(taps, device=in_sizes.device)  # [n, out, taps]: < n_max + taps
+    dense = torch.zeros(in_sizes.shape[0], out_size, _round4(n_max + taps), device=in_sizes.device,
+                        dtype=torch.float32)
+    return dense.scatter_(2, j, w)[..., :n_max]
+
+
+def _aa_windows(in_sizes: Tensor, out_size: int, resized: Tensor | None, offsets: Tensor | None,
+                flip: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """float64 ``[n, 1, 1]`` input sizes and ``[n, out_size, 1]`` filter centres, stretches ``max(s, 1)`` and
+    windows ``[lo, hi)`` of :func:`aa_resample_weights` (its docstring gives the formulas)."""
     dev = in_sizes.device
     size = in_sizes.to(torch.float64).view(-1, 1, 1)
     scale = size / (out_size if resized is None else resized.to(dev, torch.float64).view(-1, 1, 1))
@@ -652,16 +673,20 @@ def aa_resample_weights(in_sizes: Tensor, out_size: int, n_max: int, resized: Te
     centre = scale * (o + 0.5)
     lo = (centre - 2 * stretch + 0.5).trunc().clamp_min(0)
     hi = torch.minimum((centre + 2 * stretch + 0.5).trunc(), size)
-    if taps is None and resized is None:
-        taps = _window_taps(n_max / out_size, n_max)
-    if taps is None:  # dense: every input pixel of every row
-        j = torch.arange(n_max, device=dev, dtype=torch.float64).view(1, 1, -1)
-        w = _cubic_aa((j - centre + 0.5) / stretch) * ((j >= lo) & (j < hi))
-        return _normalise(w).to(torch.float32)
-    j = torch.minimum(lo, size) + torch.arange(taps, device=dev, dtype=torch.float64)  # [n, out, taps]: < n_max + taps
+    return size, centre, stretch, lo, hi
+
+
+def aa_resample_windows(in_sizes: Tensor, out_size: int, taps: int, resized: Tensor | None = None,
+                        offsets: Tensor | None = None, flip: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The rows of :func:`aa_resample_weights` on their windows only: ``(start, w)``, int64 ``[n, out_size]``, the
+    first input pixel of each row's window (``lo`` clipped to the input size), and float32 ``[n, out_size, taps]``,
+    the weights of input pixels ``start .. start + taps - 1`` (zero from the window's end ``hi`` on; normalised
+    in float64 over the window, then rounded). Arguments as :func:`aa_resample_weights`; ``taps`` at least the widest
+    window (:func:`_window_taps`)."""
+    size, centre, stretch, lo, hi = _aa_windows(in_sizes, out_size, resized, offsets, flip)
+    j = torch.minimum(lo, size) + torch.arange(taps, device=in_sizes.device, dtype=torch.float64)  # [n, out, taps]
     w = _normalise(_cubic_aa((j - centre + 0.5) / stretch) * (j < hi)).to(torch.float32)
-    dense = torch.zeros(in_sizes.shape[0], out_size, _round4(n_max + taps), device=dev, dtype=torch.float32)
-    return dense.scatter_(2, j.to(torch.int64), w)[..., :n_max]
+    return j[..., 0].to(torch.int64), w
 
 
 @contextlib.contextmanager
@@ -765,7 +790,8 @@ def _split_groups(h: np.ndarray, w: np.ndarray, size: tuple[int, int], k: int, m
 
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None,
-                  tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None) -> Tensor:
+                  tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None,
+                  impl: str = "gemm") -> Tensor:
     """Crop box ``b`` of image ``b``, resize it to ``size`` (bicubic, antialiased) and flip it horizontally
     where ``flip[b]``, for a whole batch in a few batched matrix products instead of one resize per image.
 
@@ -812,21 +838,29 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
         groups: number of size groups (:data:`RESIZE_GROUPS`).
         out: float32 ``[B, 3, size[0], size[1]]`` on the images' device to write the result into (e.g. a
             buffer that CUDA graphs read), or None for a new tensor.
+        impl: ``"gemm"`` (default), the batched GEMMs above; ``"triton"``, two Triton kernels over the whole
+            batch (:func:`.imagenet_triton.crop_resize`: each output pixel sums its window's taps in float32, no
+            TF32, no size groups or padding; ``tf32``, ``groups`` and ``max_bytes`` do not apply). Triton runs on
+            CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 
     Returns:
         float32 ``[B, 3, size[0], size[1]]`` with integer values 0..255 (``out`` when given).
 
     Raises:
-        ValueError: ``out`` of another shape or dtype.
+        ValueError: ``out`` of another shape or dtype (with ``impl="triton"``: not contiguous); ``impl`` not
+            ``"gemm"`` or ``"triton"``.
     """
+    if impl not in ("gemm", "triton"):
+        raise ValueError(f"resized_crops: impl must be 'gemm' or 'triton'; got {impl!r}")
     n = len(imgs)
     dev = imgs[0].device if n else torch.device("cpu")
     oh, ow = size
     mo = max(oh, ow)  # rows of the weight matrices (both axes in one call)
     if out is None:
         out = torch.empty(n, 3, oh, ow, device=dev, dtype=torch.float32)
-    elif out.shape != (n, 3, oh, ow) or out.dtype != torch.float32:
-        raise ValueError(f"resized_crops: out must be float32 {[n, 3, oh, ow]}; got {out.dtype} {list(out.shape)}")
+    elif out.shape != (n, 3, oh, ow) or out.dtype != torch.float32 or (impl == "triton" and not out.is_contiguous()):
+        raise ValueError(f"resized_crops: out must be float32 {[n, 3, oh, ow]}" + (", contiguous" if impl == "triton"
+                         else "") + f"; got {out.dtype} {list(out.shape)} strides {out.stride()}")
     if n == 0:
         return out
     bx = np.asarray(boxes.tolist(), dtype=np.int64).reshape(n, 4)
@@ -835,6 +869,8 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     rs = np.asarray(resized.tolist(), np.int64).reshape(n, 2) if resized is not None else np.tile([oh, ow], (n, 1))
     off = np.asarray(offsets.tolist(), np.int64).reshape(n, 2) if offsets is not None else np.zeros((n, 2), np.int64)
     fl = np.asarray(flip.tolist(), dtype=bool).reshape(n) if flip is not None else np.zeros(n, bool)
+    if impl == "triton":
+        return _resized_crops_triton(imgs, bx, hw, base, rs, off, fl, out)
     order = np.argsort(bx[:, 2] * bx[:, 3], kind="stable")  # everything below in this order
     runs = _split_groups(bx[order, 2], bx[order, 3], size, min(groups, n), max_bytes)
     t, le, h, w = bx[order].T
@@ -848,11 +884,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
         # of each channel [g, 1, 3]
         rows = (base[s] + t[s] * width[s] + le[s])[:, None] + np.minimum(np.arange(hm), h[s, None] - 1) * width[s, None]
         chans = np.arange(3) * (height[s] * width[s])[:, None]
-        # per axis (rows of y, then of x): crop size, resized size, window offset, flip (a flipped x row o holds
-        # pixel off + ow - 1 - o = (off + ow - mo) + mo - 1 - o)
-        axes.append(np.stack([np.concatenate([h[s], w[s]]), np.concatenate([rs[s, 0], rs[s, 1]]),
-                              np.concatenate([off[s, 0], off[s, 1] + np.where(fl[s], ow - mo, 0)]),
-                              np.concatenate([np.zeros_like(fl[s]), fl[s]]).astype(np.int64)]))
+        axes.append(_window_axes(h[s], w[s], rs[s], off[s], fl[s], ow - mo))
         plan.append((start, end - start, hm, wm, bool(_resize_cost(np.array(hm), np.array(wm), oh, ow)[1]),
                      up.add(rows[:, :, None]), up.add(chans[:, None, :])))
     axes = np.concatenate(axes, 1)  # [4, 2 B]: group by group, its y rows then its x rows
@@ -883,6 +915,42 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
                 tmp = torch.bmm(x.view(g, hm * 3, wm), wxt)
                 torch.bmm(wy, tmp.view(g, hm, 3 * ow), out=yg.view(g, oh, 3 * ow))
     return out.index_copy_(0, segs[s_order], y.round_().clamp_(0, 255).permute(0, 2, 1, 3))
+
+
+def _window_axes(h: np.ndarray, w: np.ndarray, rs: np.ndarray, off: np.ndarray, fl: np.ndarray,
+                 flip_shift: int) -> np.ndarray:
+    """int64 ``[4, 2 n]``: the arguments of :func:`aa_resample_weights` for ``n`` crops computed with ``mo = max(oh,
+    ow)`` rows, their y axes then their x axes: crop size, resized size, window offset, flip. A flipped x row ``o``
+    holds pixel ``off + ow - 1 - o = (off + ow - mo) + mo - 1 - o``: its offset is shifted by ``flip_shift = ow -
+    mo``."""
+    return np.stack([np.concatenate([h, w]), np.concatenate([rs[:, 0], rs[:, 1]]),
+                     np.concatenate([off[:, 0], off[:, 1] + np.where(fl, flip_shift, 0)]),
+                     np.concatenate([np.zeros_like(fl), fl]).astype(np.int64)])
+
+
+def _resized_crops_triton(imgs: list[Tensor], bx: np.ndarray, hw: np.ndarray, base: np.ndarray, rs: np.ndarray,
+                          off: np.ndarray, fl: np.ndarray, out: Tensor) -> Tensor:
+    """:func:`resized_crops` with ``impl="triton"`` (:func:`.imagenet_triton.crop_resize`), from its host arrays:
+    boxes ``bx`` ``[n, 4]``, image sizes ``hw`` ``[n, 2]``, flat offsets ``base`` ``[n]``, resized sizes ``rs`` and
+    window offsets ``off`` ``[n, 2]``, flips ``fl`` ``[n]``; into ``out`` (contiguous ``[n, 3, OH, OW]``)."""
+    from torch._utils import _flatten_dense_tensors
+
+    from mixlab.datamodules.imagenet_triton import crop_resize
+
+    n, _, oh, ow = out.shape
+    mo = max(oh, ow)
+    t, le, h, w = bx.T
+    tbase = 3 * ow * np.concatenate([[0], np.cumsum(h)[:-1]])
+    up = _Upload()
+    s_meta = up.add(np.stack([base, hw[:, 1], hw[:, 0] * hw[:, 1], t, le, h, w, tbase], 1))
+    axes = _window_axes(h, w, rs, off, fl, ow - mo)
+    s_axes = up.add(axes)
+    segs = up.to(out.device)
+    size_, res, offs, flips = segs[s_axes].unbind(0)
+    taps = _window_taps((axes[0] / axes[1]).max(), int(axes[0].max()))
+    start, wts = aa_resample_windows(size_, mo, taps, res, offs, flips)
+    crop_resize(_flatten_dense_tensors(imgs), segs[s_meta], start, wts, int(h.sum()), int(h.max()), out)
+    return out
 
 
 def _gray(x: Tensor) -> Tensor:
@@ -1423,7 +1491,9 @@ class GpuPipeline:
         augment_impl: with ``cuda_graphs`` on CUDA, ``"torch"`` (default): the family-batched torch ops
             (:class:`_Layer`), one graph per (layer, family, image count); ``"triton"``: each layer as two Triton
             kernels over the whole batch (:class:`_FusedLayer`, :mod:`.imagenet_triton`), all layers in one CUDA
-            graph. ``"triton"`` without Triton installed runs ``"torch"``.
+            graph, and the crop + resize (training and evaluation, CUDA) as two Triton kernels
+            (:func:`resized_crops` ``impl="triton"``) instead of TF32 GEMMs. ``"triton"`` without Triton installed
+            runs ``"torch"``.
 
     Raises:
         ValueError: ``jpeg_decoder`` not in :data:`JPEG_DECODERS`, ``augment_impl`` not in
@@ -1557,7 +1627,13 @@ class GpuPipeline:
         boxes = torch.tensor([[0, 0, h, w] for h, w in hw], dtype=torch.int64)
         offsets = torch.tensor([[int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))] for rh, rw in rs],
                                dtype=torch.int64)
-        return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets)
+        return resized_crops(imgs, boxes, (ch, cw), resized=torch.tensor(rs, dtype=torch.int64), offsets=offsets,
+                             impl=self._resize_impl(imgs[0].device))
+
+    def _resize_impl(self, dev: torch.device) -> str:
+        """:func:`resized_crops`'s ``impl`` for images on ``dev``: ``"triton"`` with ``augment_impl="triton"`` on CUDA
+        when Triton is installed, else ``"gemm"``."""
+        return "triton" if self.augment_impl == "triton" and dev.type == "cuda" and triton_available() else "gemm"
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device, out: Tensor | None = None,
                pixels: Tensor | None = None) -> Tensor:
@@ -1575,7 +1651,7 @@ class GpuPipeline:
                 self._train(imgs, {k: p[k][n_p:] for k in ("crop", "flip")}, dev, out[n_p:])
             return out
         if self.interp == InterpolationMode.BICUBIC:
-            return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"], out=out)
+            return resized_crops(imgs, p["crop"], tuple(self.size), p["flip"], out=out, impl=self._resize_impl(dev))
         from torchvision.transforms.functional import resized_crop
 
         x = torch.stack([resized_crop(im, i, j, h, w, list(self.size), interpolation=self.interp, antialias=True)

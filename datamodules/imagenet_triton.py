@@ -23,12 +23,14 @@ for a CUDA stage, when Triton is installed.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["layer_stats", "layer_apply"]
+__all__ = ["layer_stats", "layer_apply", "crop_resize"]
 _BLOCK = 1024  # pixels per program
+_TILE_ROWS, _TILE_COLS = 4, 128  # crop_resize: the output tile of one program (rows x columns)
 
 
 @triton.jit
@@ -223,3 +225,94 @@ def layer_apply(x: Tensor, out: Tensor, fam: Tensor, aff: Tensor, mode: Tensor, 
         return
     _apply[(n, triton.cdiv(h * w, _BLOCK))](x, out, fam, aff, mode, blend, tables, fill, h, w, BLOCK=_BLOCK,
                                             enable_fp_fusion=False)
+
+
+@triton.jit
+def _resize_rows(src_ptr, meta_ptr, x0_ptr, wx_ptr, tmp_ptr, OW, MO, TAPS,
+                 BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    # horizontal pass: crop row r of image b, all three channels -> tmp[tbase + (3 r + c) OW + ox]
+    b = tl.program_id(0).to(tl.int64)
+    r0 = tl.program_id(1) * BLOCK_R
+    meta = meta_ptr + b * 8
+    ch = tl.load(meta + 5)
+    if r0 < ch:
+        base, width, plane = tl.load(meta), tl.load(meta + 1), tl.load(meta + 2)
+        top, left, cw, tbase = tl.load(meta + 3), tl.load(meta + 4), tl.load(meta + 6), tl.load(meta + 7)
+        rows = r0 + tl.arange(0, BLOCK_R).to(tl.int64)
+        ox = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+        rm = rows < ch
+        xm = ox < OW
+        m = rm[:, None] & xm[None, :]
+        x0 = tl.load(x0_ptr + b * MO + ox, mask=xm, other=0)
+        src = src_ptr + (base + (top + rows) * width + left)[:, None]
+        a0 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+        for k in range(TAPS):
+            w = tl.load(wx_ptr + (b * MO + ox) * TAPS + k, mask=xm, other=0.0)[None, :]
+            p = src + tl.minimum(x0 + k, cw - 1)[None, :]  # past the window: zero weight, a pixel of the crop
+            a0 += w * tl.load(p, mask=m, other=0).to(tl.float32)
+            a1 += w * tl.load(p + plane, mask=m, other=0).to(tl.float32)
+            a2 += w * tl.load(p + 2 * plane, mask=m, other=0).to(tl.float32)
+        t = tmp_ptr + tbase + (3 * rows * OW)[:, None] + ox[None, :]
+        tl.store(t, a0, mask=m)
+        tl.store(t + OW, a1, mask=m)
+        tl.store(t + 2 * OW, a2, mask=m)
+
+
+@triton.jit
+def _resize_cols(tmp_ptr, meta_ptr, y0_ptr, wy_ptr, out_ptr, OH, OW, MO, TAPS,
+                 BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    # vertical pass: output rows oy of image b from its tmp rows, rounded to levels 0..255
+    b = tl.program_id(0).to(tl.int64)
+    oy = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ox = tl.program_id(2) * BLOCK_X + tl.arange(0, BLOCK_X)
+    ym = oy < OH
+    m = ym[:, None] & (ox < OW)[None, :]
+    meta = meta_ptr + b * 8
+    ch, tbase = tl.load(meta + 5), tl.load(meta + 7)
+    y0 = tl.load(y0_ptr + b * MO + oy, mask=ym, other=0)
+    a0 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_R, BLOCK_X), dtype=tl.float32)
+    for k in range(TAPS):
+        w = tl.load(wy_ptr + (b * MO + oy) * TAPS + k, mask=ym, other=0.0)[:, None]
+        row = tl.minimum(y0 + k, ch - 1)
+        p = tmp_ptr + tbase + (3 * row * OW)[:, None] + ox[None, :]
+        a0 += w * tl.load(p, mask=m, other=0.0)
+        a1 += w * tl.load(p + OW, mask=m, other=0.0)
+        a2 += w * tl.load(p + 2 * OW, mask=m, other=0.0)
+    o = out_ptr + b * 3 * OH * OW + (oy * OW)[:, None] + ox[None, :]
+    tl.store(o, tl.minimum(tl.maximum(_rint(a0), 0.0), 255.0), mask=m)
+    tl.store(o + OH * OW, tl.minimum(tl.maximum(_rint(a1), 0.0), 255.0), mask=m)
+    tl.store(o + 2 * OH * OW, tl.minimum(tl.maximum(_rint(a2), 0.0), 255.0), mask=m)
+
+
+def crop_resize(flat: Tensor, meta: Tensor, start: Tensor, w: Tensor, rows: int, max_rows: int, out: Tensor) -> None:
+    """Antialiased separable resampling of one crop per image (``imagenet_gpu.resized_crops``'s Triton path):
+    PIL's order, a horizontal pass over every crop row into float32 ``tmp``, then a vertical pass, rounded half to
+    even and clamped to 0..255. Each output pixel sums its window's taps in float32 (the weights of
+    ``imagenet_gpu.aa_resample_windows``); no TF32.
+
+    Args:
+        flat: uint8, the images one after another, each planar ``[3, H_b, W_b]``.
+        meta: int64 ``[n, 8]`` per image: offset of its first pixel in ``flat``, ``W_b``, ``H_b W_b``, the crop's
+            top and left, height ``h_b`` and width, and the offset of its rows in ``tmp`` (``3 OW`` floats per crop
+            row: ``3 OW`` times the crop heights before it).
+        start: int64 ``[2 n, MO]``: the first crop pixel of each output pixel's window, rows ``0 .. n - 1`` along
+            y (the first ``OH`` entries used), rows ``n .. 2 n - 1`` along x (the first ``OW``; a flip is in them).
+        w: float32 ``[2 n, MO, taps]``: the windows' weights, in the same rows.
+        rows: ``sum_b h_b``, the crop rows (``tmp`` holds ``3 OW rows`` floats); max_rows: ``max_b h_b``.
+        out: float32 ``[n, 3, OH, OW]``, contiguous: the result.
+    """
+    n, _, oh, ow = out.shape
+    if n == 0:
+        return
+    mo, taps = w.shape[1], w.shape[2]
+    tmp = torch.empty(3 * ow * rows, device=out.device, dtype=torch.float32)
+    cols = triton.cdiv(ow, _TILE_COLS)
+    _resize_rows[(n, triton.cdiv(max_rows, _TILE_ROWS), cols)](
+        flat, meta, start[n:], w[n:], tmp, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)
+    _resize_cols[(n, triton.cdiv(oh, _TILE_ROWS), cols)](
+        tmp, meta, start, w, out, oh, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)
+

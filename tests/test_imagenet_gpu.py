@@ -1103,6 +1103,46 @@ def test_fused_triton_layer_on_cuda_equals_the_family_reference():
                 assert f["differ"] == 0, (case, fam, f)
 
 
+def _check_triton_resize(res: dict, share: float) -> None:
+    assert set(res) == {"train_any_12x20", "train_tall_20x12", "train_wide_9x9", "one_image", "eval"}, res
+    for name, r in res.items():
+        assert r["integer"] and r["range_ok"], (name, r)
+        # float32 sums in another order than torchvision's / the GEMMs': a rare tie rounds the other way
+        assert r["tv_max"] <= 1 and r["tv_share"] < share and r["gemm_max"] <= 1 and r["gemm_share"] < share, (name, r)
+
+
+def test_triton_crop_resize_equals_torchvision_under_the_interpreter():
+    """``resized_crops(impl="triton")`` under Triton's CPU interpreter: random crops (any, tall, wide; flips; crops of
+    1 pixel), one image with a one-row output, and the evaluation's Resize + CenterCrop windows equal torchvision's
+    ``resized_crop`` and the float32 GEMM path image by image (to one level on a rare tie)."""
+    pytest.importorskip("triton")
+    _check_triton_resize(run_interpreter_check("imagenet_resize_check.py"), 1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_crop_resize_on_cuda_equals_torchvision():
+    """The compiled crop + resize kernels on CUDA at ImageNet sizes (64 crops of 100-500 px images to 224, 32
+    evaluation images resized to 256 and cropped to 224) against torchvision and the float32 GEMMs."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent / "helpers" / "imagenet_resize_check.py"
+    out = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check_triton_resize(json.loads(out.stdout.strip().splitlines()[-1]), 1e-3)
+
+
+def test_resized_crops_refuses_an_unknown_impl_and_a_strided_out_for_triton():
+    imgs, boxes, flip = _random_crops(2, 0)
+    with pytest.raises(ValueError, match="resized_crops: impl must be 'gemm' or 'triton'; got 'cuda'"):
+        resized_crops(imgs, boxes, (8, 8), flip, impl="cuda")
+    out = torch.empty(2, 3, 8, 16)[..., ::2]
+    with pytest.raises(ValueError, match="out must be float32 .*contiguous"):
+        resized_crops(imgs, boxes, (8, 8), flip, impl="triton", out=out)
+
+
 def test_augment_impl_is_checked_passed_on_and_summarised():
     """``augment_impl`` outside the choices is refused by the datamodule and the pipeline, naming the argument;
     the datamodule passes it to its pipelines (default ``torch``)."""

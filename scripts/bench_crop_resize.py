@@ -1,0 +1,115 @@
+"""Crop + resize of the ImageNet device stage alone: ``resized_crops`` with the batched TF32 GEMMs (``impl="gemm"``,
+``augment_impl: torch``) against the two Triton kernels (``impl="triton"``, ``augment_impl: triton``) (issue 21).
+
+Run on a CUDA machine from the project root::
+
+    python scripts/bench_crop_resize.py --out crop_resize.md
+
+Per case: ``--batch`` uint8 images of ``--image-wh`` pixels (random levels: the resampling cost does not depend on
+the content), training crops drawn as timm's ``RandomResizedCrop`` (scale 0.08-1, ratio 3/4-4/3, flips) resized to
+224, and the evaluation's Resize (short side 256 / 224 x the size) + CenterCrop at 224 and 512. Each impl runs
+``--warmup`` times, then ``--iters`` times: the median device time per batch (CUDA events around the call) and
+host time (until the call returns), the ratio against the GEMMs measured in the same run, and how the two differ
+(largest level difference, share of pixels that differ). Writes a Markdown table with date, device and command to
+``--out`` and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mixlab.datamodules.imagenet_gpu import resized_crops
+
+
+def rrc_boxes(hw: list[tuple[int, int]], g: torch.Generator) -> torch.Tensor:
+    """timm / torchvision ``RandomResizedCrop.get_params`` (scale 0.08-1, log-uniform ratio 3/4-4/3, ten tries,
+    then the centre crop of the clamped ratio) for each image size."""
+    boxes = []
+    for h, w in hw:
+        area = h * w
+        for _ in range(10):
+            target = area * float(torch.empty(1).uniform_(0.08, 1.0, generator=g))
+            ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3), generator=g)))
+            cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
+            if 0 < cw <= w and 0 < ch <= h:
+                top = int(torch.randint(0, h - ch + 1, (1,), generator=g))
+                left = int(torch.randint(0, w - cw + 1, (1,), generator=g))
+                boxes.append([top, left, ch, cw])
+                break
+        else:
+            cw, ch = (w, min(h, int(round(w / (4 / 3))))) if w / h < 3 / 4 else (min(w, int(round(h * 4 / 3))), h)
+            boxes.append([(h - ch) // 2, (w - cw) // 2, ch, cw])
+    return torch.tensor(boxes)
+
+
+def timed(fn, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    dev_ms, host_ms = [], []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t = time.perf_counter()
+        a.record()
+        out = fn()
+        b.record()
+        host_ms.append(1e3 * (time.perf_counter() - t))
+        torch.cuda.synchronize()
+        dev_ms.append(a.elapsed_time(b))
+    return sorted(dev_ms)[iters // 2], sorted(host_ms)[iters // 2], out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--image-wh", default="500x375", help="image width x height (pixels)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", help="Markdown file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_crop_resize.py: needs a CUDA device (the Triton kernels and the TF32 GEMMs are CUDA paths)")
+    w, h = (int(v) for v in args.image_wh.lower().split("x"))
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    imgs = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g).to(dev) for _ in range(args.batch)]
+    hw = [(h, w)] * args.batch
+    cases = {"train 224 (RandomResizedCrop, flips)": dict(boxes=rrc_boxes(hw, g), size=(224, 224),
+                                                          flip=torch.rand(args.batch, generator=g) < 0.5)}
+    for crop in (224, 512):
+        short = int(math.floor(crop / 0.875))
+        rs = torch.tensor([[short * hh // min(hh, ww), short * ww // min(hh, ww)] for hh, ww in hw])
+        cases[f"eval {crop} (Resize {short} + CenterCrop)"] = dict(
+            boxes=torch.tensor([[0, 0, hh, ww] for hh, ww in hw]), size=(crop, crop), flip=None, resized=rs,
+            offsets=torch.round((rs - crop) / 2.0).to(torch.int64))
+    rows = []
+    for name, c in cases.items():
+        kw = {k: v for k, v in c.items() if k not in ("boxes", "size", "flip")}
+        res = {impl: timed(lambda impl=impl: resized_crops(imgs, c["boxes"], c["size"], c["flip"], impl=impl, **kw),
+                           args.warmup, args.iters) for impl in ("gemm", "triton")}
+        d = (res["triton"][2] - res["gemm"][2]).abs()
+        for impl, (dm, hm, _) in res.items():
+            diff = f"{float(d.max()):.0f}, {float((d > 0).float().mean()):.1e}" if impl == "triton" else "-"
+            rows.append(f"| {name} | {impl} | {dm:.3f} | {hm:.3f} | {res['gemm'][0] / dm:.2f}x | {diff} |")
+            print(rows[-1], file=sys.stderr, flush=True)
+    head = (f"`{' '.join(['python', 'scripts/bench_crop_resize.py'] + sys.argv[1:])}` — "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+            f"torch {torch.__version__}, {platform.node()}; {args.batch} images of {w}x{h}, median of {args.iters}\n\n"
+            "| case | impl | device ms / batch | host ms / batch | speed-up vs gemm | triton vs gemm: max levels, "
+            "share of pixels |\n|---|---|---:|---:|---:|---|\n")
+    text = head + "\n".join(rows) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
