@@ -41,7 +41,9 @@ in subprocesses, ``--cli-repeats`` times in alternating order (the first run of 
 A fit on the shards takes about 100 s on the H200 hosts (10 s of it training), so ``--no-loader`` (skip the loader
 and device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call. Each fit's wall time is split
 into startup, logged steps and what follows the last logged step (the loaders' shutdown); ``--cli-stacks S`` also
-samples the fit's stacks every ``S`` seconds and reports the main thread's frame at each sample.
+samples the fit's stacks every ``S`` seconds and reports the main thread's frame at each sample. ``--cli-gil-hold MS
+[MS ...]`` adds random-tensor fits in which a thread of the training process holds the GIL ``MS`` ms of every 50 ms:
+what a device stage's Python running next to the training step can cost it.
 
 Every row, and every CLI fit as it ends, is also printed to stderr, and ``--out`` holds what was measured so far
 while the run goes on (a run cut short keeps it).
@@ -379,6 +381,25 @@ runpy.run_module("mixlab", run_name="__main__", alter_sys=True)
 """
 
 
+# `python -c` wrapper of `python -m mixlab` for --cli-gil-hold: a daemon thread of the training process runs pure
+# Python (holding the GIL, as a device stage's planning does) for argv[1] ms of every 50 ms, from 5 s after start,
+# under the 0.5 ms switch interval of configs/vit/goat_imagenet.yaml's switch_interval_ms
+_GIL_MAIN = """import runpy, sys, threading, time
+hold = float(sys.argv[1]) / 1000
+def hold_gil():
+    time.sleep(5.0)
+    sys.setswitchinterval(0.0005)
+    while True:
+        t = time.perf_counter()
+        while time.perf_counter() - t < hold:
+            pass
+        time.sleep(max(0.0, 0.05 - (time.perf_counter() - t)))
+threading.Thread(target=hold_gil, daemon=True, name="bench_input-gil").start()
+sys.argv = ["mixlab", *sys.argv[2:]]
+runpy.run_module("mixlab", run_name="__main__", alter_sys=True)
+"""
+
+
 def fit_timeline(started: float, ended: float, scalars: dict) -> str:
     """Where a fit's wall time went, from the wall times of its logged scalars (TensorBoard events): ``started`` and
     ``ended`` are the process's ``time.time()`` at launch and exit. Startup (interpreter, imports, data setup, the
@@ -484,19 +505,22 @@ def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
     return (lines[-1] if lines else f"exit status {done.returncode}"), {}
 
 
-def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None
-                     ) -> CliFit:
+def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None,
+                     gil_hold_ms: float = 0.0) -> CliFit:
     """``perf/images_per_s`` (median, min, max) from step ``from_step`` on of one ``python -m mixlab fit ARGS`` run
     logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches), with its wall-time
     split (:func:`fit_timeline`). ``stacks = (file, seconds)``: the run's threads' stacks are written to ``file``
-    every ``seconds`` (:data:`_STACK_MAIN`; :func:`stack_summary` reads them).
+    every ``seconds`` (:data:`_STACK_MAIN`; :func:`stack_summary` reads them). ``gil_hold_ms > 0``: a thread of the
+    run holds the GIL that many ms of every 50 ms (:data:`_GIL_MAIN`; not with ``stacks``).
 
     Raises:
         RuntimeError: the run failed (its command and the end of its stderr) or logged no ``perf/images_per_s``.
     """
     from mixlab.eval.compare import load_scalars
 
-    if stacks is None:
+    if gil_hold_ms > 0:
+        cmd = [sys.executable, "-c", _GIL_MAIN, f"{gil_hold_ms:g}", "fit", *args, "--run_root", str(run_root)]
+    elif stacks is None:
         cmd = [sys.executable, "-m", "mixlab", "fit", *args, "--run_root", str(run_root)]
     else:
         cmd = [sys.executable, "-c", _STACK_MAIN, str(stacks[0]), str(stacks[1]), "fit", *args, "--run_root",
@@ -640,12 +664,14 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
     kinds = [("random", 0.0, "-", "")] + [(m, f, label + (f", {variant}" if variant else ""), variant)
                                           for m, f, label in decode_runs(a.decode, a.cpu_decode_fraction)
                                           for variant in a.cli_variants]
+    kinds += [("random-gil", 0.0, f"random tensors, a thread holding the GIL {ms:g} ms of every 50 ms", f"{ms:g}")
+              for ms in a.cli_gil_hold]
     runs: dict[tuple[str, float, str, str], list[tuple[float, ...]]] = {k: [] for k in kinds}
     stacks_dir = stacks_folder(a) if a.cli_stacks else None
     with tempfile.TemporaryDirectory(prefix="bench_input_cli_") as tmp:
         for r in range(a.cli_repeats):
             for k, (mode, frac, label, variant) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
-                if mode == "random":
+                if mode.startswith("random"):
                     args = ["--config", a.cli_config, "--config", str(RANDOM_IMAGES), *common]
                 else:
                     args = ["--config", a.cli_config, *common, "--data.init_args.train_path", train_pattern,
@@ -653,12 +679,14 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
                             "--data.init_args.cpu_decode_fraction", str(frac), *shlex.split(variant)]
                 what = "random tensors" if mode == "random" else label
+                gil = float(variant) if mode == "random-gil" else 0.0
                 stacks = None
                 if stacks_dir is not None:
                     stacks_dir.mkdir(parents=True, exist_ok=True)
                     stacks = (stacks_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
                               a.cli_stacks)
-                got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks)
+                got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks,
+                                       gil_hold_ms=gil)
                 runs[mode, frac, label, variant].append(got)
                 timeline = getattr(got, "timeline", "")
                 progress(f"CLI fit on {what}, run {r + 1}/{a.cli_repeats}: "
@@ -674,6 +702,10 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
         if mode == "random":
             out.append(("train", "-", "-", f"through the CLI, random tensors ({n} steps)", f"{ips:,.0f}", "",
                         f"{vs_model(ips)}; runs (median [min, max] of each fit's logged windows): {each}"))
+            continue
+        if mode == "random-gil":
+            out.append(("train", "-", "-", f"through the CLI, {label} ({n} steps)", f"{ips:,.0f}", "",
+                        f"{ips / anchor:.3f}x the CLI on random tensors; runs: {each}"))
             continue
         out.append(("train", label, str(a.workers), f"through the CLI, shards ({n} steps)", f"{ips:,.0f}", "",
                     f"**{vs_model(ips)}**, {ips / anchor:.3f}x the CLI on random tensors; "
@@ -777,6 +809,10 @@ def main(argv: list[str] | None = None) -> str:
                         "(X.md -> X.stacks/; without --out: ./bench_input.stacks/), and report the main thread's "
                         "frame at each dump: where a fit's "
                         "startup and shutdown time goes")
+    p.add_argument("--cli-gil-hold", type=float, nargs="+", default=[], metavar="MS",
+                   help="also --cli-steps fits on random tensors with a thread of the training process holding the "
+                        "GIL MS ms of every 50 ms (pure Python, 0.5 ms switch interval), once per MS: how much a "
+                        "device stage's Python in the training process can cost the step")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
@@ -820,6 +856,10 @@ def main(argv: list[str] | None = None) -> str:
     if a.cli_stacks < 0 or (a.cli_stacks and not a.cli_steps):
         p.error(f"--cli-stacks must be > 0 seconds (0: off) and needs --cli-steps; got {a.cli_stacks:g}, --cli-steps "
                 f"{a.cli_steps}")
+    if any(not 0 < ms < 50 for ms in a.cli_gil_hold) or (a.cli_gil_hold and not a.cli_steps):
+        p.error(f"--cli-gil-hold values must be in (0, 50) ms and need --cli-steps; got {a.cli_gil_hold}")
+    if a.cli_gil_hold and a.cli_stacks:
+        p.error("--cli-gil-hold and --cli-stacks: give one of them (each wraps the fit's process its own way)")
     if a.cli_stacks:  # the stack dumps' folder next to --out (X.md -> X.stacks/), written after the fits
         p.check_output("--cli-stacks (its folder next to --out)", stacks_folder(a), folder=True)
     if not a.cli_steps and (a.cli_variants != [""] or a.cli_args):

@@ -137,7 +137,7 @@ def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypat
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
         calls.append(args)
         if len(calls) > 1:
             raise KeyboardInterrupt
@@ -152,6 +152,39 @@ def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypat
     assert "| model | - | - | tiny fwd+bwd+AdamW (random tensors) |" in text
     assert "- CLI fit on random tensors, run 1/1: 1,234 images/s (the model row is another model)" in text
     assert "(partial: the run has not finished)" in text and len(calls) == 2
+
+
+def test_bench_input_cli_gil_hold_adds_random_tensor_fits_with_a_gil_holding_thread(tmp_path, monkeypatch):
+    """``--cli-gil-hold MS ...``: one more random-tensor fit per value, its process wrapped so that a thread holds
+    the GIL MS ms of every 50 ms, each a row with its ratio to the plain random-tensor fit; bad values are refused
+    in one line; the wrapper runs the CLI (its ``--help`` here)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    calls = []
+
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
+        calls.append(gil_hold_ms)
+        return (2000.0 if gil_hold_ms else 4000.0), 1000.0, 5000.0
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
+                             "--no-loader", "--cli-steps", "4", "--cli-gil-hold", "10", "20"])
+    assert sorted(calls) == [0.0, 0.0, 10.0, 20.0], calls
+    for ms in (10, 20):
+        row = next(r for r in text.splitlines() if f"holding the GIL {ms} ms of every 50 ms (4 steps) | 2,000 |" in r)
+        assert "| 0.500x the CLI on random tensors" in row, row
+    for bad in (["--cli-gil-hold", "0"], ["--cli-gil-hold", "60"], ["--cli-gil-hold", "5", "--cli-stacks", "1"]):
+        with pytest.raises(SystemExit):
+            bench_input.main(["--quick", "--no-loader", "--cli-steps", "4", *bad])
+    done = subprocess.run([sys.executable, "-c", bench_input._GIL_MAIN, "5", "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "fit" in done.stdout, done.stderr[-2000:]
 
 
 def test_bench_input_writes_synthetic_shards_in_parallel(tmp_path, monkeypatch):
