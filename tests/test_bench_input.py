@@ -385,7 +385,7 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
         calls.append(args)
         return bench_input.CliFit(1000.0 + 10 * len(calls), 900.0, 1100.0, "wall 1.0 s")
 
