@@ -524,6 +524,27 @@ def _check_ranges(**values: Any) -> None:
             raise ValueError(f"ImageNetDataModule: {name} must be {allowed}; got {value!r}")
 
 
+def _check_transform_names(image_size: Any, auto_augment: str | None, interpolation: str) -> None:
+    """Refuse an ``interpolation`` or ``auto_augment`` string that timm's transforms would reject only when the first
+    loader is built (a ``KeyError`` / ``AssertionError`` deep in timm): the training and evaluation transforms are
+    built once here, cheaply.
+
+    Raises:
+        ValueError: naming the argument, what it takes and the value given.
+    """
+    from timm.data.transforms import _str_to_torch_interpolation
+
+    names = list(_str_to_torch_interpolation)
+    if interpolation not in names:
+        raise ValueError(f"ImageNetDataModule: interpolation must be one of {', '.join(names)}; got {interpolation!r}")
+    try:
+        train_transform(image_size, auto_augment=auto_augment)
+    except (AssertionError, KeyError, ValueError, IndexError) as err:
+        raise ValueError("ImageNetDataModule: auto_augment must be a timm policy string such as "
+                         f"'rand-m9-mstd0.5-inc1' or 'augmix-m5-w4-d2' (or null); got {auto_augment!r} "
+                         f"({type(err).__name__}: {err})") from None
+
+
 class ImageNetDataModule(SplitLoaders, ResumableDataModule):
     """ImageNet (or any ImageNet-format classification set) as WebDataset shards or ImageFolder trees.
 
@@ -675,6 +696,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
                       decode_thread=decode_thread, cuda_graphs=cuda_graphs, priority_training=priority_training,
                       switch_interval_ms=switch_interval_ms)
         check_num_workers(num_workers)  # the wds loaders do not go through resumable_loader's check
+        _check_transform_names(image_size, auto_augment, interpolation)
         self.worker_nice, self.decode_thread, self.switch_interval_ms = worker_nice, decode_thread, switch_interval_ms
         self._switch_interval_before: float | None = None
         self.decode, self.prefetch_batches, self.cuda_graphs = decode, prefetch_batches, cuda_graphs

@@ -320,6 +320,28 @@ def test_bad_values_that_failed_at_the_first_step_are_one_line_before_training(c
     assert not list(tmp_path.rglob("version_*"))  # nothing written
 
 
+def test_imagenet_transform_names_and_a_tuple_value_are_one_line_naming_the_option(capsys, tmp_path, monkeypatch):
+    """A user test: an unknown ``auto_augment`` policy or ``interpolation`` crashed in timm's transforms with a long
+    traceback when the first loader was built; a bad ``scale`` named ``data:`` instead of its option (the message
+    shows the list the user gave as a tuple)."""
+    imagenet = str(Path(GOAT).parents[1] / "vit" / "goat_imagenet.yaml")
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    for override, message in (
+            ("--data.init_args.auto_augment=bogus-m9", "error: --data.init_args.auto_augment: ImageNetDataModule: "
+             "auto_augment must be a timm policy string such as 'rand-m9-mstd0.5-inc1' or 'augmix-m5-w4-d2' (or "
+             "null); got 'bogus-m9' (AssertionError: Unknown AutoAugment config section)"),
+            ("--data.init_args.interpolation=cubicc", "error: --data.init_args.interpolation: ImageNetDataModule: "
+             "interpolation must be one of nearest, bilinear, bicubic, box, hamming, lanczos; got 'cubicc'"),
+            ("--data.init_args.scale=[1.0, 0.1]", "error: --data.init_args.scale: ImageNetDataModule: scale must be "
+             "(min, max) with 0 < min <= max <= 1; got (1.0, 0.1)")):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["fit", "--config", imagenet, "--trainer.max_steps=1", "--run_root", str(tmp_path), override])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-2] == message and not any("Traceback" in line for line in err), err
+    assert not list(tmp_path.rglob("version_*"))  # nothing written
+
+
 def test_an_evaluation_commands_checkpoint_with_a_missing_weight_is_one_line(tmp_path):
     """A user test: ``generate --ckpt`` of a checkpoint missing a tensor gave load_state_dict's raw traceback."""
     import torch

@@ -1510,6 +1510,8 @@ def _forms(value: Any) -> set[str]:
             forms |= {str(read), repr(read)}
     if isinstance(read, int) and not isinstance(read, bool):  # a float option shows 0 as 0.0
         forms.add(str(float(read)))
+    if isinstance(read, list):  # a tuple option shows [1.0, 0.1] as (1.0, 0.1)
+        forms |= {str(tuple(read)), repr(tuple(read))}
     return {f for f in forms if f}
 
 
