@@ -779,8 +779,8 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="decode gpu: launch the training augmentation's ops eagerly (datamodule cuda_graphs: false)")
     p.add_argument("--augment-impl", default="torch", choices=["torch", "triton"],
-                   help="decode gpu: the loader rows' training augmentation in CUDA graphs: fused Triton kernels or "
-                        "the family-batched torch ops (datamodule augment_impl)")
+                   help="decode gpu: the loader rows' crop + resize and training augmentation: Triton kernels, or "
+                        "TF32 GEMMs and the family-batched torch ops in CUDA graphs (datamodule augment_impl)")
     p.add_argument("--jpeg-decoder", default="torchvision", choices=["torchvision", "nvimgcodec"],
                    help="decode gpu: the loader rows' JPEG decoder on CUDA (datamodule jpeg_decoder; nvimgcodec: the "
                         "GPU's hardware JPEG decoder, needs nvidia-nvimgcodec-cu13); the --cli-steps fits take it "
