@@ -830,7 +830,8 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
         boxes: int64 ``[B, 4]``: top, left, height, width of each crop in its image's pixels.
         size: output (height, width).
         flip: bool ``[B]`` or None.
-        max_bytes: cap on a group's padded float32 crops (``3 hm wm 4`` bytes per image).
+        max_bytes: cap on a group's padded float32 crops (``3 hm wm 4`` bytes per image; ``impl="triton"``: on a
+            run's scratch).
         resized, offsets: int64 ``[B, 2]`` or None: resize each crop to ``resized[b]`` (height, width) and
             keep the ``size`` window at ``offsets[b]`` (top, left) of it (evaluation: ``Resize`` then
             ``CenterCrop``); default: resize to ``size`` itself.
@@ -840,7 +841,8 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
             buffer that CUDA graphs read), or None for a new tensor.
         impl: ``"gemm"`` (default), the batched GEMMs above; ``"triton"``, two Triton kernels over the whole
             batch (:func:`.imagenet_triton.crop_resize`: each output pixel sums its window's taps in float32, no
-            TF32, no size groups or padding; ``tf32``, ``groups`` and ``max_bytes`` do not apply). Triton runs on
+            TF32, no size groups or padding; ``tf32`` and ``groups`` do not apply; ``max_bytes`` caps its float32
+            scratch, ``3 size[1] 4`` bytes per crop row, by running the images in more launches). Triton runs on
             CUDA, or on the CPU under ``TRITON_INTERPRET=1`` (tests).
 
     Returns:
@@ -870,7 +872,7 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
     off = np.asarray(offsets.tolist(), np.int64).reshape(n, 2) if offsets is not None else np.zeros((n, 2), np.int64)
     fl = np.asarray(flip.tolist(), dtype=bool).reshape(n) if flip is not None else np.zeros(n, bool)
     if impl == "triton":
-        return _resized_crops_triton(imgs, bx, hw, base, rs, off, fl, out)
+        return _resized_crops_triton(imgs, bx, hw, base, rs, off, fl, out, max_bytes)
     order = np.argsort(bx[:, 2] * bx[:, 3], kind="stable")  # everything below in this order
     runs = _split_groups(bx[order, 2], bx[order, 3], size, min(groups, n), max_bytes)
     t, le, h, w = bx[order].T
@@ -929,10 +931,12 @@ def _window_axes(h: np.ndarray, w: np.ndarray, rs: np.ndarray, off: np.ndarray, 
 
 
 def _resized_crops_triton(imgs: list[Tensor], bx: np.ndarray, hw: np.ndarray, base: np.ndarray, rs: np.ndarray,
-                          off: np.ndarray, fl: np.ndarray, out: Tensor) -> Tensor:
+                          off: np.ndarray, fl: np.ndarray, out: Tensor, max_bytes: int) -> Tensor:
     """:func:`resized_crops` with ``impl="triton"`` (:func:`.imagenet_triton.crop_resize`), from its host arrays:
     boxes ``bx`` ``[n, 4]``, image sizes ``hw`` ``[n, 2]``, flat offsets ``base`` ``[n]``, resized sizes ``rs`` and
-    window offsets ``off`` ``[n, 2]``, flips ``fl`` ``[n]``; into ``out`` (contiguous ``[n, 3, OH, OW]``)."""
+    window offsets ``off`` ``[n, 2]``, flips ``fl`` ``[n]``; into ``out`` (contiguous ``[n, 3, OH, OW]``). The images
+    go in runs whose float32 scratch (``3 OW`` floats per crop row) stays within ``max_bytes`` (one image at least):
+    one run for a training batch (~170 MB at 224 px), more for evaluation batches of very large images."""
     from torch._utils import _flatten_dense_tensors
 
     from mixlab.datamodules.imagenet_triton import crop_resize
@@ -940,7 +944,17 @@ def _resized_crops_triton(imgs: list[Tensor], bx: np.ndarray, hw: np.ndarray, ba
     n, _, oh, ow = out.shape
     mo = max(oh, ow)
     t, le, h, w = bx.T
-    tbase = 3 * ow * np.concatenate([[0], np.cumsum(h)[:-1]])
+    floats = 3 * ow * h  # scratch per image
+    runs, start_img, used = [], 0, 0
+    for k in range(n):
+        if k > start_img and 4 * (used + floats[k]) > max_bytes:
+            runs.append((start_img, k))
+            start_img, used = k, 0
+        used += floats[k]
+    runs.append((start_img, n))
+    tbase = np.zeros(n, np.int64)
+    for a, b in runs:
+        tbase[a + 1:b] = np.cumsum(floats[a:b - 1])
     up = _Upload()
     s_meta = up.add(np.stack([base, hw[:, 1], hw[:, 0] * hw[:, 1], t, le, h, w, tbase], 1))
     axes = _window_axes(h, w, rs, off, fl, ow - mo)
@@ -948,8 +962,11 @@ def _resized_crops_triton(imgs: list[Tensor], bx: np.ndarray, hw: np.ndarray, ba
     segs = up.to(out.device)
     size_, res, offs, flips = segs[s_axes].unbind(0)
     taps = _window_taps((axes[0] / axes[1]).max(), int(axes[0].max()))
-    start, wts = aa_resample_windows(size_, mo, taps, res, offs, flips)
-    crop_resize(_flatten_dense_tensors(imgs), segs[s_meta], start, wts, int(h.sum()), int(h.max()), out)
+    start, wts = aa_resample_windows(size_, mo, taps, res, offs, flips)  # [2 n, ...]: the y rows, then the x rows
+    flat, meta = _flatten_dense_tensors(imgs), segs[s_meta]
+    for a, b in runs:
+        crop_resize(flat, meta[a:b], start[a:b], wts[a:b], start[n + a:n + b], wts[n + a:n + b], int(h[a:b].sum()),
+                    int(h[a:b].max()), out[a:b])
     return out
 
 

@@ -288,7 +288,8 @@ def _resize_cols(tmp_ptr, meta_ptr, y0_ptr, wy_ptr, out_ptr, OH, OW, MO, TAPS,
     tl.store(o + 2 * OH * OW, tl.minimum(tl.maximum(_rint(a2), 0.0), 255.0), mask=m)
 
 
-def crop_resize(flat: Tensor, meta: Tensor, start: Tensor, w: Tensor, rows: int, max_rows: int, out: Tensor) -> None:
+def crop_resize(flat: Tensor, meta: Tensor, start_y: Tensor, w_y: Tensor, start_x: Tensor, w_x: Tensor, rows: int,
+                max_rows: int, out: Tensor) -> None:
     """Antialiased separable resampling of one crop per image (``imagenet_gpu.resized_crops``'s Triton path):
     PIL's order, a horizontal pass over every crop row into float32 ``tmp``, then a vertical pass, rounded half to
     even and clamped to 0..255. Each output pixel sums its window's taps in float32 (the weights of
@@ -299,20 +300,19 @@ def crop_resize(flat: Tensor, meta: Tensor, start: Tensor, w: Tensor, rows: int,
         meta: int64 ``[n, 8]`` per image: offset of its first pixel in ``flat``, ``W_b``, ``H_b W_b``, the crop's
             top and left, height ``h_b`` and width, and the offset of its rows in ``tmp`` (``3 OW`` floats per crop
             row: ``3 OW`` times the crop heights before it).
-        start: int64 ``[2 n, MO]``: the first crop pixel of each output pixel's window, rows ``0 .. n - 1`` along
-            y (the first ``OH`` entries used), rows ``n .. 2 n - 1`` along x (the first ``OW``; a flip is in them).
-        w: float32 ``[2 n, MO, taps]``: the windows' weights, in the same rows.
+        start_y, start_x: int64 ``[n, MO]`` (rows contiguous): the first crop pixel of each output pixel's window
+            along y (the first ``OH`` entries used) and along x (the first ``OW``; a flip is in them).
+        w_y, w_x: float32 ``[n, MO, taps]``, contiguous: the windows' weights.
         rows: ``sum_b h_b``, the crop rows (``tmp`` holds ``3 OW rows`` floats); max_rows: ``max_b h_b``.
         out: float32 ``[n, 3, OH, OW]``, contiguous: the result.
     """
     n, _, oh, ow = out.shape
     if n == 0:
         return
-    mo, taps = w.shape[1], w.shape[2]
+    mo, taps = w_x.shape[1], w_x.shape[2]
     tmp = torch.empty(3 * ow * rows, device=out.device, dtype=torch.float32)
     cols = triton.cdiv(ow, _TILE_COLS)
     _resize_rows[(n, triton.cdiv(max_rows, _TILE_ROWS), cols)](
-        flat, meta, start[n:], w[n:], tmp, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)
+        flat, meta, start_x, w_x, tmp, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)
     _resize_cols[(n, triton.cdiv(oh, _TILE_ROWS), cols)](
-        tmp, meta, start, w, out, oh, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)
-
+        tmp, meta, start_y, w_y, out, oh, ow, mo, taps, BLOCK_R=_TILE_ROWS, BLOCK_X=_TILE_COLS)

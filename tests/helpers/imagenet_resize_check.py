@@ -34,6 +34,9 @@ def main() -> None:
         imgs, boxes, flip = _random_crops(64 if big else 6, seed, *((100, 500) if big else (4, 40)), shape=shape,
                                           device=dev)
         res[f"train_{shape}_{size[0]}x{size[1]}"] = case(imgs, boxes, flip, (224, 224) if big else size)
+    # a scratch cap that splits the batch into runs of one or two images
+    imgs, boxes, flip = _random_crops(5, 5, 4, 30, device=dev)
+    res["runs"] = case(imgs, boxes, flip, (6, 10), max_bytes=4 * 3 * 10 * 12)  # 12 crop rows a run: 3 runs
     # one image, a 1 x 1 crop, T = 1 output row
     imgs, boxes, flip = _random_crops(1, 3, 5, 9, device=dev)
     res["one_image"] = case(imgs, boxes, flip, (1, 7))
