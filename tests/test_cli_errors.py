@@ -299,6 +299,15 @@ def test_every_extra_command_name_resolves():
                for t in cli.COMMANDS.values())
 
 
+def _fit_refuses_in_one_line(config: str, override: str, message: str, capsys, run_root: Path) -> None:
+    """``fit --config config override`` exits with status 2 and ``message`` as its one error line, no traceback."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", config, "--trainer.max_steps=1", "--run_root", str(run_root), override])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2] == message and not any("Traceback" in line for line in err), err
+
+
 def test_bad_values_that_failed_at_the_first_step_are_one_line_before_training(capsys, tmp_path, monkeypatch):
     """A user test: these trained into a raw traceback at the first step (label smoothing, a zero image size), gave
     nonsense advice (a patch larger than the image: "e.g. 0x0"), or trained silently (a negative clip norm)."""
@@ -312,11 +321,7 @@ def test_bad_values_that_failed_at_the_first_step_are_one_line_before_training(c
                                                 "one patch (patch_size=50): give a patch_size <= 24 or larger images"),
             ("--trainer.gradient_clip_val=-1", "error: trainer.gradient_clip_val=-1: give a norm (or value) >= 0, or "
                                                "null for no clipping")):
-        with pytest.raises(SystemExit) as info:
-            cli.main(["fit", "--config", digits, "--trainer.max_steps=1", "--run_root", str(tmp_path), override])
-        assert info.value.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-2] == message and not any("Traceback" in line for line in err), err
+        _fit_refuses_in_one_line(digits, override, message, capsys, tmp_path)
     assert not list(tmp_path.rglob("version_*"))  # nothing written
 
 
@@ -334,11 +339,7 @@ def test_imagenet_transform_names_and_a_tuple_value_are_one_line_naming_the_opti
              "interpolation must be one of nearest, bilinear, bicubic, box, hamming, lanczos; got 'cubicc'"),
             ("--data.init_args.scale=[1.0, 0.1]", "error: --data.init_args.scale: ImageNetDataModule: scale must be "
              "(min, max) with 0 < min <= max <= 1; got (1.0, 0.1)")):
-        with pytest.raises(SystemExit) as info:
-            cli.main(["fit", "--config", imagenet, "--trainer.max_steps=1", "--run_root", str(tmp_path), override])
-        assert info.value.code == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err[-2] == message and not any("Traceback" in line for line in err), err
+        _fit_refuses_in_one_line(imagenet, override, message, capsys, tmp_path)
     assert not list(tmp_path.rglob("version_*"))  # nothing written
 
 
