@@ -428,19 +428,30 @@ def input_summary(scalars: dict, from_step: int) -> str:
     ``perf/data_wait_ms`` (the training loop between steps) and, with the device stage prefetched,
     ``perf/input/*_ms`` (``DevicePrefetcher.timings``: the loop waiting for the stage, the stage thread waiting for
     the workers, running the stage, the decode (part of the stage unless ``decode_thread``), the stage thread
-    waiting for the decode thread, and waiting for queue room). Empty when none was logged."""
+    waiting for the decode thread, and waiting for queue room); then, on Linux, ``perf/host/*_ms`` (the training
+    thread's time on a CPU, waiting for one and blocked, and the process's other threads' CPU and run-queue time:
+    ``mixlab.callbacks.ThroughputMemory``). Empty when none was logged."""
     names = [("perf/data_wait_ms", "between steps")] + [
         (f"perf/input/{k}_ms", w) for k, w in (("consumer_wait", "waiting for the stage"),
                                                ("loader_wait", "stage thread waiting for workers"),
                                                ("stage", "stage"), ("decode", "decode"),
                                                ("decode_wait", "stage thread waiting for the decode thread"),
                                                ("queue_full", "stage thread waiting for queue room"))]
-    parts = []
-    for tag, words in names:
-        values = [v for _, step, v in scalars.get(tag, []) if step >= from_step]
-        if values:
-            parts.append(f"{words} {statistics.median(values):.1f}")
-    return "input ms/step: " + ", ".join(parts) if parts else ""
+    host = [(f"perf/host/{k}_ms", w) for k, w in (("train_cpu", "training thread on a CPU"),
+                                                  ("train_runqueue", "waiting for a CPU"),
+                                                  ("train_blocked", "blocked"),
+                                                  ("other_cpu", "the process's other threads on a CPU"),
+                                                  ("other_runqueue", "waiting for a CPU"))]
+    out = []
+    for head, group in (("input ms/step: ", names), ("host ms/step: ", host)):
+        parts = []
+        for tag, words in group:
+            values = [v for _, step, v in scalars.get(tag, []) if step >= from_step]
+            if values:
+                parts.append(f"{words} {statistics.median(values):.1f}")
+        if parts:
+            out.append(head + ", ".join(parts))
+    return "; ".join(out)
 
 
 def stack_summary(text: str) -> list[str]:

@@ -356,6 +356,11 @@ def test_bench_input_fit_timeline_and_stack_summary():
     waits = {"perf/data_wait_ms": [(0, 10, 9.0), (0, 20, 1.0), (0, 30, 3.0)], "perf/input/stage_ms": [(0, 20, 12.0)]}
     assert bench_input.input_summary(waits, 20) == "input ms/step: between steps 2.0, stage 12.0"
     assert bench_input.input_summary({}, 0) == ""
+    host = {**waits, "perf/host/train_cpu_ms": [(0, 20, 30.0)], "perf/host/train_blocked_ms": [(0, 20, 15.0)],
+            "perf/host/other_cpu_ms": [(0, 20, 22.5)]}
+    assert bench_input.input_summary(host, 20) == ("input ms/step: between steps 2.0, stage 12.0; host ms/step: "
+                                                   "training thread on a CPU 30.0, blocked 15.0, the process's other "
+                                                   "threads on a CPU 22.5")
     text = """sample 1.0 s
 thread bench_input-stacks-other
   File "/x/other.py", line 3, in spin

@@ -5,6 +5,7 @@ step; LossProgressBar shows it without a wait), the ViT's label check on host te
 from __future__ import annotations
 
 import itertools
+import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -91,6 +92,43 @@ def test_a_datamodules_input_timings_are_logged_per_batch_of_each_window(tmp_pat
            if "perf/input/stage_ms" in m]
     assert [step for step, _, _ in got] == [2, 5, 8, 11] and not any("perf/input/batches_ms" in m for _, m in rec.calls)
     assert [v for _, a, b in got for v in (a, b)] == pytest.approx([10.0, 0.0, 20.0, 1.0, 10 / 7, 0.0, 20.0, 0.0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc scheduler statistics")
+def test_each_window_splits_the_training_threads_time_between_cpu_run_queue_and_blocked(tmp_path):
+    """``perf/host/*``: per step, the training thread's CPU time, run-queue wait and blocked time add up to the
+    step's wall time (1000 / steps_per_s ms); the process's other threads have their own CPU time. A thread that
+    spins for 60 ms shows about that much CPU time in :func:`thread_schedstats`."""
+    import threading
+
+    from mixlab.callbacks import thread_schedstats
+
+    rec = _fit(tmp_path, ThroughputMemory(), max_steps=6, log_every=3)
+    windows = [m for _, m in rec.calls if "perf/host/train_cpu_ms" in m]
+    assert len(windows) == 2
+    for m in windows:
+        parts = m["perf/host/train_cpu_ms"] + m["perf/host/train_runqueue_ms"] + m["perf/host/train_blocked_ms"]
+        assert m["perf/host/train_cpu_ms"] > 0 and min(m[k] for k in m if k.startswith("perf/host/")) >= 0, m
+        assert parts == pytest.approx(1000 / m["perf/steps_per_s"], rel=0.25), m  # the rate's own window
+    done = threading.Event()
+    tid = []
+
+    def spin():
+        tid.append(str(threading.get_native_id()))
+        t = time.thread_time()
+        while time.thread_time() - t < 0.06:
+            pass
+        done.wait()
+
+    worker = threading.Thread(target=spin)
+    worker.start()
+    while not tid:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    stats = thread_schedstats(threading.get_native_id())
+    done.set()
+    worker.join()
+    assert stats is not None and "train" in stats and stats[tid[0]][0] >= 0.05, stats
 
 
 def test_a_window_cut_by_validation_is_dropped(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,28 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 1e9
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux
     return rss_kb / 1e6
+
+
+def thread_schedstats(main_tid: int) -> dict[str, tuple[float, float]] | None:
+    """Linux scheduler statistics of this process's threads (``/proc/self/task/<tid>/schedstat``): by thread id
+    (as a string), seconds on a CPU and seconds runnable but waiting for one (the run queue: CPU contention); the
+    training thread ``main_tid`` under the key ``"train"``. None where ``/proc`` has no such files (not Linux).
+    Time a thread spends blocked (waiting for the GIL, a lock, the device, I/O) is in neither number."""
+    import os
+
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+        except (OSError, ValueError):
+            continue  # the thread ended meanwhile
+        out["train" if tid == str(main_tid) else tid] = (int(run) / 1e9, int(wait) / 1e9)
+    return out if "train" in out else None
 
 
 class ThroughputMemory(pl.Callback):
@@ -40,6 +63,14 @@ class ThroughputMemory(pl.Callback):
     timm's training script calls it data time);
     and for a datamodule with ``input_timings()`` (seconds so far by name, and ``batches``; ``ImageNetDataModule``'s
     prefetched device stage), each name's growth per batch as ``perf/input/<name>_ms``.
+
+    The host's CPUs, per step of the window (Linux; :func:`thread_schedstats`): ``perf/host/train_cpu_ms``, the
+    training thread's time on a CPU; ``perf/host/train_runqueue_ms``, its time runnable but waiting for a CPU;
+    ``perf/host/train_blocked_ms``, the rest of the step's wall time (waiting for the GIL, the device, the loader,
+    or CUDA's autograd thread, which runs the backward pass); ``perf/host/other_cpu_ms`` and
+    ``perf/host/other_runqueue_ms``, the same two summed over the process's other threads (the device stage's,
+    the loader's pin thread, autograd's; not the DataLoader worker processes). A step that waits for the GIL shows
+    as blocked time of the training thread next to CPU time of the others.
     """
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
@@ -52,6 +83,8 @@ class ThroughputMemory(pl.Callback):
         self._last_end: float | None = None  # the previous step's end (None: none, or validation since)
         self._wait, self._waits = 0.0, 0  # gaps between steps since the last log (seconds, count)
         self._input: dict[str, float] = {}  # the datamodule's input_timings() at the last log
+        self._sched: dict[str, tuple[float, float]] | None = None  # thread_schedstats() at the window's start
+        self._sched_t0 = 0.0  # time.perf_counter() then
         self.clock = time.perf_counter  # seconds (a test may replace it)
 
     def _sync(self, pl_module: pl.LightningModule) -> None:
@@ -70,6 +103,8 @@ class ThroughputMemory(pl.Callback):
         if self._t0 is None:
             self._sync(pl_module)  # (the previous window's closing sync left little to wait for)
             self._t0, self._tokens, self._steps = now, 0, 0
+            self._sched = thread_schedstats(threading.get_native_id())
+            self._sched_t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._last_end = self._log_window(trainer, pl_module, batch)
@@ -86,6 +121,7 @@ class ThroughputMemory(pl.Callback):
             return self.clock()
         self._sync(pl_module)
         now = self.clock()
+        host = (time.perf_counter(), thread_schedstats(threading.get_native_id())) if self._sched else None
         dt = max(now - self._t0, 1e-9)
         unit = getattr(pl_module, "throughput_unit", "tokens")
         pl_module.log(f"perf/{unit}_per_s", self._tokens * trainer.world_size / dt)
@@ -95,8 +131,26 @@ class ThroughputMemory(pl.Callback):
             pl_module.log("perf/data_wait_ms", 1000 * self._wait / self._waits)
         self._wait, self._waits = 0.0, 0
         self._log_input(trainer, pl_module)
+        self._log_host(pl_module, host)
         self._t0 = None
         return now
+
+    def _log_host(self, pl_module, host: tuple[float, dict | None] | None) -> None:
+        """``perf/host/*_ms`` per step of the window (see the class docstring), from :func:`thread_schedstats` at
+        its start and ``host = (perf_counter, thread_schedstats)`` at its end; threads that started or ended within
+        the window are left out."""
+        before, self._sched = self._sched, None
+        if host is None or host[1] is None or before is None or not self._steps:
+            return
+        dt, now = host[0] - self._sched_t0, host[1]
+        per_step = 1000 / self._steps
+        run, wait = (now["train"][k] - before["train"][k] for k in (0, 1))
+        others = [k for k in now if k != "train" and k in before]
+        pl_module.log("perf/host/train_cpu_ms", run * per_step)
+        pl_module.log("perf/host/train_runqueue_ms", wait * per_step)
+        pl_module.log("perf/host/train_blocked_ms", max(0.0, dt - run - wait) * per_step)
+        pl_module.log("perf/host/other_cpu_ms", sum(now[k][0] - before[k][0] for k in others) * per_step)
+        pl_module.log("perf/host/other_runqueue_ms", sum(now[k][1] - before[k][1] for k in others) * per_step)
 
     def _log_input(self, trainer, pl_module) -> None:
         """``perf/input/<name>_ms``: the datamodule's ``input_timings()`` since the last log, per batch."""
