@@ -1870,7 +1870,7 @@ class DevicePrefetcher:
             device = torch.device("cuda", torch.cuda.current_device())
         self.loader, self.stage, self.device, self.depth = loader, stage, device, depth
         self.priority_consumer = priority_consumer
-        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "queue_full")
+        self._time = dict.fromkeys(("consumer_wait", "loader_wait", "stage", "stage_cpu", "queue_full")
                                    + (("decode_wait",) if decode_thread else ()), 0.0)
         self._batches = 0  # handed to the consumer
 
@@ -1878,7 +1878,9 @@ class DevicePrefetcher:
         """Host seconds so far (all passes): ``consumer_wait`` (the training loop waiting in this iterator for a
         batch), ``loader_wait`` (waiting for the loader's next batch: the DataLoader workers), ``stage`` (the stage
         thread in ``stage``, or in ``stage.finish`` with ``decode_thread``; the first batch of each pass
-        included), ``decode`` (in ``decode_jpegs``, which returns after nvJPEG's device work:
+        included), ``stage_cpu`` (of ``stage``, the CPU time of the thread running it, ``time.thread_time``: its
+        Python, op dispatch and nvJPEG's host decoding; the rest of ``stage`` it waited), ``decode`` (in
+        ``decode_jpegs``, which returns after nvJPEG's device work:
         ``stage.decode_seconds``, 0 for a stage without it; part of ``stage`` without ``decode_thread``),
         ``decode_wait`` (only with ``decode_thread``: the stage thread waiting for the decode thread), ``queue_full``
         (the stage thread waiting for room: the stage ``depth`` batches ahead); and ``batches``, the batches
@@ -1888,11 +1890,12 @@ class DevicePrefetcher:
 
     def _run_stage(self, batch: EncodedBatch, imgs: list | None = None) -> tuple[Tensor, Tensor]:
         """``stage(batch)``, or ``stage.finish(batch, imgs)`` for a batch the decode thread decoded."""
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         try:
             return self.stage(batch.to(self.device)) if imgs is None else self.stage.finish(batch, imgs)
         finally:
             self._time["stage"] += time.perf_counter() - t
+            self._time["stage_cpu"] += time.thread_time() - cpu
 
     def _loaded(self, it: Iterator[EncodedBatch]) -> Iterator[tuple[EncodedBatch, None]]:
         """The loader's batches, not yet decoded (one thread does the whole stage)."""

@@ -434,7 +434,8 @@ def input_summary(scalars: dict, from_step: int) -> str:
     names = [("perf/data_wait_ms", "between steps")] + [
         (f"perf/input/{k}_ms", w) for k, w in (("consumer_wait", "waiting for the stage"),
                                                ("loader_wait", "stage thread waiting for workers"),
-                                               ("stage", "stage"), ("decode", "decode"),
+                                               ("stage", "stage"), ("stage_cpu", "of it on a CPU"),
+                                               ("decode", "decode"),
                                                ("decode_wait", "stage thread waiting for the decode thread"),
                                                ("queue_full", "stage thread waiting for queue room"))]
     host = [(f"perf/host/{k}_ms", w) for k, w in (("train_cpu", "training thread on a CPU"),

@@ -693,12 +693,13 @@ def test_device_prefetcher_timings_say_where_the_input_time_went(samples):
 
     stage.decode_seconds = 0.0
     pre = DevicePrefetcher(SlowLoader(), stage, "cpu", depth=1)
-    assert pre.timings() == {"consumer_wait": 0.0, "loader_wait": 0.0, "stage": 0.0, "queue_full": 0.0,
-                             "decode": 0.0, "batches": 0.0}  # decode_wait only with decode_thread
+    assert pre.timings() == {"consumer_wait": 0.0, "loader_wait": 0.0, "stage": 0.0, "stage_cpu": 0.0,
+                             "queue_full": 0.0, "decode": 0.0, "batches": 0.0}  # decode_wait only with decode_thread
     for _ in range(2):
         assert len(list(pre)) == 3
     t = pre.timings()
     assert t["batches"] == 6 and t["loader_wait"] >= 4 * 0.03 and t["stage"] >= 6 * 0.02
+    assert 0 < t["stage_cpu"] <= t["stage"] - 6 * 0.02 + 0.05  # the sleeps are waiting, not CPU time
     assert t["consumer_wait"] >= 4 * 0.03  # the consumer waits for every batch the thread fetches and stages
     assert t["queue_full"] >= 0 and t["decode"] == 0.0  # the stage function has no decode time of its own
     before = pipe.decode_seconds
