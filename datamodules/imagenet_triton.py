@@ -1,5 +1,6 @@
-"""Triton kernels of the ImageNet device stage's augmentation (``decode: gpu`` on CUDA): one colour-jitter step or
-RandAugment layer for the WHOLE batch, each image with its own op, in two launches.
+"""Triton kernels of the ImageNet device stage (``decode: gpu`` on CUDA, ``augment_impl: triton``): one colour-jitter
+step or RandAugment layer for the WHOLE batch, each image with its own op, in two launches; and the batch's crop +
+resize in two more (:func:`crop_resize`, below).
 
 :class:`mixlab.datamodules.imagenet_gpu._Layer` is the readable reference: it runs a layer per op *family*
 (``index_select`` -> batched torch ops -> ``index_copy_``), about 70 small kernels per layer. Here the same layer is
@@ -17,7 +18,14 @@ d))`` round as the reference's separate torch ops do and equal them exactly; the
 The affine sampling follows ``grid_sample``'s arithmetic step by step, but torch's own kernels may contract or
 vectorise it: an output level can differ by one where the sampled value lies within rounding of a half level
 (tests bound it). No autotuning: the kernels also run on CPU under ``TRITON_INTERPRET=1`` (set before Triton is
-imported), which the tests use. This module imports Triton: :mod:`~mixlab.datamodules.imagenet_gpu` imports it only
+imported), which the tests use.
+
+:func:`crop_resize` is the antialiased bicubic resize of each image's crop box (RandomResizedCrop; Resize +
+CenterCrop for evaluation) that ``imagenet_gpu.resized_crops`` otherwise runs as batched TF32 GEMMs: a horizontal pass
+over every crop row into a float32 scratch, then a vertical pass, each output pixel the float32 sum of its window's
+taps (PIL's order and weights, as torchvision's ``resized_crop`` on float images).
+
+This module imports Triton: :mod:`~mixlab.datamodules.imagenet_gpu` imports it only
 for a CUDA stage, when Triton is installed.
 """
 
