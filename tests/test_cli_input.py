@@ -824,7 +824,8 @@ def test_fit_without_validation_does_not_warn_about_the_best_checkpoint(tmp_path
 
 @pytest.mark.parametrize(("option", "value", "line"), [
     ("lr", "-1", "error: --model.init_args.optim.lr: optim.lr must be > 0; got -1.0"),
-    ("betas", "[0.9, 1.5]", "error: optim.betas must be two values in [0, 1); got (0.9, 1.5)"),
+    ("betas", "[0.9, 1.5]", "error: --model.init_args.optim.betas: optim.betas must be two values in [0, 1); got "
+                            "(0.9, 1.5)"),  # the list given, shown as the tuple the option holds
     ("warmup_steps", "-5", "error: --model.init_args.optim.warmup_steps: optim.warmup_steps must be >= 0; got -5"),
     ("weight_decay", "-1", "error: --model.init_args.optim.weight_decay: optim.weight_decay must be >= 0; got -1.0"),
     ("min_lr_ratio", "2", "error: --model.init_args.optim.min_lr_ratio: optim.min_lr_ratio must be in [0, 1]; got "
