@@ -526,8 +526,8 @@ def _check_ranges(**values: Any) -> None:
 
 def _check_transform_names(image_size: Any, auto_augment: str | None, interpolation: str) -> None:
     """Refuse an ``interpolation`` or ``auto_augment`` string that timm's transforms would reject only when the first
-    loader is built (a ``KeyError`` / ``AssertionError`` deep in timm): the training and evaluation transforms are
-    built once here, cheaply.
+    loader is built (a ``KeyError`` / ``AssertionError`` deep in timm): the interpolation name is looked up in timm's
+    table and the training transform is built once here, cheaply.
 
     Raises:
         ValueError: naming the argument, what it takes and the value given.

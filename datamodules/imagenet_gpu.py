@@ -380,14 +380,6 @@ _DECODE_STREAMS: dict[torch.device, Any] = {}
 
 
 JPEG_DECODERS = ("torchvision", "nvimgcodec")
-AUGMENT_IMPLS = ("triton", "torch")  # GpuPipeline's augment_impl
-
-
-def triton_available() -> bool:
-    """Whether Triton is installed (the fused augmentation kernels, :mod:`.imagenet_triton`; CUDA only)."""
-    import importlib.util
-
-    return importlib.util.find_spec("triton") is not None
 """The accelerator's JPEG decoders (:func:`decode_jpegs`'s ``decoder``): ``"torchvision"``,
 ``torchvision.io.decode_jpeg`` (nvJPEG's default backend on CUDA: Huffman decoding on the host for small images,
 the IDCT and colour conversion in CUDA kernels on the SMs); ``"nvimgcodec"``, NVIDIA nvImageCodec (``pip install
@@ -398,8 +390,19 @@ nvJPEG's CUDA backends otherwise."""
 
 NVIMGCODEC_MISSING = ("jpeg_decoder 'nvimgcodec' needs NVIDIA nvImageCodec: pip install "
                       "'nvidia-nvimgcodec-cu13[nvjpeg]' (or mixlab's extra '.[hwjpeg]'; cu12 for a CUDA 12 build of "
-                      "torch), or set data.init_args.jpeg_decoder to torchvision or auto")
+                      "torch), or set data.init_args.jpeg_decoder to torchvision")
 """The one error text for ``jpeg_decoder: nvimgcodec`` without nvImageCodec installed."""
+
+AUGMENT_IMPLS = ("triton", "torch")  # GpuPipeline's augment_impl
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton is installed (the Triton kernels of ``augment_impl="triton"``, :mod:`.imagenet_triton`; CUDA
+    only). Looked up once per process: the stage asks at every batch."""
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def nvimgcodec_available() -> bool:

@@ -31,25 +31,14 @@ import torch
 from mixlab.datamodules.imagenet_gpu import resized_crops
 
 
-def rrc_boxes(hw: list[tuple[int, int]], g: torch.Generator) -> torch.Tensor:
-    """timm / torchvision ``RandomResizedCrop.get_params`` (scale 0.08-1, log-uniform ratio 3/4-4/3, ten tries,
-    then the centre crop of the clamped ratio) for each image size."""
-    boxes = []
-    for h, w in hw:
-        area = h * w
-        for _ in range(10):
-            target = area * float(torch.empty(1).uniform_(0.08, 1.0, generator=g))
-            ratio = math.exp(float(torch.empty(1).uniform_(math.log(3 / 4), math.log(4 / 3), generator=g)))
-            cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
-            if 0 < cw <= w and 0 < ch <= h:
-                top = int(torch.randint(0, h - ch + 1, (1,), generator=g))
-                left = int(torch.randint(0, w - cw + 1, (1,), generator=g))
-                boxes.append([top, left, ch, cw])
-                break
-        else:
-            cw, ch = (w, min(h, int(round(w / (4 / 3))))) if w / h < 3 / 4 else (min(w, int(round(h * 4 / 3))), h)
-            boxes.append([(h - ch) // 2, (w - cw) // 2, ch, cw])
-    return torch.tensor(boxes)
+def rrc_boxes(hw: list[tuple[int, int]], seed: int = 0) -> torch.Tensor:
+    """int64 ``[n, 4]`` crop boxes (top, left, height, width) drawn by torchvision's
+    ``RandomResizedCrop.get_params`` (scale 0.08-1, ratio 3/4-4/3: timm's defaults) for each image size."""
+    from torchvision.transforms import RandomResizedCrop
+
+    torch.manual_seed(seed)
+    return torch.tensor([RandomResizedCrop.get_params(torch.empty(1, h, w), [0.08, 1.0], [3 / 4, 4 / 3])
+                         for h, w in hw])
 
 
 def timed(fn, warmup: int, iters: int) -> tuple[float, float, torch.Tensor]:
@@ -97,7 +86,7 @@ def main() -> None:
     dev = torch.device("cuda")
     imgs = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g).to(dev) for _ in range(args.batch)]
     hw = [(h, w)] * args.batch
-    cases = {"train 224 (RandomResizedCrop, flips)": dict(boxes=rrc_boxes(hw, g), size=(224, 224),
+    cases = {"train 224 (RandomResizedCrop, flips)": dict(boxes=rrc_boxes(hw), size=(224, 224),
                                                           flip=torch.rand(args.batch, generator=g) < 0.5)}
     for crop in (224, 512):
         short = int(math.floor(crop / 0.875))
