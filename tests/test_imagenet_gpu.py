@@ -1106,7 +1106,8 @@ def test_fused_triton_layer_on_cuda_equals_the_family_reference():
 
 
 def _check_triton_resize(res: dict, share: float) -> None:
-    assert set(res) == {"train_any_12x20", "train_tall_20x12", "train_wide_9x9", "runs", "one_image", "eval"}, res
+    assert set(res) == {"train_any_12x20", "train_tall_20x12", "train_wide_9x9", "photo", "runs", "one_image",
+                        "eval"}, res
     for name, r in res.items():
         assert r["integer"] and r["range_ok"], (name, r)
         # float32 sums in another order than torchvision's / the GEMMs': a rare tie rounds the other way
@@ -1115,8 +1116,9 @@ def _check_triton_resize(res: dict, share: float) -> None:
 
 def test_triton_crop_resize_equals_torchvision_under_the_interpreter():
     """``resized_crops(impl="triton")`` under Triton's CPU interpreter: random crops (any, tall, wide; flips; crops of
-    1 pixel), one image with a one-row output, and the evaluation's Resize + CenterCrop windows equal torchvision's
-    ``resized_crop`` and the float32 GEMM path image by image (to one level on a rare tie)."""
+    1 pixel), photo-like decoded JPEGs, one image with a one-row output, and the evaluation's Resize + CenterCrop
+    windows equal torchvision's ``resized_crop`` and the float32 GEMM path image by image (to one level on a rare
+    tie)."""
     pytest.importorskip("triton")
     if reason := interpreter_cannot_loop():
         pytest.skip(reason)

@@ -34,6 +34,19 @@ def main() -> None:
         imgs, boxes, flip = _random_crops(64 if big else 6, seed, *((100, 500) if big else (4, 40)), shape=shape,
                                           device=dev)
         res[f"train_{shape}_{size[0]}x{size[1]}"] = case(imgs, boxes, flip, (224, 224) if big else size)
+    # photo-like images (smooth colour fields, texture, JPEG-decoded), as the stage sees them
+    import numpy as np
+    from torchvision.io import decode_jpeg
+
+    from mixlab.datamodules.imagenet import synthetic_jpeg
+
+    rng = np.random.default_rng(7)
+    sizes = [(160, 120), (120, 160), (200, 150)] if big else [(40, 30), (30, 40)]
+    imgs = [decode_jpeg(torch.frombuffer(bytearray(synthetic_jpeg(rng, w, h)), dtype=torch.uint8)).to(dev)
+            for w, h in sizes]
+    boxes = torch.tensor([[h // 5, w // 7, h - h // 3, w - w // 4] for w, h in sizes])
+    flip = torch.tensor([True, False, True][:len(imgs)])
+    res["photo"] = case(imgs, boxes, flip, (224, 224) if big else (24, 20))
     # a scratch cap that splits the batch into runs of one or two images
     imgs, boxes, flip = _random_crops(5, 5, 4, 30, device=dev)
     res["runs"] = case(imgs, boxes, flip, (6, 10), max_bytes=4 * 3 * 10 * 12)  # 12 crop rows a run: 3 runs
