@@ -283,6 +283,12 @@ class EncodedBatch:
     A plain class, not a tuple or dataclass: Lightning's input conversion and device transfer leave it
     alone; the datamodule's ``transfer_batch_to_device`` moves ``labels`` only (``decode_jpeg`` reads CPU
     bytes) and ``on_after_batch_transfer`` turns it into ``(images, labels)``.
+
+    Host memory: pickled (a DataLoader worker sending the batch to the training process), all of a host batch's
+    tensors travel packed in ONE uint8 buffer and come back as views of it (:meth:`__getstate__`), so the training
+    process maps one shared-memory segment per batch instead of one per tensor; :meth:`release` frees it with the
+    GIL released. Both keep the Python work of the input off the training thread's GIL (BENCHMARKS.md, fortieth
+    session: unpickling a batch of ~12 tensors and freeing them held the GIL ~6 ms per batch).
     """
 
     def __init__(self, data: Tensor, offsets: Tensor, labels: Tensor, keys: list[str], params: dict[str, Tensor],
@@ -290,6 +296,60 @@ class EncodedBatch:
         self.data, self.offsets, self.labels, self.keys, self.params, self.train = (data, offsets, labels, keys,
                                                                                       params, train)
         self.pixels = pixels
+
+    def _tensors(self) -> list[tuple[str, Tensor]]:
+        """``(name, tensor)`` of every tensor the batch holds (params as ``params.<key>``)."""
+        named = [("data", self.data), ("offsets", self.offsets), ("labels", self.labels)]
+        named += [(f"params.{k}", v) for k, v in self.params.items()]
+        return named + ([("pixels", self.pixels)] if self.pixels is not None else [])
+
+    def __getstate__(self) -> dict:
+        """The batch's state with its host tensors packed into one contiguous uint8 buffer (each at an 8-byte
+        aligned offset) and a layout ``(name, dtype, shape, offset)``: pickling sends one storage. A batch with a
+        tensor on an accelerator pickles as it is."""
+        state = dict(self.__dict__)
+        named = self._tensors()
+        if not all(t.device.type == "cpu" for _, t in named):
+            return state
+        layout, total = [], 0
+        for name, t in named:
+            total = -(-total // 8) * 8
+            layout.append((name, t.dtype, tuple(t.shape), total))
+            total += t.numel() * t.element_size()
+        blob = torch.empty(total, dtype=torch.uint8)
+        for (_, dtype, _, at), (_, t) in zip(layout, named):
+            if t.numel():
+                blob[at:at + t.numel() * t.element_size()].view(dtype).copy_(t.reshape(-1))
+        for k in ("data", "offsets", "labels", "params", "pixels"):
+            state.pop(k)
+        state["_packed"] = (blob, layout)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Inverse of :meth:`__getstate__`: the tensors as views of the one buffer."""
+        packed = state.pop("_packed", None)
+        self.__dict__.update(state)
+        if packed is None:
+            return
+        blob, layout = packed
+        storage = blob.untyped_storage()
+        self.params, self.pixels = {}, None
+        for name, dtype, shape, at in layout:  # views of the storage itself (no base tensor: release() frees it)
+            t = torch.empty(0, dtype=dtype).set_(storage, at // dtype.itemsize, shape)
+            if name.startswith("params."):
+                self.params[name.removeprefix("params.")] = t
+            else:
+                setattr(self, name, t)
+
+    def release(self) -> None:
+        """Free the batch's host memory now: every host tensor is emptied by ``Tensor.set_()``, a torch op, which
+        runs (and unmaps a shared-memory buffer) with the GIL released; freeing it when the last Python reference
+        goes would hold the GIL. Call it only when nothing reads the batch's host tensors any more (the device
+        stage has returned; copies from them were issued: CUDA copies from pageable memory return after staging
+        it, pinned ``pixels`` are guarded by the caching host allocator). The batch is empty afterwards."""
+        for _, t in self._tensors():
+            if t.device.type == "cpu":
+                t.set_()
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -791,6 +851,12 @@ def _split_groups(h: np.ndarray, w: np.ndarray, size: tuple[int, int], k: int, m
     return runs[::-1]
 
 
+def _host_array(t: Tensor, dtype: Any) -> np.ndarray:
+    """A NumPy copy of ``t`` (host or device) as ``dtype``: ``Tensor.numpy`` for host tensors (``tolist`` makes a
+    Python object per element, under the GIL)."""
+    return np.array(t.numpy() if t.device.type == "cpu" else t.tolist(), dtype=dtype)
+
+
 def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip: Tensor | None = None,
                   max_bytes: int = 1 << 30, resized: Tensor | None = None, offsets: Tensor | None = None,
                   tf32: bool = True, groups: int = RESIZE_GROUPS, out: Tensor | None = None,
@@ -868,12 +934,12 @@ def resized_crops(imgs: list[Tensor], boxes: Tensor, size: tuple[int, int], flip
                          else "") + f"; got {out.dtype} {list(out.shape)} strides {out.stride()}")
     if n == 0:
         return out
-    bx = np.asarray(boxes.tolist(), dtype=np.int64).reshape(n, 4)
-    hw = np.array([im.shape[-2:] for im in imgs], dtype=np.int64)
+    bx = _host_array(boxes, np.int64).reshape(n, 4)
+    hw = np.array([(im.size(-2), im.size(-1)) for im in imgs], dtype=np.int64)
     base = np.concatenate([[0], np.cumsum(3 * hw[:, 0] * hw[:, 1])[:-1]])
-    rs = np.asarray(resized.tolist(), np.int64).reshape(n, 2) if resized is not None else np.tile([oh, ow], (n, 1))
-    off = np.asarray(offsets.tolist(), np.int64).reshape(n, 2) if offsets is not None else np.zeros((n, 2), np.int64)
-    fl = np.asarray(flip.tolist(), dtype=bool).reshape(n) if flip is not None else np.zeros(n, bool)
+    rs = _host_array(resized, np.int64).reshape(n, 2) if resized is not None else np.tile([oh, ow], (n, 1))
+    off = _host_array(offsets, np.int64).reshape(n, 2) if offsets is not None else np.zeros((n, 2), np.int64)
+    fl = _host_array(flip, bool).reshape(n) if flip is not None else np.zeros(n, bool)
     if impl == "triton":
         return _resized_crops_triton(imgs, bx, hw, base, rs, off, fl, out, max_bytes)
     order = np.argsort(bx[:, 2] * bx[:, 3], kind="stable")  # everything below in this order
@@ -1593,7 +1659,7 @@ class GpuPipeline:
         with record_function("stage/crop_resize"):
             out = None if graphs is None else graphs.x[:len(keep)]
             x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
-        self._hold(imgs, dev)
+        self._hold(imgs, dev, batch.data.untyped_storage())
         with record_function("stage/augment"):
             x = self._augment(x, params if self.train else {}, graphs)
         if graphs is not None:
@@ -1603,15 +1669,17 @@ class GpuPipeline:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_graphs": None, "_held": collections.deque()}  # CUDA state stays in its process
 
-    def _hold(self, imgs: list[Tensor], dev: torch.device) -> None:
+    def _hold(self, imgs: list[Tensor], dev: torch.device, data: Any = None) -> None:
         """Keep nvImageCodec's decoded images (memory of its own stream-ordered pool, which ``record_stream`` does
-        not protect) until the kernels queued so far on the current stream, the crop that reads them, have run:
-        an event marks that point; held images whose event has passed are let go (no wait)."""
+        not protect) and the storage of the JPEG bytes it read (``data``: kept alive through
+        :meth:`EncodedBatch.release`, in case its device work still reads them) until the kernels queued so far on
+        the current stream, the crop that reads the images, have run: an event marks that point; held images whose
+        event has passed are let go (no wait)."""
         if dev.type != "cuda" or self.jpeg_decoder != "nvimgcodec" or not imgs:
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(dev))
-        self._held.append((event, imgs))
+        self._held.append((event, imgs, data))
         while self._held and self._held[0][0].query():
             self._held.popleft()
 
@@ -1827,8 +1895,10 @@ class DevicePrefetcher:
     iterator makes the consumer's current stream wait for that event before handing the tensors out
     (``record_stream`` keeps the caching allocator from reusing their memory early). The stage's host work
     (kernel launches, JPEG parsing) then overlaps the model's step instead of adding to it, and Lightning
-    sees ready ``(images, labels)`` tensors on the device. Same batches in the same order as without it:
-    resume positions count the batches the trainer processed, not the ones prefetched. The first batch of
+    sees ready ``(images, labels)`` tensors on the device. On an accelerator each batch's host memory is freed
+    as soon as the stage has returned, with the GIL released (:meth:`EncodedBatch.release`): dropping the last
+    reference would unmap it under the GIL, which stalls the training thread. Same batches in the same order as
+    without it: resume positions count the batches the trainer processed, not the ones prefetched. The first batch of
     each pass runs in the consumer's own thread before the background thread starts (the stage's one-time
     CUDA graph captures must not overlap the training step: :class:`_AugmentGraphs`).
 
@@ -1892,11 +1962,16 @@ class DevicePrefetcher:
                 "batches": float(self._batches)}
 
     def _run_stage(self, batch: EncodedBatch, imgs: list | None = None) -> tuple[Tensor, Tensor]:
-        """``stage(batch)``, or ``stage.finish(batch, imgs)`` for a batch the decode thread decoded."""
+        """``stage(batch)``, or ``stage.finish(batch, imgs)`` for a batch the decode thread decoded; then, on an
+        accelerator, the batch's host memory is freed off the GIL (:meth:`EncodedBatch.release`, for a batch that
+        has it; on the CPU the stage's labels are the batch's own tensor)."""
         t, cpu = time.perf_counter(), time.thread_time()
         try:
             return self.stage(batch.to(self.device)) if imgs is None else self.stage.finish(batch, imgs)
         finally:
+            release = getattr(batch, "release", None)
+            if release is not None and self.device.type != "cpu":
+                release()
             self._time["stage"] += time.perf_counter() - t
             self._time["stage_cpu"] += time.thread_time() - cpu
 

@@ -43,7 +43,8 @@ and device-stage rows) keeps ``--cli-steps`` runs within a 10-minute device call
 into startup, logged steps and what follows the last logged step (the loaders' shutdown); ``--cli-stacks S`` also
 samples the fit's stacks every ``S`` seconds and reports the main thread's frame at each sample. ``--cli-gil-hold MS
 [MS ...]`` adds random-tensor fits in which a thread of the training process holds the GIL ``MS`` ms of every 50 ms:
-what a device stage's Python running next to the training step can cost it.
+what a device stage's Python running next to the training step can cost it. ``--cli-gil-profile START SECONDS``
+samples each fit with py-spy (``pip install py-spy``) and reports which threads and frames hold the GIL.
 
 Every row, and every CLI fit as it ends, is also printed to stderr, and ``--out`` holds what was measured so far
 while the run goes on (a run cut short keeps it).
@@ -61,6 +62,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -501,6 +503,35 @@ with one_line_errors():
 """
 
 
+def gil_summary(text: str, rate: float, seconds: float, top: int = 3) -> str:
+    """One line from a ``py-spy record --gil --threads -f raw`` file (``text``; sampled ``rate`` times a second for
+    ``seconds``): each thread's share of the wall time holding the GIL, most first, with its ``top`` innermost frames
+    by samples (``file:line function``, percent of the wall time). py-spy writes only the samples in which a thread
+    holds the GIL, one ``thread (ID): NAME;frame;...;frame COUNT`` line per distinct stack."""
+    threads: dict[str, int] = {}
+    leaves: dict[str, dict[str, int]] = {}
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        thread, *frames = stack.split(";")
+        name = thread.split(": ", 1)[-1]
+        threads[name] = threads.get(name, 0) + int(count)
+        if frames:  # "function (path/file.py:line)" -> "file.py:line function"
+            m = re.fullmatch(r"(.*) \((?:.*/)?([^/]+:\d+)\)", frames[-1])
+            leaf = f"{m.group(2)} {m.group(1)}" if m else frames[-1]
+            leaves.setdefault(name, {})[leaf] = leaves.setdefault(name, {}).get(leaf, 0) + int(count)
+    total = rate * seconds
+    if not threads or total <= 0:
+        return "GIL: no samples"
+    parts = []
+    for name, n in sorted(threads.items(), key=lambda kv: -kv[1]):
+        tops = sorted(leaves.get(name, {}).items(), key=lambda kv: -kv[1])[:top]
+        where = ", ".join(f"{leaf} {100 * m / total:.1f}%" for leaf, m in tops)
+        parts.append(f"{name} {100 * n / total:.1f}%" + (f" ({where})" if where else ""))
+    return f"GIL held, % of {seconds:g} s: " + "; ".join(parts)
+
+
 def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
     """``(error, built)`` of ``python -m mixlab fit --config CONFIG ARGS`` with the classes built and the subcommand
     not run (its run root a temporary folder), before any fit runs: ``error`` is the last line of the error output
@@ -518,12 +549,15 @@ def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
 
 
 def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None,
-                     gil_hold_ms: float = 0.0) -> CliFit:
+                     gil_hold_ms: float = 0.0, gil_profile: tuple[Path, float, float] | None = None) -> CliFit:
     """``perf/images_per_s`` (median, min, max) from step ``from_step`` on of one ``python -m mixlab fit ARGS`` run
     logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches), with its wall-time
     split (:func:`fit_timeline`). ``stacks = (file, seconds)``: the run's threads' stacks are written to ``file``
     every ``seconds`` (:data:`_STACK_MAIN`; :func:`stack_summary` reads them). ``gil_hold_ms > 0``: a thread of the
-    run holds the GIL that many ms of every 50 ms (:data:`_GIL_MAIN`; not with ``stacks``).
+    run holds the GIL that many ms of every 50 ms (:data:`_GIL_MAIN`; not with ``stacks``). ``gil_profile = (file,
+    start, seconds)``: py-spy samples which of the run's threads hold the GIL for ``seconds`` from ``start`` seconds
+    after its launch (:data:`GIL_PROFILE_RATE` a second, raw output in ``file``; :func:`gil_summary` is added to the
+    result's line).
 
     Raises:
         RuntimeError: the run failed (its command and the end of its stderr) or logged no ``perf/images_per_s``.
@@ -538,16 +572,46 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
         cmd = [sys.executable, "-c", _STACK_MAIN, str(stacks[0]), str(stacks[1]), "fit", *args, "--run_root",
                str(run_root)]
     started = time.time()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    if gil_profile is None:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        returncode, stderr = done.returncode, done.stderr
+    else:
+        with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                                                   text=True) as proc:
+            gil = gil_profile_run(proc, *gil_profile)
+            returncode = proc.wait()
+            err.seek(0)
+            stderr = err.read()
     ended = time.time()
-    if done.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} exited with {done.returncode}:\n{done.stderr[-3000:]}")
+    if returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {returncode}:\n{stderr[-3000:]}")
     scalars = load_scalars(run_root)
     values = [v for _, step, v in scalars.get("perf/images_per_s", []) if step >= from_step]
     if not values:
         raise RuntimeError(f"{shlex.join(cmd)} logged no perf/images_per_s from step {from_step} on")
     return CliFit(statistics.median(values), min(values), max(values),
-                  "; ".join(filter(None, [fit_timeline(started, ended, scalars), input_summary(scalars, from_step)])))
+                  "; ".join(filter(None, [fit_timeline(started, ended, scalars), input_summary(scalars, from_step),
+                                          gil if gil_profile is not None else ""])))
+
+
+GIL_PROFILE_RATE = 200  # py-spy samples a second (--cli-gil-profile)
+
+
+def gil_profile_run(proc: subprocess.Popen, out: Path, start: float, seconds: float) -> str:
+    """``py-spy record --gil --threads --nonblocking`` of the running ``proc`` for ``seconds`` from ``start`` seconds
+    after now, raw output in ``out``; returns :func:`gil_summary`'s line, or why there is none (the run ended first,
+    py-spy failed)."""
+    try:
+        proc.wait(timeout=start)
+        return "GIL: the fit ended before the profile's start"
+    except subprocess.TimeoutExpired:
+        pass
+    cmd = ["py-spy", "record", "--pid", str(proc.pid), "--gil", "--threads", "--nonblocking", "-r",
+           str(GIL_PROFILE_RATE), "-d", f"{seconds:g}", "-f", "raw", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if not out.is_file():
+        return f"GIL: py-spy wrote nothing (exit {done.returncode}: {done.stderr.strip()[-300:]})"
+    return gil_summary(out.read_text(), GIL_PROFILE_RATE, seconds)
 
 
 def build_model(name: str, image_size: int, num_classes: int, device: torch.device):
@@ -697,8 +761,14 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                     stacks_dir.mkdir(parents=True, exist_ok=True)
                     stacks = (stacks_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
                               a.cli_stacks)
+                profile = None
+                if a.cli_gil_profile:
+                    gil_dir = stacks_folder(a, ".gil")
+                    gil_dir.mkdir(parents=True, exist_ok=True)
+                    profile = (gil_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
+                               *a.cli_gil_profile)
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks,
-                                       gil_hold_ms=gil)
+                                       gil_hold_ms=gil, gil_profile=profile)
                 runs[mode, frac, label, variant].append(got)
                 timeline = getattr(got, "timeline", "")
                 progress(f"CLI fit on {what}, run {r + 1}/{a.cli_repeats}: "
@@ -725,10 +795,11 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
     return out
 
 
-def stacks_folder(a) -> Path:
-    """Where ``--cli-stacks`` writes each fit's stack dumps: next to ``--out`` (``X.md`` -> ``X.stacks/``), else
-    ``bench_input.stacks/`` in the working directory."""
-    return Path(a.out or "bench_input.md").with_suffix(".stacks")
+def stacks_folder(a, suffix: str = ".stacks") -> Path:
+    """Where ``--cli-stacks`` writes each fit's stack dumps (``--cli-gil-profile``: its py-spy files, ``suffix``
+    ``.gil``): next to ``--out`` (``X.md`` -> ``X.stacks/``), else ``bench_input.stacks/`` in the working
+    directory."""
+    return Path(a.out or "bench_input.md").with_suffix(suffix)
 
 
 def device_name(device: torch.device) -> str:
@@ -825,6 +896,11 @@ def main(argv: list[str] | None = None) -> str:
                    help="also --cli-steps fits on random tensors with a thread of the training process holding the "
                         "GIL MS ms of every 50 ms (pure Python, 0.5 ms switch interval), once per MS: how much a "
                         "device stage's Python in the training process can cost the step")
+    p.add_argument("--cli-gil-profile", type=float, nargs=2, default=None, metavar=("START", "SECONDS"),
+                   help="sample every --cli-steps fit with py-spy (on PATH: pip install py-spy) for SECONDS from START "
+                        "seconds after its launch, keeping only the samples in which a thread holds the GIL: each "
+                        "thread's share of the wall time and its top frames (raw files next to --out: X.md -> "
+                        "X.gil/). Which Python in the training process holds the GIL that the step waits for")
     p.add_argument("--quick", action="store_true",
                    help="CPU smoke run: 48 small images, 2 workers, batch 8, tiny model, 32 px")
     p.add_argument("--out", default=None, help="write the Markdown table here")
@@ -872,6 +948,17 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--cli-gil-hold values must be in (0, 50) ms and need --cli-steps; got {a.cli_gil_hold}")
     if a.cli_gil_hold and a.cli_stacks:
         p.error("--cli-gil-hold and --cli-stacks: give one of them (each wraps the fit's process its own way)")
+    if a.cli_gil_profile is not None:
+        start, seconds = a.cli_gil_profile
+        if start < 0 or seconds <= 0 or not a.cli_steps:
+            p.error(f"--cli-gil-profile START SECONDS: START >= 0 and SECONDS > 0 seconds, with --cli-steps; got "
+                    f"{start:g} {seconds:g}, --cli-steps {a.cli_steps}")
+        if shutil.which("py-spy") is None:
+            p.error("--cli-gil-profile needs py-spy on PATH (pip install py-spy)")
+        if a.cli_stacks or a.cli_gil_hold:
+            p.error("--cli-gil-profile with --cli-stacks or --cli-gil-hold: give one of them (each changes the fit's "
+                    "process)")
+        p.check_output("--cli-gil-profile (its folder next to --out)", stacks_folder(a, ".gil"), folder=True)
     if a.cli_stacks:  # the stack dumps' folder next to --out (X.md -> X.stacks/), written after the fits
         p.check_output("--cli-stacks (its folder next to --out)", stacks_folder(a), folder=True)
     if not a.cli_steps and (a.cli_variants != [""] or a.cli_args):

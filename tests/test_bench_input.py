@@ -137,7 +137,7 @@ def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypat
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
         calls.append(args)
         if len(calls) > 1:
             raise KeyboardInterrupt
@@ -168,7 +168,7 @@ def test_bench_input_cli_gil_hold_adds_random_tensor_fits_with_a_gil_holding_thr
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
         calls.append(gil_hold_ms)
         return (2000.0 if gil_hold_ms else 4000.0), 1000.0, 5000.0
 
@@ -185,6 +185,59 @@ def test_bench_input_cli_gil_hold_adds_random_tensor_fits_with_a_gil_holding_thr
     done = subprocess.run([sys.executable, "-c", bench_input._GIL_MAIN, "5", "--help"], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0 and "fit" in done.stdout, done.stderr[-2000:]
+
+
+def test_bench_input_cli_gil_profile_reads_py_spy_and_needs_it(tmp_path, monkeypatch, capsys):
+    """``--cli-gil-profile START SECONDS``: each fit gets a py-spy file next to --out and its line says which threads
+    and frames held the GIL, as shares of the sampled wall time; without py-spy on PATH, or with bad values, one
+    line and no work."""
+    import shutil
+    import subprocess
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    raw = ("thread (7): MainThread;main (mixlab/cli.py:9);forward (torch/nn/linear.py:134) 120\n"
+           "thread (7): MainThread;main (mixlab/cli.py:9) 40\n"
+           "thread (9): mixlab-device-prefetch;_work (mixlab/datamodules/imagenet_gpu.py:1985) 80\n"
+           "thread (11): Thread-2 (_pin_memory_loop);get (multiprocessing/queues.py:122) 20\n")
+    assert bench_input.gil_summary(raw, 100, 2) == (
+        "GIL held, % of 2 s: MainThread 80.0% (linear.py:134 forward 60.0%, cli.py:9 main 20.0%); "
+        "mixlab-device-prefetch 40.0% (imagenet_gpu.py:1985 _work 40.0%); Thread-2 (_pin_memory_loop) 10.0% "
+        "(queues.py:122 get 10.0%)")
+    assert bench_input.gil_summary("", 100, 2) == "GIL: no samples"
+
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/py-spy" if name == "py-spy" else None)
+    seen = []
+
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
+        seen.append(gil_profile)
+        return bench_input.CliFit(4000.0, 3000.0, 5000.0, "GIL held, % of 3 s: MainThread 20.0%")
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    out = tmp_path / "b.md"
+    bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval", "--no-loader",
+                      "--cli-steps", "4", "--cli-gil-profile", "20", "3", "--out", str(out)])
+    assert [(p.parent, p.name, start, sec) for p, start, sec in seen] == [
+        (tmp_path / "b.gil", "random_tensors-run1.txt", 20.0, 3.0), (tmp_path / "b.gil", "gpu-run1.txt", 20.0, 3.0)]
+    assert "GIL held, % of 3 s: MainThread 20.0%" in capsys.readouterr().err
+
+    class Ended:  # a fit that ends before the profile's start: no py-spy call
+        pid = 1
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("py-spy ran"))
+    ended = bench_input.gil_profile_run(Ended(), tmp_path / "x.txt", 5, 1)
+    assert ended == "GIL: the fit ended before the profile's start"
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    for argv, message in ((["--cli-gil-profile", "20", "3"], "--cli-gil-profile needs py-spy on PATH"),
+                          (["--cli-gil-profile", "20", "0"], "--cli-gil-profile START SECONDS: START >= 0")):
+        with pytest.raises(SystemExit) as exc:
+            bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--cli-steps", "4", *argv])
+        assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_bench_input_writes_synthetic_shards_in_parallel(tmp_path, monkeypatch):
@@ -390,7 +443,7 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
         calls.append(args)
         return bench_input.CliFit(1000.0 + 10 * len(calls), 900.0, 1100.0, "wall 1.0 s")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pickle
 import warnings
 from pathlib import Path
 
@@ -228,6 +229,36 @@ def test_worker_decoded_share_equals_the_accelerator_decode(samples, fraction):
     full, _ = GpuPipeline(tf, train=True)(collate_encoded(enc))
     x, _ = GpuPipeline(tf, train=True)(collate_encoded(enc, cpu_fraction=fraction, size=(40, 40)))
     assert (_levels(x) - _levels(full)).abs().mean() < 0.5
+
+
+def test_encoded_batch_pickles_as_one_buffer_and_release_frees_it(samples):
+    """A worker's batch crosses the process boundary as ONE storage (torch's shared-memory pickler: one file
+    descriptor, one mapping) and comes back equal, field by field, with its worker-decoded pixels; ``release``
+    empties every host tensor and frees that storage."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory reductions)
+
+    tf = train_transform(40)
+    batch = collate_encoded(_encoded(samples, tf), cpu_fraction=0.25, size=(40, 40))
+    named = dict(batch._tensors())
+    assert {"data", "offsets", "labels", "pixels", "params.crop", "params.ra_arg", "params.flip"} <= set(named)
+    got = pickle.loads(ForkingPickler.dumps(batch))
+    assert got.keys == batch.keys and got.train == batch.train and got.num_decoded == 6
+    for name, t in got._tensors():
+        ref = named[name]
+        assert t.dtype == ref.dtype and torch.equal(t, ref), name
+        assert t.untyped_storage().data_ptr() == got.data.untyped_storage().data_ptr(), name
+    assert got.params["ra_arg"].dtype == torch.float64 and got.params["flip"].dtype == torch.bool
+    x, y = GpuPipeline(tf, train=True)(got)
+    x_ref, y_ref = GpuPipeline(tf, train=True)(batch)
+    assert torch.equal(y, y_ref) and torch.equal(x, x_ref)
+    storage = got.data.untyped_storage()
+    got.release()
+    assert all(t.numel() == 0 for _, t in got._tensors()) and len(got) == 0
+    assert storage.nbytes() > 0 and storage.data_ptr() != got.data.untyped_storage().data_ptr()
+    cuda = batch.to("meta")  # a batch holding a non-host tensor pickles unpacked
+    assert "_packed" not in cuda.__getstate__() and cuda.__getstate__()["labels"].device.type == "meta"
 
 
 def test_worker_decode_failure_goes_to_the_accelerator_decode_and_is_counted(samples):
