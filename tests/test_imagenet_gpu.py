@@ -660,6 +660,26 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
 
 
+def test_device_prefetcher_frees_each_batch_after_its_stage_on_an_accelerator(samples):
+    """On an accelerator (here the ``meta`` device: no streams) the prefetcher releases every batch's host memory
+    once the stage has returned, the first one (consumer's thread) and the rest (background thread), after the
+    stage has read it; on the CPU it does not (the stage's labels there are the batch's own tensor)."""
+    batches = _encoded_batches(samples, train_transform(32), 4)
+    expected = [(int(b.data.sum()), b.params["crop"].clone()) for b in batches]
+
+    def stage(b):
+        assert b.labels.device.type == "meta" and b.data.numel() > 0
+        return int(b.data.sum()), b.params["crop"].clone()
+
+    got = list(DevicePrefetcher(batches, stage, "meta", depth=2))
+    assert [g[0] for g in got] == [e[0] for e in expected]
+    assert all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
+    assert all(b.data.numel() == 0 and b.params["crop"].numel() == 0 and len(b) == 0 for b in batches)
+    kept = _encoded_batches(samples, train_transform(32), 2)
+    list(DevicePrefetcher(kept, lambda b: (b.data.sum(), b.labels), "cpu"))
+    assert all(b.data.numel() > 0 and len(b) == 6 for b in kept)
+
+
 def test_device_prefetcher_with_a_decode_thread_yields_the_same_batches_and_reraises(samples):
     """``decode_thread``: the JPEGs decoded one batch ahead in a second thread (``GpuPipeline.decode``) and the
     rest of the stage (``finish``) in the stage thread give exactly the one-thread batches, in order, in every pass;
