@@ -315,11 +315,11 @@ class EncodedBatch:
         for name, t in named:
             total = -(-total // 8) * 8
             layout.append((name, t.dtype, tuple(t.shape), total))
-            total += t.numel() * t.element_size()
+            total += t.nbytes
         blob = torch.empty(total, dtype=torch.uint8)
         for (_, dtype, _, at), (_, t) in zip(layout, named):
             if t.numel():
-                blob[at:at + t.numel() * t.element_size()].view(dtype).copy_(t.reshape(-1))
+                blob[at:at + t.nbytes].view(dtype).copy_(t.reshape(-1))
         for k in ("data", "offsets", "labels", "params", "pixels"):
             state.pop(k)
         state["_packed"] = (blob, layout)
@@ -1015,7 +1015,7 @@ def _resized_crops_triton(imgs: list[Tensor], bx: np.ndarray, hw: np.ndarray, ba
     t, le, h, w = bx.T
     floats = 3 * ow * h  # scratch per image
     runs, start_img, used = [], 0, 0
-    for k in range(n):
+    for k in range(n) if 4 * int(floats.sum()) > max_bytes else ():  # one run when it all fits (training batches)
         if k > start_img and 4 * (used + floats[k]) > max_bytes:
             runs.append((start_img, k))
             start_img, used = k, 0
@@ -1659,7 +1659,7 @@ class GpuPipeline:
         with record_function("stage/crop_resize"):
             out = None if graphs is None else graphs.x[:len(keep)]
             x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
-        self._hold(imgs, dev, batch.data.untyped_storage())
+        self._hold(imgs, dev, batch.data)
         with record_function("stage/augment"):
             x = self._augment(x, params if self.train else {}, graphs)
         if graphs is not None:
@@ -1669,9 +1669,9 @@ class GpuPipeline:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_graphs": None, "_held": collections.deque()}  # CUDA state stays in its process
 
-    def _hold(self, imgs: list[Tensor], dev: torch.device, data: Any = None) -> None:
+    def _hold(self, imgs: list[Tensor], dev: torch.device, data: Tensor | None = None) -> None:
         """Keep nvImageCodec's decoded images (memory of its own stream-ordered pool, which ``record_stream`` does
-        not protect) and the storage of the JPEG bytes it read (``data``: kept alive through
+        not protect) and the storage of the JPEG bytes it read (``data``'s: kept alive through
         :meth:`EncodedBatch.release`, in case its device work still reads them) until the kernels queued so far on
         the current stream, the crop that reads the images, have run: an event marks that point; held images whose
         event has passed are let go (no wait)."""
@@ -1679,7 +1679,7 @@ class GpuPipeline:
             return
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(dev))
-        self._held.append((event, imgs, data))
+        self._held.append((event, imgs, None if data is None else data.untyped_storage()))
         while self._held and self._held[0][0].query():
             self._held.popleft()
 

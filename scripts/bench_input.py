@@ -53,6 +53,7 @@ while the run goes on (a run cut short keeps it).
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import io
 import itertools
@@ -508,25 +509,25 @@ def gil_summary(text: str, rate: float, seconds: float, top: int = 3) -> str:
     ``seconds``): each thread's share of the wall time holding the GIL, most first, with its ``top`` innermost frames
     by samples (``file:line function``, percent of the wall time). py-spy writes only the samples in which a thread
     holds the GIL, one ``thread (ID): NAME;frame;...;frame COUNT`` line per distinct stack."""
-    threads: dict[str, int] = {}
-    leaves: dict[str, dict[str, int]] = {}
+    threads: collections.Counter = collections.Counter()
+    leaves: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
         thread, *frames = stack.split(";")
         name = thread.split(": ", 1)[-1]
-        threads[name] = threads.get(name, 0) + int(count)
+        threads[name] += int(count)
         if frames:  # "function (path/file.py:line)" -> "file.py:line function"
             m = re.fullmatch(r"(.*) \((?:.*/)?([^/]+:\d+)\)", frames[-1])
             leaf = f"{m.group(2)} {m.group(1)}" if m else frames[-1]
-            leaves.setdefault(name, {})[leaf] = leaves.setdefault(name, {}).get(leaf, 0) + int(count)
+            leaves[name][leaf] += int(count)
     total = rate * seconds
     if not threads or total <= 0:
         return "GIL: no samples"
     parts = []
-    for name, n in sorted(threads.items(), key=lambda kv: -kv[1]):
-        tops = sorted(leaves.get(name, {}).items(), key=lambda kv: -kv[1])[:top]
+    for name, n in threads.most_common():
+        tops = leaves[name].most_common(top)
         where = ", ".join(f"{leaf} {100 * m / total:.1f}%" for leaf, m in tops)
         parts.append(f"{name} {100 * n / total:.1f}%" + (f" ({where})" if where else ""))
     return f"GIL held, % of {seconds:g} s: " + "; ".join(parts)
@@ -571,7 +572,7 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
     else:
         cmd = [sys.executable, "-c", _STACK_MAIN, str(stacks[0]), str(stacks[1]), "fit", *args, "--run_root",
                str(run_root)]
-    started = time.time()
+    started, gil = time.time(), ""
     if gil_profile is None:
         done = subprocess.run(cmd, capture_output=True, text=True)
         returncode, stderr = done.returncode, done.stderr
@@ -591,7 +592,7 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
         raise RuntimeError(f"{shlex.join(cmd)} logged no perf/images_per_s from step {from_step} on")
     return CliFit(statistics.median(values), min(values), max(values),
                   "; ".join(filter(None, [fit_timeline(started, ended, scalars), input_summary(scalars, from_step),
-                                          gil if gil_profile is not None else ""])))
+                                          gil])))
 
 
 GIL_PROFILE_RATE = 200  # py-spy samples a second (--cli-gil-profile)
@@ -756,17 +757,15 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                             "--data.init_args.cpu_decode_fraction", str(frac), *shlex.split(variant)]
                 what = "random tensors" if mode == "random" else label
                 gil = float(variant) if mode == "random-gil" else 0.0
-                stacks = None
+                stacks = profile = None
+                fit_file = f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt"
                 if stacks_dir is not None:
                     stacks_dir.mkdir(parents=True, exist_ok=True)
-                    stacks = (stacks_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
-                              a.cli_stacks)
-                profile = None
+                    stacks = (stacks_dir / fit_file, a.cli_stacks)
                 if a.cli_gil_profile:
                     gil_dir = stacks_folder(a, ".gil")
                     gil_dir.mkdir(parents=True, exist_ok=True)
-                    profile = (gil_dir / f"{re.sub(r'[^A-Za-z0-9]+', '_', what).strip('_')}-run{r + 1}.txt",
-                               *a.cli_gil_profile)
+                    profile = (gil_dir / fit_file, *a.cli_gil_profile)
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks,
                                        gil_hold_ms=gil, gil_profile=profile)
                 runs[mode, frac, label, variant].append(got)
