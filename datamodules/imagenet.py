@@ -872,10 +872,11 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             from mixlab.datamodules.imagenet_gpu import collate_encoded
 
             collate = collate_encoded
-            if train and self.cpu_decode_fraction > 0:  # the first share of each batch decoded in the workers
+            if train:  # the augmentation planned in the workers; the first share of each batch decoded there too
                 stage = self.gpu_pipeline(True)
                 collate = functools.partial(collate_encoded, cpu_fraction=self.cpu_decode_fraction,
-                                            size=tuple(stage.size), interpolation=stage.interp.value)
+                                            size=tuple(stage.size), interpolation=stage.interp.value,
+                                            planner=stage.planner(self._root_device()))
             kw.update(collate_fn=collate)
         if self.format == "folder":  # map-style: rank split + resumable train position
             return self.resumable_loader(ds, bs, train, seed=self.seed, **kw)

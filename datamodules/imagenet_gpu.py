@@ -90,7 +90,7 @@ __all__ = ["EncodedBatch", "TrainParams", "encode_sample", "collate_encoded", "d
            "GpuPipeline", "RA_OPS", "apply_ra_op", "decode_jpegs", "aa_resample_weights", "aa_resample_windows",
            "resized_crops",
            "DevicePrefetcher", "quiet_profiler_without_cuda", "stage_op_counts", "JPEG_DECODERS", "AUGMENT_IMPLS",
-           "nvimgcodec_available"]
+           "nvimgcodec_available", "AugmentPlan", "AugmentPlanner"]
 
 # RandAugment ops the accelerator implements (timm names); params carry their index, -1 = no op
 RA_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "PosterizeIncreasing", "PosterizeOriginal",
@@ -279,6 +279,8 @@ class EncodedBatch:
         labels: int64 ``[B]``. keys: ``B`` names (``'key' in shard``) for warnings.
         params: name -> ``[B, ...]`` tensor (:meth:`TrainParams.__call__`); empty for evaluation.
         train: whether ``params`` hold training augmentation.
+        plan: the batch's :class:`AugmentPlan`, made in the worker (:func:`collate_encoded` with a ``planner``), or
+            None (the stage plans).
 
     A plain class, not a tuple or dataclass: Lightning's input conversion and device transfer leave it
     alone; the datamodule's ``transfer_batch_to_device`` moves ``labels`` only (``decode_jpeg`` reads CPU
@@ -292,15 +294,17 @@ class EncodedBatch:
     """
 
     def __init__(self, data: Tensor, offsets: Tensor, labels: Tensor, keys: list[str], params: dict[str, Tensor],
-                 train: bool, pixels: Tensor | None = None) -> None:
+                 train: bool, pixels: Tensor | None = None, plan: AugmentPlan | None = None) -> None:
         self.data, self.offsets, self.labels, self.keys, self.params, self.train = (data, offsets, labels, keys,
                                                                                       params, train)
-        self.pixels = pixels
+        self.pixels, self.plan = pixels, plan
 
     def _tensors(self) -> list[tuple[str, Tensor]]:
-        """``(name, tensor)`` of every tensor the batch holds (params as ``params.<key>``)."""
+        """``(name, tensor)`` of every tensor the batch holds (params as ``params.<key>``, the plan's as
+        ``plan.<attribute>``)."""
         named = [("data", self.data), ("offsets", self.offsets), ("labels", self.labels)]
         named += [(f"params.{k}", v) for k, v in self.params.items()]
+        named += [(f"plan.{k}", v) for k, v in self.plan._tensors()] if self.plan is not None else []
         return named + ([("pixels", self.pixels)] if self.pixels is not None else [])
 
     def __getstate__(self) -> dict:
@@ -322,6 +326,10 @@ class EncodedBatch:
                 blob[at:at + t.nbytes].view(dtype).copy_(t.reshape(-1))
         for k in ("data", "offsets", "labels", "params", "pixels"):
             state.pop(k)
+        if self.plan is not None:  # the plan without its tensors (they travel in the buffer)
+            state["plan"] = copy.copy(self.plan)
+            for name, _ in self.plan._tensors():
+                setattr(state["plan"], name, None)
         state["_packed"] = (blob, layout)
         return state
 
@@ -338,6 +346,8 @@ class EncodedBatch:
             t = torch.empty(0, dtype=dtype).set_(storage, at // dtype.itemsize, shape)
             if name.startswith("params."):
                 self.params[name.removeprefix("params.")] = t
+            elif name.startswith("plan."):
+                setattr(self.plan, name.removeprefix("plan."), t)
             else:
                 setattr(self, name, t)
 
@@ -360,16 +370,19 @@ class EncodedBatch:
         return 0 if self.pixels is None else int(self.pixels.shape[0])
 
     def pin_memory(self) -> EncodedBatch:
-        """The DataLoader's pin-memory thread calls this: the worker-decoded ``pixels`` go to page-locked memory
-        (their copy to the device is then asynchronous); the bytes stay (``decode_jpeg`` reads them on the host)."""
+        """The DataLoader's pin-memory thread calls this: the worker-decoded ``pixels`` and the plan's buffers go to
+        page-locked memory (their copies to the device are then asynchronous); the bytes stay (``decode_jpeg`` reads
+        them on the host)."""
         if self.pixels is not None and not self.pixels.is_pinned():
             self.pixels = self.pixels.pin_memory()
+        if self.plan is not None:
+            self.plan.pin_memory()
         return self
 
     def to(self, device: torch.device | str) -> EncodedBatch:
         """The batch with ``labels`` on ``device`` (bytes, pixels and parameters stay on the CPU)."""
         return EncodedBatch(self.data, self.offsets, self.labels.to(device, non_blocking=True), self.keys,
-                            self.params, self.train, self.pixels)
+                            self.params, self.train, self.pixels, self.plan)
 
 
 def decode_crop_cpu(jpeg: Tensor, crop: Tensor, flip: Tensor, size: tuple[int, int],
@@ -400,7 +413,7 @@ def worker_decoded(cpu_fraction: float, batch_size: int) -> int:
 
 
 def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[int, int] | None = None,
-                    interpolation: str = "bicubic") -> EncodedBatch:
+                    interpolation: str = "bicubic", planner: AugmentPlanner | None = None) -> EncodedBatch:
     """DataLoader ``collate_fn`` for :func:`encode_sample` outputs: bytes concatenated (one tensor per batch
     through the worker queue instead of ``B``), parameters stacked.
 
@@ -410,6 +423,9 @@ def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[
     decode work from the accelerator to idle worker cores: a share that the workers keep up with shortens the device
     stage without slowing the loader. The batch is reordered so that the worker-decoded images come first (an image
     libjpeg-turbo refuses goes to the accelerator's decode, which retries it and skips it with a count).
+
+    With a ``planner`` (:meth:`GpuPipeline.planner`), training batches also carry their augmentation's host plan
+    (:class:`AugmentPlan`), made here instead of in the training process.
     """
     n_cpu = worker_decoded(cpu_fraction, len(samples)) if "crop" in samples[0] else 0
     pixels: Tensor | None = None
@@ -431,8 +447,9 @@ def collate_encoded(samples: list[dict], cpu_fraction: float = 0.0, size: tuple[
     names = [k for k in samples[0] if k not in ("jpeg", "label", "key") and not k.startswith("__")]  # wds adds __key__
     params = {k: torch.stack([s[k] for s in samples]) for k in names}
     data = torch.cat(jpegs) if jpegs else torch.zeros(0, dtype=torch.uint8)
+    plan = planner(params) if planner is not None and names else None
     return EncodedBatch(data, offsets, torch.tensor([s["label"] for s in samples], dtype=torch.int64),
-                        [s["key"] for s in samples], params, train=bool(names), pixels=pixels)
+                        [s["key"] for s in samples], params, train=bool(names), pixels=pixels, plan=plan)
 
 
 # ---------------------------------------------------------------------- accelerator side
@@ -616,7 +633,8 @@ class _Upload:
     """Host-side (NumPy) parameters of one device stage gathered into ONE int64 buffer and copied to the
     device in one non-blocking transfer (pinned on CUDA); float64 arrays travel as their bits. ``add``
     returns a slot; ``to(device)`` returns the device tensors by slot (views of the one buffer: a ``split``
-    and a ``view`` each, no kernels)."""
+    and a ``view`` each, no kernels). :meth:`host` and :meth:`layout` are the buffer and what :func:`_uploaded`
+    needs to make the same slots from it later (a plan made in a DataLoader worker: :class:`AugmentPlan`)."""
 
     def __init__(self) -> None:
         self.parts: list[tuple[np.ndarray, tuple[int, ...], bool]] = []
@@ -632,24 +650,35 @@ class _Upload:
         """The slots' shapes and kinds: equal layouts give equal offsets (:class:`_AugmentGraphs`)."""
         return tuple((shape, flt) for _, shape, flt in self.parts)
 
-    def to(self, device: torch.device, out: Tensor | None = None) -> list[Tensor]:
-        """The slots on ``device``: views of one fresh int64 buffer, or of ``out`` (int64, exactly the
-        parts' total length) after one copy into it (a buffer that CUDA graphs read).
+    def host(self) -> Tensor:
+        """The parts as one int64 host tensor ``[total]``."""
+        return torch.from_numpy(np.concatenate([p for p, _, _ in self.parts]) if self.parts
+                                else np.zeros(0, np.int64))
 
-        Raises:
-            ValueError: ``out`` of another length than the parts together."""
-        buf = torch.from_numpy(np.concatenate([p for p, _, _ in self.parts]) if self.parts else np.zeros(0, np.int64))
-        if device.type == "cuda":
-            buf = buf.pin_memory()
-        if out is not None:
-            if out.shape != buf.shape:
-                raise ValueError(f"_Upload.to: out holds {out.numel()} values, the parts {buf.numel()}")
-            buf = out.copy_(buf, non_blocking=True)
-        else:
-            buf = buf.to(device, non_blocking=True)
-        segs = buf.split([p.size for p, _, _ in self.parts])
-        return [s.view(torch.float64).view(shape) if flt else s.view(shape)
-                for s, (_, shape, flt) in zip(segs, self.parts)]
+    def to(self, device: torch.device, out: Tensor | None = None) -> list[Tensor]:
+        """The slots on ``device`` (:func:`_uploaded` of :meth:`host` and :meth:`layout`)."""
+        return _uploaded(self.host(), self.layout(), device, out)
+
+
+def _uploaded(buf: Tensor, layout: tuple[tuple[tuple[int, ...], bool], ...], device: torch.device,
+              out: Tensor | None = None) -> list[Tensor]:
+    """The slots of an :class:`_Upload` (host buffer ``buf``, int64 ``[total]``, and its ``layout``) on ``device``:
+    views of one fresh int64 buffer, or of ``out`` (int64, exactly ``buf``'s length) after one copy into it (a
+    buffer that CUDA graphs read). On CUDA the copy is non-blocking from page-locked memory (``buf`` pinned here
+    unless it is already).
+
+    Raises:
+        ValueError: ``out`` of another length than ``buf``."""
+    if device.type == "cuda" and not buf.is_pinned():
+        buf = buf.pin_memory()
+    if out is not None:
+        if out.shape != buf.shape:
+            raise ValueError(f"_Upload.to: out holds {out.numel()} values, the parts {buf.numel()}")
+        buf = out.copy_(buf, non_blocking=True)
+    else:
+        buf = buf.to(device, non_blocking=True)
+    segs = buf.split([math.prod(shape) for shape, _ in layout])
+    return [s.view(torch.float64).view(shape) if flt else s.view(shape) for s, (shape, flt) in zip(segs, layout)]
 
 
 def _cubic_aa(x: Tensor) -> Tensor:
@@ -1285,9 +1314,8 @@ class _AugmentGraphs:
         self.done = torch.cuda.Event()
         self.done.record(torch.cuda.current_stream(self.device))
 
-    def plan_buffer(self, up: _Upload) -> Tensor:
-        """The static plan buffer for ``up``'s layout (a new layout drops the graphs captured so far)."""
-        layout = up.layout()
+    def plan_buffer(self, layout: tuple) -> Tensor:
+        """The static plan buffer for an :class:`_Upload` ``layout`` (a new layout drops the graphs captured so far)."""
         if layout != self.layout:
             self.graphs.clear()
             self.layout = layout
@@ -1561,6 +1589,101 @@ def apply_ra_op(name: str, x: Tensor, arg: Tensor, interp: int = 3, fill: Tensor
 _JITTER = ("Brightness", "Contrast", "Color")  # torchvision ColorJitter fn ids 0, 1, 2 on PIL = ImageEnhance
 
 
+def plan_layers(up: _Upload, p: dict[str, Tensor], hw: tuple[int, int], families: Iterable[str],
+                modes: tuple[int, ...], quantum: int | None = None,
+                fused: bool = False) -> list[_Layer] | list[_FusedLayer]:
+    """A batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``; with ``fused``
+    :class:`_FusedLayer`), in the CPU path's order, planned into ``up`` from the draws ``p``
+    (:meth:`TrainParams.__call__`, stacked: ``[B, ...]`` host tensors) for ``hw`` (height, width) images.
+    ``families`` / ``modes``: the RandAugment op families and PIL resampling codes the recipe can draw
+    (:class:`TrainParams`' ``ra_families`` / ``ra_modes``)."""
+    def layer(op, arg, interp, fams, mds):
+        if fused:
+            return _FusedLayer(up, op, arg, interp, hw)
+        return _Layer(up, op, arg, interp, hw, fams, mds, quantum)
+
+    out = []
+    if "cj_order" in p:  # torchvision ColorJitter: a random order of brightness, contrast, saturation (hue unused)
+        order, factor = p["cj_order"].numpy(), p["cj_factor"].numpy()
+        order = order[order != 3].reshape(len(order), 3)
+        jit = np.array([RA_OPS.index(n) for n in _JITTER])
+        for s in range(order.shape[1]):
+            f = factor[np.arange(len(order)), order[:, s]]
+            op = np.where(f != 1.0, jit[order[:, s]], -1)
+            out.append(layer(op, f, np.zeros_like(op), {"lut", "blend"}, (3,)))
+    if "ra_op" in p:
+        ops, args, interps = p["ra_op"].numpy(), p["ra_arg"].numpy(), p["ra_interp"].numpy()
+        for k in range(ops.shape[1]):
+            out.append(layer(ops[:, k], args[:, k], interps[:, k], families, modes))
+    return out
+
+
+class AugmentPlan:
+    """The host half of a training batch's augmentation (:meth:`GpuPipeline._augment`): every per-batch array the
+    device work reads, packed into two int64 host buffers, and the layers that read them. Made by an
+    :class:`AugmentPlanner` in the DataLoader worker (:func:`collate_encoded`), so the training process does no
+    planning: its Python would hold the GIL that the training step needs (BENCHMARKS.md, fortieth session).
+
+    Attributes:
+        key: ``(images, (height, width), quantum, fused)``: the stage uses the plan only for a batch of these
+            (a batch with skipped images, another device setting: it plans again itself).
+        data: int64 ``[P]`` host tensor, the layers' plan (:class:`_Upload`: normalisation, fill colour, layers);
+            ``layout`` its slots; ``s_norm`` / ``s_fill`` the normalisation's and fill colour's slots; ``layers``
+            :class:`_Layer` or :class:`_FusedLayer` objects (slot numbers only).
+        erase_data: int64 ``[E]`` host tensor, the random-erasing plan (indices of the images with a box, their
+            boxes) or None (no RandomErasing in the recipe); ``erase_layout`` its slots; ``erase_seed`` the
+            erasing noise's seed.
+    """
+
+    def __init__(self, key: tuple, up: _Upload, s_norm: int, s_fill: int, layers: list,
+                 erase: tuple[_Upload, int] | None) -> None:
+        self.key, self.layout, self.s_norm, self.s_fill, self.layers = key, up.layout(), s_norm, s_fill, layers
+        self.data: Tensor | None = up.host()
+        self.erase_data: Tensor | None = None if erase is None else erase[0].host()
+        self.erase_layout = None if erase is None else erase[0].layout()
+        self.erase_seed = 0 if erase is None else erase[1]
+
+    def _tensors(self) -> list[tuple[str, Tensor]]:
+        return [(k, getattr(self, k)) for k in ("data", "erase_data") if getattr(self, k) is not None]
+
+    def pin_memory(self) -> AugmentPlan:
+        """Page-lock the host buffers (their copies to the device are then asynchronous without a staging copy)."""
+        for name, t in self._tensors():
+            if not t.is_pinned():
+                setattr(self, name, t.pin_memory())
+        return self
+
+
+class AugmentPlanner:
+    """Makes a training batch's :class:`AugmentPlan` from its draws (:meth:`TrainParams.__call__`, stacked), as
+    :meth:`GpuPipeline._augment` would: normalisation ``mean`` / ``std`` and RandAugment ``fill`` (levels, 3 each),
+    ``hw`` the output (height, width), RandAugment ``families`` / ``modes`` (:func:`plan_layers`); ``graphs``: the
+    torch layers padded for CUDA graphs (:class:`_Layer`'s ``quantum``, :class:`_AugmentGraphs`); ``fused``: the
+    Triton layers (:class:`_FusedLayer`). Small and picklable: :func:`collate_encoded` calls it in the workers."""
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...], fill: tuple[float, ...], hw: tuple[int, int],
+                 families: Iterable[str], modes: tuple[int, ...], graphs: bool = False, fused: bool = False) -> None:
+        self.mean, self.std, self.fill, self.hw = tuple(mean), tuple(std), tuple(fill), tuple(hw)
+        self.families, self.modes, self.graphs, self.fused = set(families), tuple(modes), graphs, fused
+
+    def __call__(self, p: dict[str, Tensor]) -> AugmentPlan:
+        n = len(p["crop"]) if "crop" in p else 0
+        quantum = _AugmentGraphs._quantum(n) if self.graphs and n else None
+        up = _Upload()
+        s_norm = up.add(self.mean + self.std, np.float64)
+        s_fill = up.add(self.fill, np.float64)
+        layers = plan_layers(up, p, self.hw, self.families, self.modes, quantum, self.fused)
+        erase = None
+        if "erase" in p:
+            b = p["erase"].numpy()
+            sel = np.flatnonzero((b[..., 2] > 0).any(1))
+            eup = _Upload()
+            eup.add(sel)
+            eup.add(b[sel])
+            erase = (eup, int(p["seed"].numpy().sum()) % 2**63)  # int64 sum, wrapping as torch's
+        return AugmentPlan((n, self.hw, quantum, self.fused), up, s_norm, s_fill, layers, erase)
+
+
 class GpuPipeline:
     """Accelerator side of ``decode: gpu``: :class:`EncodedBatch` -> ``(images, labels)``.
 
@@ -1661,7 +1784,7 @@ class GpuPipeline:
             x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
         self._hold(imgs, dev, batch.data)
         with record_function("stage/augment"):
-            x = self._augment(x, params if self.train else {}, graphs)
+            x = self._augment(x, params if self.train else {}, graphs, batch.plan if len(keep) == len(batch) else None)
         if graphs is not None:
             graphs.end()
         return x, labels
@@ -1749,71 +1872,61 @@ class GpuPipeline:
 
     def layers(self, up: _Upload, p: dict[str, Tensor], hw: tuple[int, int],
                quantum: int | None = None, fused: bool = False) -> list[_Layer] | list[_FusedLayer]:
-        """The batch's colour-jitter steps and RandAugment layers (:class:`_Layer`, with ``quantum``; with ``fused``
-        :class:`_FusedLayer`), in the CPU path's order, planned into ``up`` from the draws ``p``
-        (:meth:`TrainParams.__call__`)."""
-        def layer(op, arg, interp, families, modes):
-            if fused:
-                return _FusedLayer(up, op, arg, interp, hw)
-            return _Layer(up, op, arg, interp, hw, families, modes, quantum)
+        """The batch's colour-jitter steps and RandAugment layers planned into ``up`` (:func:`plan_layers` with this
+        recipe's RandAugment families and resampling modes)."""
+        return plan_layers(up, p, hw, self.params.ra_families, self.params.ra_modes, quantum, fused)
 
-        out = []
-        if "cj_order" in p:  # torchvision ColorJitter: a random order of brightness, contrast, saturation (hue unused)
-            order, factor = p["cj_order"].numpy(), p["cj_factor"].numpy()
-            order = order[order != 3].reshape(len(order), 3)
-            jit = np.array([RA_OPS.index(n) for n in _JITTER])
-            for s in range(order.shape[1]):
-                f = factor[np.arange(len(order)), order[:, s]]
-                op = np.where(f != 1.0, jit[order[:, s]], -1)
-                out.append(layer(op, f, np.zeros_like(op), {"lut", "blend"}, (3,)))
-        if "ra_op" in p:
-            ops, args, interps = p["ra_op"].numpy(), p["ra_arg"].numpy(), p["ra_interp"].numpy()
-            for k in range(ops.shape[1]):
-                out.append(layer(ops[:, k], args[:, k], interps[:, k], self.params.ra_families, self.params.ra_modes))
-        return out
+    def planner(self, device: torch.device | str | None) -> AugmentPlanner | None:
+        """The :class:`AugmentPlanner` of this training stage on ``device`` (None for evaluation or no device): the
+        plan it makes in a DataLoader worker is the one the stage would make for a full batch (CUDA graphs'
+        quantum, fused Triton layers or not), so the stage uses it instead of planning in the training process."""
+        if not self.train or device is None:
+            return None
+        dev = torch.device(device)
+        graphs = self.cuda_graphs and dev.type == "cuda"
+        fused = graphs and self.augment_impl == "triton" and triton_available()
+        return AugmentPlanner(self.mean, self.std, self.fill, tuple(self.size), self.params.ra_families,
+                              self.params.ra_modes, graphs and not fused, fused)
 
-    def _augment(self, x: Tensor, p: dict[str, Tensor], graphs: _AugmentGraphs | None = None) -> Tensor:
+    def _augment(self, x: Tensor, p: dict[str, Tensor], graphs: _AugmentGraphs | None = None,
+                 plan: AugmentPlan | None = None) -> Tensor:
         """Colour jitter / RandAugment (training), normalisation, random erasing (training) on the batch ``x``
         (float32 ``[B, 3, H, W]`` levels, the pipeline's own: modified in place; ``graphs.x[:B]`` when
-        ``graphs`` replay the layers); returns a new tensor. Two uploads: the layers' plan (into
-        ``graphs.plan`` with graphs) and the erasing boxes."""
-        up = _Upload()
-        s_norm = up.add(self.mean + self.std, np.float64)
-        s_fill = up.add(self.fill if self.train else (0.0,) * 3, np.float64)
+        ``graphs`` replay the layers); returns a new tensor. ``plan``: the batch's :class:`AugmentPlan` made in
+        the DataLoader worker, used when it fits (its ``key``), else the plan is made here from the draws ``p``.
+        Two uploads: the layers' plan (into ``graphs.plan`` with graphs) and the erasing boxes."""
         fused = isinstance(graphs, _FusedGraphs)
-        layers = self.layers(up, p, tuple(x.shape[-2:]), None if graphs is None else graphs.quantum, fused)
-        segs = up.to(x.device, None if graphs is None else graphs.plan_buffer(up))
+        key = (len(x), tuple(x.shape[-2:]), None if graphs is None else graphs.quantum, fused)
+        if plan is None or plan.key != key:
+            plan = AugmentPlanner(self.mean, self.std, self.fill if self.train else (0.0,) * 3, key[1],
+                                  self.params.ra_families if self.train else (),
+                                  self.params.ra_modes if self.train else (3,), key[2] is not None, fused)(p)
+        segs = _uploaded(plan.data, plan.layout, x.device, None if graphs is None else graphs.plan_buffer(plan.layout))
         if fused:
-            x = graphs.run(layers, segs, s_fill)
+            x = graphs.run(plan.layers, segs, plan.s_fill)
         elif graphs is not None:
-            graphs.run(layers, segs, s_fill)
+            graphs.run(plan.layers, segs, plan.s_fill)
         else:
-            fill = segs[s_fill].to(x.dtype).view(1, 3, 1, 1)
-            for layer in layers:
+            fill = segs[plan.s_fill].to(x.dtype).view(1, 3, 1, 1)
+            for layer in plan.layers:
                 layer(x, segs, fill)
-        norm = segs[s_norm].to(x.dtype).view(2, 1, 3, 1, 1)
+        norm = segs[plan.s_norm].to(x.dtype).view(2, 1, 3, 1, 1)
         x = x.div(255).sub_(norm[0]).div_(norm[1])  # a new tensor: the graphs' buffer is reused by the next batch
-        if "erase" in p:
-            self._erase(x, p["erase"], p["seed"])
+        if plan.erase_data is not None:
+            self._erase(x, plan)
         return x
 
     @staticmethod
-    def _erase(x: Tensor, boxes: Tensor, seeds: Tensor) -> Tensor:
-        """timm RandomErasing ``mode='pixel'`` with the sampled boxes (``boxes`` int64 ``[B, C, 4]``: top, left,
-        height, width; height 0 = none, host tensors) on the images that have one: N(0, 1) noise (normalised
-        units) from a generator seeded by the batch's seeds (``seeds`` int64 ``[B]``), so a batch is erased the
-        same way again (exact resume). The boxes reach the device in one transfer. Writes into ``x`` (the
-        pipeline's own freshly normalised batch) and returns it."""
-        b = boxes.numpy()
-        sel = np.flatnonzero((b[..., 2] > 0).any(1))
-        seed = int(seeds.numpy().sum()) % 2**63  # int64 sum, wrapping as torch's
-        up = _Upload()
-        s_idx, s_box = up.add(sel), up.add(b[sel])
-        segs = up.to(x.device)
-        idx, b = segs[s_idx], segs[s_box]
+    def _erase(x: Tensor, plan: AugmentPlan) -> Tensor:
+        """timm RandomErasing ``mode='pixel'`` with the sampled boxes on the images that have one (``plan``'s
+        erasing part, :class:`AugmentPlanner`: their indices and int64 ``[k, C, 4]`` boxes, top, left, height,
+        width; height 0 = none): N(0, 1) noise (normalised units) from a generator seeded by the batch's seeds
+        (``plan.erase_seed``), so a batch is erased the same way again (exact resume). The boxes reach the device in
+        one transfer. Writes into ``x`` (the pipeline's own freshly normalised batch) and returns it."""
+        idx, b = _uploaded(plan.erase_data, plan.erase_layout, x.device)
         n, h, w = len(idx), x.shape[-2], x.shape[-1]
         gen = torch.Generator(device=x.device)
-        gen.manual_seed(seed)
+        gen.manual_seed(plan.erase_seed)
         noise = torch.randn((n, *x.shape[1:]), generator=gen, device=x.device, dtype=x.dtype)
         ys = torch.arange(h, device=x.device).view(1, 1, h, 1)
         xs = torch.arange(w, device=x.device).view(1, 1, 1, w)

@@ -34,6 +34,7 @@ from mixlab.datamodules.imagenet import (
 from mixlab.datamodules.imagenet_gpu import (
     _GEOMETRIC,
     RA_OPS,
+    AugmentPlanner,
     DevicePrefetcher,
     EncodedBatch,
     GpuPipeline,
@@ -240,10 +241,15 @@ def test_encoded_batch_pickles_as_one_buffer_and_release_frees_it(samples):
     import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory reductions)
 
     tf = train_transform(40)
-    batch = collate_encoded(_encoded(samples, tf), cpu_fraction=0.25, size=(40, 40))
+    batch = collate_encoded(_encoded(samples, tf), cpu_fraction=0.25, size=(40, 40),
+                            planner=GpuPipeline(tf, train=True).planner("cpu"))
     named = dict(batch._tensors())
-    assert {"data", "offsets", "labels", "pixels", "params.crop", "params.ra_arg", "params.flip"} <= set(named)
+    assert {"data", "offsets", "labels", "pixels", "params.crop", "params.ra_arg", "params.flip", "plan.data",
+            "plan.erase_data"} <= set(named)
     got = pickle.loads(ForkingPickler.dumps(batch))
+    assert got.plan.key == batch.plan.key and got.plan.layout == batch.plan.layout
+    assert [layer.slots for layer in got.plan.layers] == [layer.slots for layer in batch.plan.layers]
+    assert batch.plan.data is named["plan.data"]  # pickling left the worker's batch whole
     assert got.keys == batch.keys and got.train == batch.train and got.num_decoded == 6
     for name, t in got._tensors():
         ref = named[name]
@@ -259,6 +265,39 @@ def test_encoded_batch_pickles_as_one_buffer_and_release_frees_it(samples):
     assert storage.nbytes() > 0 and storage.data_ptr() != got.data.untyped_storage().data_ptr()
     cuda = batch.to("meta")  # a batch holding a non-host tensor pickles unpacked
     assert "_packed" not in cuda.__getstate__() and cuda.__getstate__()["labels"].device.type == "meta"
+
+
+def test_worker_made_augment_plan_is_the_stages_own_and_is_used(samples, monkeypatch):
+    """The augmentation plan a worker makes (``collate_encoded(planner=...)``) holds exactly the arrays the stage
+    would upload, the stage uses it instead of planning (the planner is not called again), and the images equal
+    those of the same batch without a plan; a plan made for another setting (CUDA graphs' padding, on a CPU stage)
+    is ignored and the stage plans itself; evaluation and an unknown device get no planner."""
+    tf = train_transform(40)
+    enc = _encoded(samples, tf)
+    pipe = GpuPipeline(tf, train=True)
+    plain = collate_encoded(enc)
+    batch = collate_encoded(enc, planner=pipe.planner("cpu"))
+    n = len(batch)
+    assert plain.plan is None and batch.plan.key == (n, (40, 40), None, False)
+    ref = AugmentPlanner(pipe.mean, pipe.std, pipe.fill, (40, 40), pipe.params.ra_families,
+                         pipe.params.ra_modes)(plain.params)
+    assert torch.equal(batch.plan.data, ref.data) and torch.equal(batch.plan.erase_data, ref.erase_data)
+    assert batch.plan.erase_seed == int(plain.params["seed"].sum()) % 2**63
+    assert batch.plan.erase_layout == ref.erase_layout
+    x_ref, y_ref = pipe(plain)
+    cuda_plan = collate_encoded(enc, planner=GpuPipeline(tf, train=True).planner("cuda"))
+    assert cuda_plan.plan.key == (n, (40, 40), -(-n // 16), False)
+
+    def refuse(self, p):
+        raise AssertionError("the stage planned again")
+
+    with monkeypatch.context() as m:
+        m.setattr(AugmentPlanner, "__call__", refuse)
+        x, y = pipe(batch)
+    assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    x, y = pipe(cuda_plan)  # not its plan: planned here, the same images
+    assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    assert GpuPipeline(eval_transform(40), train=False).planner("cpu") is None and pipe.planner(None) is None
 
 
 def test_worker_decode_failure_goes_to_the_accelerator_decode_and_is_counted(samples):
