@@ -76,6 +76,7 @@ import math
 import os
 import queue
 import random
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterable, Iterator
@@ -298,6 +299,8 @@ class EncodedBatch:
         self.data, self.offsets, self.labels, self.keys, self.params, self.train = (data, offsets, labels, keys,
                                                                                       params, train)
         self.pixels, self.plan = pixels, plan
+        self.transported = False  # unpacked from a worker's buffer (__setstate__): release() frees it
+        self.pages_held = False  # device work may read the bytes after the stage returns (nvImageCodec: _hold)
 
     def _tensors(self) -> list[tuple[str, Tensor]]:
         """``(name, tensor)`` of every tensor the batch holds (params as ``params.<key>``, the plan's as
@@ -340,6 +343,7 @@ class EncodedBatch:
         if packed is None:
             return
         blob, layout = packed
+        self.transported = True
         storage = blob.untyped_storage()
         self.params, self.pixels = {}, None
         for name, dtype, shape, at in layout:  # views of the storage itself (no base tensor: release() frees it)
@@ -352,11 +356,20 @@ class EncodedBatch:
                 setattr(self, name, t)
 
     def release(self) -> None:
-        """Free the batch's host memory now: every host tensor is emptied by ``Tensor.set_()``, a torch op, which
-        runs (and unmaps a shared-memory buffer) with the GIL released; freeing it when the last Python reference
-        goes would hold the GIL. Call it only when nothing reads the batch's host tensors any more (the device
-        stage has returned; copies from them were issued: CUDA copies from pageable memory return after staging
-        it, pinned ``pixels`` are guarded by the caching host allocator). The batch is empty afterwards."""
+        """Free the host memory of a batch that came from a DataLoader worker (:attr:`transported`; any other batch
+        is the caller's own and is left as it is). Its one shared-memory buffer's pages go back to the system first
+        (:func:`_give_back_pages`: ``madvise(MADV_REMOVE)`` through ctypes, which releases the GIL), unless
+        :attr:`pages_held` (device work may still read them; they are freed with the last reference); then every
+        host tensor is emptied by ``Tensor.set_()``. Freeing 20 MB of shared memory with the last reference holds
+        the GIL (torch frees a storage with a Python object from that object's deallocation) and stalled the
+        training thread ~2 ms per batch (BENCHMARKS.md, forty-first session). Call it only when nothing reads the
+        batch's host tensors any more (the device stage has returned; copies from them were issued: CUDA copies
+        from pageable memory return after staging it, pinned ``pixels`` are guarded by the caching host
+        allocator). The batch is empty afterwards."""
+        if not self.transported:
+            return
+        if not self.pages_held and self.data.is_shared():
+            _give_back_pages(self.data.untyped_storage())
         for _, t in self._tensors():
             if t.device.type == "cpu":
                 t.set_()
@@ -381,8 +394,35 @@ class EncodedBatch:
 
     def to(self, device: torch.device | str) -> EncodedBatch:
         """The batch with ``labels`` on ``device`` (bytes, pixels and parameters stay on the CPU)."""
-        return EncodedBatch(self.data, self.offsets, self.labels.to(device, non_blocking=True), self.keys,
-                            self.params, self.train, self.pixels, self.plan)
+        out = EncodedBatch(self.data, self.offsets, self.labels.to(device, non_blocking=True), self.keys,
+                           self.params, self.train, self.pixels, self.plan)
+        out.transported = self.transported
+        return out
+
+
+_MADV_REMOVE = 9  # Linux <sys/mman.h>
+
+
+@functools.lru_cache(maxsize=None)
+def _libc() -> Any:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)  # a CDLL call releases the GIL
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _give_back_pages(storage: torch.UntypedStorage) -> bool:
+    """Free the pages of a shared-memory ``storage`` now, with the GIL released: ``madvise(MADV_REMOVE)`` on the
+    whole pages inside it (a tmpfs hole: the pages are freed and read back as zeros; a partial first or last page is
+    kept). Linux only; returns whether the kernel did it (False elsewhere, for memory that is not shared, or if it
+    refuses: nothing changes then)."""
+    if not sys.platform.startswith("linux") or not storage.is_shared():
+        return False
+    page = os.sysconf("SC_PAGESIZE")
+    start = -(-storage.data_ptr() // page) * page
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    return end > start and _libc().madvise(start, end - start, _MADV_REMOVE) == 0
 
 
 def decode_crop_cpu(jpeg: Tensor, crop: Tensor, flip: Tensor, size: tuple[int, int],
@@ -1782,7 +1822,7 @@ class GpuPipeline:
         with record_function("stage/crop_resize"):
             out = None if graphs is None else graphs.x[:len(keep)]
             x = self._train(imgs, params, dev, out, batch.pixels) if self.train else self._eval(imgs)
-        self._hold(imgs, dev, batch.data)
+        batch.pages_held = self._hold(imgs, dev, batch.data)
         with record_function("stage/augment"):
             x = self._augment(x, params if self.train else {}, graphs, batch.plan if len(keep) == len(batch) else None)
         if graphs is not None:
@@ -1792,19 +1832,20 @@ class GpuPipeline:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_graphs": None, "_held": collections.deque()}  # CUDA state stays in its process
 
-    def _hold(self, imgs: list[Tensor], dev: torch.device, data: Tensor | None = None) -> None:
+    def _hold(self, imgs: list[Tensor], dev: torch.device, data: Tensor | None = None) -> bool:
         """Keep nvImageCodec's decoded images (memory of its own stream-ordered pool, which ``record_stream`` does
         not protect) and the storage of the JPEG bytes it read (``data``'s: kept alive through
         :meth:`EncodedBatch.release`, in case its device work still reads them) until the kernels queued so far on
         the current stream, the crop that reads the images, have run: an event marks that point; held images whose
-        event has passed are let go (no wait)."""
+        event has passed are let go (no wait). Returns whether it holds the bytes (only with nvImageCodec on CUDA)."""
         if dev.type != "cuda" or self.jpeg_decoder != "nvimgcodec" or not imgs:
-            return
+            return False
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(dev))
         self._held.append((event, imgs, None if data is None else data.untyped_storage()))
         while self._held and self._held[0][0].query():
             self._held.popleft()
+        return data is not None
 
     def _graphs_for(self, n: int, dev: torch.device) -> _AugmentGraphs | None:
         """The CUDA graphs of the augmentation (:class:`_AugmentGraphs`) for a training batch of ``n`` images
@@ -2076,15 +2117,17 @@ class DevicePrefetcher:
 
     def _run_stage(self, batch: EncodedBatch, imgs: list | None = None) -> tuple[Tensor, Tensor]:
         """``stage(batch)``, or ``stage.finish(batch, imgs)`` for a batch the decode thread decoded; then, on an
-        accelerator, the batch's host memory is freed off the GIL (:meth:`EncodedBatch.release`, for a batch that
-        has it; on the CPU the stage's labels are the batch's own tensor)."""
+        accelerator, the host memory of a batch from a DataLoader worker is freed off the GIL
+        (:meth:`EncodedBatch.release`; on the CPU the stage's labels are the batch's own tensor)."""
         t, cpu = time.perf_counter(), time.thread_time()
+        moved = batch.to(self.device) if imgs is None else batch  # the decode thread moved its batches
         try:
-            return self.stage(batch.to(self.device)) if imgs is None else self.stage.finish(batch, imgs)
+            return self.stage(moved) if imgs is None else self.stage.finish(moved, imgs)
         finally:
-            release = getattr(batch, "release", None)
-            if release is not None and self.device.type != "cpu":
-                release()
+            if isinstance(batch, EncodedBatch) and self.device.type != "cpu":
+                moved.release()  # the stage marked this one if it holds the bytes (pages_held)
+                batch.pages_held = moved.pages_held
+                batch.release()  # the host labels the move left
             self._time["stage"] += time.perf_counter() - t
             self._time["stage_cpu"] += time.thread_time() - cpu
 

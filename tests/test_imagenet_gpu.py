@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import pickle
+import sys
 import warnings
 from pathlib import Path
 
@@ -699,11 +700,22 @@ def test_device_prefetcher_yields_the_stage_outputs_in_order_and_reraises(sample
         DevicePrefetcher(batches, pipe, "cpu", depth=0)
 
 
+def _transported(batch: EncodedBatch) -> EncodedBatch:
+    """``batch`` as the training process receives it from a DataLoader worker (torch's shared-memory pickler)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's shared-memory reductions)
+
+    return pickle.loads(ForkingPickler.dumps(batch))
+
+
 def test_device_prefetcher_frees_each_batch_after_its_stage_on_an_accelerator(samples):
-    """On an accelerator (here the ``meta`` device: no streams) the prefetcher releases every batch's host memory
-    once the stage has returned, the first one (consumer's thread) and the rest (background thread), after the
-    stage has read it; on the CPU it does not (the stage's labels there are the batch's own tensor)."""
-    batches = _encoded_batches(samples, train_transform(32), 4)
+    """On an accelerator (here the ``meta`` device: no streams) the prefetcher releases the host memory of every
+    batch that came from a worker once the stage has returned, the first one (consumer's thread) and the rest
+    (background thread), after the stage has read it; the caller's own batches (not transported), and any batch on
+    the CPU, are left as they are (they may be iterated again)."""
+    own = _encoded_batches(samples, train_transform(32), 4)
+    batches = [_transported(b) for b in own]
     expected = [(int(b.data.sum()), b.params["crop"].clone()) for b in batches]
 
     def stage(b):
@@ -714,9 +726,34 @@ def test_device_prefetcher_frees_each_batch_after_its_stage_on_an_accelerator(sa
     assert [g[0] for g in got] == [e[0] for e in expected]
     assert all(torch.equal(g[1], e[1]) for g, e in zip(got, expected))
     assert all(b.data.numel() == 0 and b.params["crop"].numel() == 0 and len(b) == 0 for b in batches)
-    kept = _encoded_batches(samples, train_transform(32), 2)
+    assert [(int(b.data.sum()), len(b)) for b in own] == [(e[0], 6) for e in expected]
+    assert list(DevicePrefetcher(own, stage, "meta", depth=2))[0][0] == expected[0][0]
+    kept = [_transported(b) for b in _encoded_batches(samples, train_transform(32), 2)]
     list(DevicePrefetcher(kept, lambda b: (b.data.sum(), b.labels), "cpu"))
     assert all(b.data.numel() > 0 and len(b) == 6 for b in kept)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_REMOVE) is Linux's")
+def test_release_gives_a_transported_batchs_pages_back_unless_they_are_held(samples):
+    """``release`` frees a worker batch's shared-memory pages before emptying it (another view of the buffer then
+    reads zeros: the pages are gone); with ``pages_held`` (nvImageCodec may still read the bytes) the pages stay
+    and a view taken before reads the bytes unchanged; private memory is never touched."""
+    from mixlab.datamodules.imagenet_gpu import _give_back_pages
+
+    for held in (False, True):
+        batch = _transported(_encoded_batches(samples, train_transform(32), 1)[0])
+        assert batch.transported and batch.data.is_shared() and batch.data.numel() > 3 * 4096
+        view = torch.empty(0, dtype=torch.uint8).set_(batch.data.untyped_storage())  # the whole buffer
+        before = view.clone()
+        batch.pages_held = held
+        batch.release()
+        assert len(batch) == 0 and batch.data.numel() == 0
+        if held:
+            assert torch.equal(view, before)
+        else:
+            assert view[8192:-8192].count_nonzero() == 0 and before[8192:-8192].count_nonzero() > 0
+    private = torch.arange(3 * 4096, dtype=torch.int32)
+    assert not _give_back_pages(private.untyped_storage()) and torch.equal(private, torch.arange(3 * 4096))
 
 
 def test_device_prefetcher_with_a_decode_thread_yields_the_same_batches_and_reraises(samples):
