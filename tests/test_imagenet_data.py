@@ -321,6 +321,31 @@ def _fit_trainer(epoch: int, batches: int):
                                          epoch_loop=NS(batch_progress=NS(current=NS(processed=batches)))))
 
 
+def test_gpu_decode_train_batches_come_from_the_workers_planned_and_packed(shards):
+    """``decode: gpu`` with a known device and DataLoader workers: each training batch arrives from its worker as one
+    buffer (``transported``) with its augmentation plan for that device made there (the CPU stage's: no CUDA graphs'
+    padding), and the stage's images from it equal those it makes planning itself."""
+    from types import SimpleNamespace as NS
+
+    from mixlab.datamodules.imagenet_gpu import DevicePrefetcher, EncodedBatch
+
+    out, _ = shards
+    dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                            image_size=16, batch_size=2, num_workers=2, train_samples=8, decode="gpu")
+    trainer = _fit_trainer(0, 0)
+    trainer.strategy = NS(root_device=torch.device("cpu"))
+    dm.trainer = trainer
+    loader = dm.train_dataloader()
+    assert isinstance(loader, DevicePrefetcher)
+    batch = next(iter(loader.loader))
+    assert isinstance(batch, EncodedBatch) and batch.transported and batch.plan.key == (2, (16, 16), None, False)
+    stage = dm.gpu_pipeline(True)
+    x, y = stage(batch)
+    own = EncodedBatch(batch.data, batch.offsets, batch.labels, batch.keys, batch.params, batch.train)
+    x_ref, y_ref = stage(own)
+    assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+
+
 @pytest.mark.parametrize("workers,world", [(0, 1), (2, 1), (2, 2)])
 def test_wds_stream_resumes_with_the_next_batch_bitwise(shards, monkeypatch, workers, world):
     """Uninterrupted: epoch 0, then epoch 1 on the same (persistent) workers; at batch k=3 of epoch 1
