@@ -838,7 +838,8 @@ def test_device_prefetcher_timings_say_where_the_input_time_went(samples):
 def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(samples):
     """``priority_consumer``: while the pass runs, the consumer's current stream has priority -1 (above the
     stage's stream), the batches equal the stage run directly, and afterwards the caller's stream is current
-    again; without it the consumer stays on the caller's stream."""
+    again; without it the consumer stays on the caller's stream. The batches come as from workers (shared memory),
+    so each is released, its pages given back, as soon as its stage returns: the images are still right."""
     dev = torch.device("cuda")
     tf = train_transform(32)
     batches = _encoded_batches(samples, tf, 3)
@@ -847,12 +848,14 @@ def test_device_prefetcher_runs_the_consumer_on_a_high_priority_stream_on_cuda(s
     caller = torch.cuda.current_stream(dev)
     for priority, expected in ((True, -1), (False, caller.priority)):
         seen = []
-        for (x, y), (xr, yr) in zip(DevicePrefetcher(batches, pipe, dev, priority_consumer=priority), direct,
+        sent = [_transported(b) for b in batches]
+        for (x, y), (xr, yr) in zip(DevicePrefetcher(sent, pipe, dev, priority_consumer=priority), direct,
                                     strict=True):
             seen.append(torch.cuda.current_stream(dev).priority)
             assert torch.equal(x, xr) and torch.equal(y, yr)
         assert seen == [expected] * 3
         assert torch.cuda.current_stream(dev) == caller
+        assert all(len(b) == 0 for b in sent)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
