@@ -150,8 +150,13 @@ def test_training_pipeline_has_fixed_epoch_and_even_batches(shards):
 
 @pytest.mark.parametrize("name, value, allowed", [
     ("batch_size", 0, ">= 1"), ("eval_batch_size", 0, ">= 1 (or null)"), ("num_workers", -1, ">= 0"),
-    ("shuffle_buffer", -5, ">= 0"), ("train_samples", 0, ">= 1 (or null)"), ("image_size", 0, ">= 1 pixel"),
-    ("image_size", [224, 0], ">= 1 pixel"), ("eval_size", -3, ">= 1 pixel (or null)"), ("re_prob", 2.0, "in [0, 1]"),
+    ("shuffle_buffer", -5, ">= 0"), ("train_samples", 0, ">= 1 (or null)"),
+    ("image_size", 0, "an int or [height, width], each >= 1 pixel"),
+    ("image_size", [224, 0], "an int or [height, width], each >= 1 pixel"),
+    # a list of another length: blamed on auto_augment before (user test)
+    ("image_size", [224, 224, 3], "an int or [height, width], each >= 1 pixel"),
+    ("image_size", [224], "an int or [height, width], each >= 1 pixel"),
+    ("eval_size", -3, "an int or [height, width], each >= 1 pixel (or null)"), ("re_prob", 2.0, "in [0, 1]"),
     ("hflip", -0.1, "in [0, 1]"), ("crop_pct", 0.0, "in (0, 1]"), ("color_jitter", -0.3, ">= 0 (or null)"),
     ("scale", (1.0, 0.1), "(min, max) with 0 < min <= max <= 1"), ("num_classes", 0, ">= 1"),
     ("cpu_decode_fraction", 1.5, "in [0, 1]"),
