@@ -15,6 +15,8 @@ already are refused (a glob would read old and new together); ``--overwrite`` re
 from __future__ import annotations
 
 import re
+import sys
+import warnings
 from pathlib import Path
 
 from mixlab.datamodules.imagenet import check_shard_pattern, write_imagefolder_shards
@@ -70,12 +72,18 @@ def main(argv: list[str] | None = None) -> None:
             f.unlink()
 
     try:
-        shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping,
-                                          before_write=remove_old)
+        with warnings.catch_warnings(record=True) as caught:  # counted for the summary line, then shown
+            warnings.simplefilter("always")
+            shards = write_imagefolder_shards(a.root, a.pattern, a.maxcount, None if a.seed < 0 else a.seed, mapping,
+                                              before_write=remove_old)
     except (FileNotFoundError, ValueError) as err:
         p.error(str(err))
+    for w in caught:
+        print(f"{w.category.__name__}: {w.message}", file=sys.stderr)
+    skipped = sum("not a readable image" in str(w.message) for w in caught)
     first, last = shards[0], shards[-1]
-    print(f"wrote 1 shard: {first}" if len(shards) == 1 else f"wrote {len(shards)} shards: {first} .. {last}")
+    print((f"wrote 1 shard: {first}" if len(shards) == 1 else f"wrote {len(shards)} shards: {first} .. {last}")
+          + (f" ({skipped} unreadable file(s) skipped, named above)" if skipped else ""))
     digits = len(Path(first).stem.rsplit("-", 1)[-1]) if "-" in Path(first).stem else 0
     if digits:
         stem = str(Path(first)).rsplit("-", 1)[0]

@@ -310,7 +310,9 @@ def _make_wds_shards(monkeypatch, capsys):
             code = exit_info.code
         except Exception as err:  # a traceback for the user
             pytest.fail(f"make_wds_shards {argv}: {type(err).__name__}: {err}")
-        return code, capsys.readouterr().err
+        captured = capsys.readouterr()
+        run.out = captured.out  # the summary line
+        return code, captured.err
 
     return run
 
@@ -324,6 +326,23 @@ def test_make_wds_shards_refuses_a_missing_root_in_one_line(monkeypatch, capsys,
         code, err = run(*argv)
         assert code == 2 and says in err.strip().splitlines()[-1] and len(err.strip().splitlines()) == 1
     assert not list(tmp_path.glob("out-*"))
+
+
+def test_make_wds_shards_summary_counts_the_unreadable_files_it_skipped(monkeypatch, capsys, tmp_path):
+    """A file that is no image is skipped with a warning naming it, and the summary line says how many were skipped
+    (it said only ``wrote N shards`` before: user test)."""
+    import numpy as np
+    from PIL import Image
+
+    run = _make_wds_shards(monkeypatch, capsys)
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    for i in range(2):
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "imgs" / "cat" / f"{i}.jpg")
+    (tmp_path / "imgs" / "cat" / "bad.png").write_bytes(b"not an image")
+    code, err = run(tmp_path / "imgs", tmp_path / "out" / "train-%04d.tar")
+    assert code == 0 and "bad.png" in err and "not a readable image" in err
+    shard = tmp_path / "out" / "train-0000.tar"
+    assert run.out.splitlines()[0] == f"wrote 1 shard: {shard} (1 unreadable file(s) skipped, named above)"
 
 
 def test_make_wds_shards_refuses_existing_shards_and_a_flat_folder(monkeypatch, capsys, tmp_path):
