@@ -73,6 +73,7 @@ import os
 import random
 import re
 import sys
+import tarfile
 import time
 import warnings
 from pathlib import Path
@@ -445,9 +446,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         while True:
             urls = self.consumer_shards(epoch, pass_, worker, num_workers)
             n = 0
-            for sample in wds.tarfile_samples([{"url": u} for u in urls]):
-                n += 1
-                yield sample
+            try:
+                for sample in wds.tarfile_samples([{"url": u} for u in urls]):
+                    n += 1
+                    yield sample
+            except tarfile.TarError as exc:  # webdataset's args: (message, stream, url)
+                url = next((a for a in exc.args if isinstance(a, str) and a in urls), " or ".join(urls))
+                what = str(exc.args[0]).split(" @ ")[0] if exc.args else type(exc).__name__
+                raise ValueError(f"shard {url} is not a readable tar file ({what}): truncated or corrupt; write it "
+                                 "again, or leave it out of the pattern") from exc
             if self.length is None:
                 return
             if n == 0:

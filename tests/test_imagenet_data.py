@@ -326,6 +326,24 @@ def _fit_trainer(epoch: int, batches: int):
                                          epoch_loop=NS(batch_progress=NS(current=NS(processed=batches)))))
 
 
+def test_a_truncated_shard_stops_with_one_line_naming_it(shards, tmp_path):
+    """A shard cut off mid-file (a copy that did not finish) stops the loader with a ValueError naming the shard,
+    which the CLI prints as one ``error: data: ...`` line (a 44-frame worker traceback before: user test)."""
+    import shutil
+
+    out, _ = shards
+    for k in range(4):
+        shutil.copy(out / f"train-{k:04d}.tar", tmp_path / f"train-{k:04d}.tar")
+    bad = tmp_path / "train-0002.tar"
+    bad.write_bytes(bad.read_bytes()[:600])  # inside the first member's data
+    dm = ImageNetDataModule(format="wds", train_path=str(tmp_path / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                            image_size=16, batch_size=2, num_workers=0, train_samples=24, decode="cpu")
+    dm.trainer = _fit_trainer(0, 0)
+    with pytest.raises(ValueError, match=r"^shard .*train-0002\.tar is not a readable tar file \(.*\): truncated or "
+                                         r"corrupt; write it again, or leave it out of the pattern$"):
+        list(dm.train_dataloader())
+
+
 def test_gpu_decode_train_batches_come_from_the_workers_planned_and_packed(shards):
     """``decode: gpu`` with a known device and DataLoader workers: each training batch arrives from its worker as one
     buffer (``transported``) with its augmentation plan for that device made there (the CPU stage's: no CUDA graphs'
