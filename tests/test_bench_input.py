@@ -570,3 +570,24 @@ def test_synthetic_shard_count_matches_the_shards_written(tmp_path, monkeypatch)
 
     pattern = bench_input.write_shards_parallel(tmp_path, 21, (32, 24), 2, 4, bench_input.writer_procs(21))
     assert len(expand_pattern(pattern, kind="shards")) == bench_input.synthetic_shard_count(21, 4) == 6
+
+
+def test_bench_batch_release_measures_both_modes_and_refuses_bad_sizes(monkeypatch, capsys):
+    """``scripts/bench_batch_release.py``: batches from a real DataLoader worker, released in both modes (freed by the
+    last reference, pages given back first), one line each with the count; bad sizes are one argparse line."""
+    import re
+
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_batch_release
+
+    bench_batch_release.main(["--mb", "1", "--batches", "3", "--workers", "1"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["freed by the last reference", "pages given back first (madvise)"]
+    for line in lines:
+        m = re.search(r": (\d+) releases of 1 MB, other threads stalled (\d+\.\d\d) ms per release "
+                      r"\(largest (\d+\.\d\d) ms\)$", line)
+        assert m is not None and m[1] == "3", line
+    for argv, says in ((["--mb", "0"], "--mb must be >= 0.01"), (["--workers", "0"], "--workers must be >= 1")):
+        with pytest.raises(SystemExit) as exit_info:
+            bench_batch_release.main(argv)
+        assert exit_info.value.code == 2 and says in capsys.readouterr().err
