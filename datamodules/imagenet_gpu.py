@@ -368,7 +368,7 @@ class EncodedBatch:
         allocator). The batch is empty afterwards."""
         if not self.transported:
             return
-        if not self.pages_held and self.data.is_shared():
+        if not self.pages_held:
             _give_back_pages(self.data.untyped_storage())
         for _, t in self._tensors():
             if t.device.type == "cpu":
@@ -394,9 +394,8 @@ class EncodedBatch:
 
     def to(self, device: torch.device | str) -> EncodedBatch:
         """The batch with ``labels`` on ``device`` (bytes, pixels and parameters stay on the CPU)."""
-        out = EncodedBatch(self.data, self.offsets, self.labels.to(device, non_blocking=True), self.keys,
-                           self.params, self.train, self.pixels, self.plan)
-        out.transported = self.transported
+        out = copy.copy(self)  # the same host tensors, plan and flags
+        out.labels = self.labels.to(device, non_blocking=True)
         return out
 
 
@@ -1854,7 +1853,7 @@ class GpuPipeline:
         if not (self.cuda_graphs and self.train and dev.type == "cuda" and n > 0):
             return None
         if self._graphs is None:
-            cls = _FusedGraphs if self.augment_impl == "triton" and triton_available() else _AugmentGraphs
+            cls = _FusedGraphs if self._triton() else _AugmentGraphs
             self._graphs = cls(n, tuple(self.size), dev)
         return self._graphs if self._graphs.n == n else None
 
@@ -1885,7 +1884,11 @@ class GpuPipeline:
     def _resize_impl(self, dev: torch.device) -> str:
         """:func:`resized_crops`'s ``impl`` for images on ``dev``: ``"triton"`` with ``augment_impl="triton"`` on CUDA
         when Triton is installed, else ``"gemm"``."""
-        return "triton" if self.augment_impl == "triton" and dev.type == "cuda" and triton_available() else "gemm"
+        return "triton" if self._triton() and dev.type == "cuda" else "gemm"
+
+    def _triton(self) -> bool:
+        """``augment_impl="triton"`` and Triton installed (else the torch implementation runs)."""
+        return self.augment_impl == "triton" and triton_available()
 
     def _train(self, imgs: list[Tensor], p: dict[str, Tensor], dev: torch.device, out: Tensor | None = None,
                pixels: Tensor | None = None) -> Tensor:
@@ -1923,11 +1926,15 @@ class GpuPipeline:
         quantum, fused Triton layers or not), so the stage uses it instead of planning in the training process."""
         if not self.train or device is None:
             return None
-        dev = torch.device(device)
-        graphs = self.cuda_graphs and dev.type == "cuda"
-        fused = graphs and self.augment_impl == "triton" and triton_available()
-        return AugmentPlanner(self.mean, self.std, self.fill, tuple(self.size), self.params.ra_families,
-                              self.params.ra_modes, graphs and not fused, fused)
+        graphs = self.cuda_graphs and torch.device(device).type == "cuda"
+        return self._planner(tuple(self.size), graphs and not self._triton(), graphs and self._triton())
+
+    def _planner(self, hw: tuple[int, int], graphs: bool, fused: bool) -> AugmentPlanner:
+        """The :class:`AugmentPlanner` of this stage's recipe for ``hw`` images (evaluation: normalisation only)."""
+        if not self.train:
+            return AugmentPlanner(self.mean, self.std, (0.0,) * 3, hw, (), (3,))
+        return AugmentPlanner(self.mean, self.std, self.fill, hw, self.params.ra_families, self.params.ra_modes,
+                              graphs, fused)
 
     def _augment(self, x: Tensor, p: dict[str, Tensor], graphs: _AugmentGraphs | None = None,
                  plan: AugmentPlan | None = None) -> Tensor:
@@ -1939,9 +1946,7 @@ class GpuPipeline:
         fused = isinstance(graphs, _FusedGraphs)
         key = (len(x), tuple(x.shape[-2:]), None if graphs is None else graphs.quantum, fused)
         if plan is None or plan.key != key:
-            plan = AugmentPlanner(self.mean, self.std, self.fill if self.train else (0.0,) * 3, key[1],
-                                  self.params.ra_families if self.train else (),
-                                  self.params.ra_modes if self.train else (3,), key[2] is not None, fused)(p)
+            plan = self._planner(key[1], key[2] is not None, fused)(p)
         segs = _uploaded(plan.data, plan.layout, x.device, None if graphs is None else graphs.plan_buffer(plan.layout))
         if fused:
             x = graphs.run(plan.layers, segs, plan.s_fill)
