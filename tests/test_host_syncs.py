@@ -103,7 +103,11 @@ def test_each_window_splits_the_training_threads_time_between_cpu_run_queue_and_
 
     from mixlab.callbacks import thread_schedstats
 
-    rec = _fit(tmp_path, ThroughputMemory(), max_steps=6, log_every=3)
+    class _SlowSteps(pl.Callback):  # 20 ms blocked per step: the few ms the windows' edges differ by stay small
+        def on_train_batch_start(self, *args):
+            time.sleep(0.02)
+
+    rec = _fit(tmp_path, ThroughputMemory(), max_steps=6, log_every=3, extra=[_SlowSteps()])
     windows = [m for _, m in rec.calls if "perf/host/train_cpu_ms" in m]
     assert len(windows) == 2
     for m in windows:
