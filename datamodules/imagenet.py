@@ -505,8 +505,9 @@ def _check_ranges(**values: Any) -> None:
     Raises:
         ValueError: naming the argument, its allowed range and the value given.
     """
-    def sizes(v: Any) -> list:
-        return list(v) if isinstance(v, (list, tuple)) else [v]
+    def size_ok(v: Any) -> bool:  # an int, or [height, width]; every side >= 1 pixel
+        sides = list(v) if isinstance(v, (list, tuple)) else [v]
+        return len(sides) == 1 + isinstance(v, (list, tuple)) and all(x >= 1 for x in sides)
 
     rules = {  # name: (test, allowed range in words); None is "not set" where the words say "or null"
         "batch_size": (lambda v: v >= 1, ">= 1"), "eval_batch_size": (lambda v: v >= 1, ">= 1 (or null)"),
@@ -514,10 +515,8 @@ def _check_ranges(**values: Any) -> None:
         "prefetch_batches": (lambda v: v >= 0, ">= 0"), "cpu_decode_fraction": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "shard_shuffle": (lambda v: v >= 0, ">= 0"), "train_samples": (lambda v: v >= 1, ">= 1 (or null)"),
         "num_classes": (lambda v: v >= 1, ">= 1"),
-        "image_size": (lambda v: len(sizes(v)) == 1 + isinstance(v, (list, tuple)) and all(x >= 1 for x in sizes(v)),
-                       "an int or [height, width], each >= 1 pixel"),
-        "eval_size": (lambda v: len(sizes(v)) == 1 + isinstance(v, (list, tuple)) and all(x >= 1 for x in sizes(v)),
-                      "an int or [height, width], each >= 1 pixel (or null)"),
+        "image_size": (size_ok, "an int or [height, width], each >= 1 pixel"),
+        "eval_size": (size_ok, "an int or [height, width], each >= 1 pixel (or null)"),
         "crop_pct": (lambda v: 0 < v <= 1, "in (0, 1]"), "re_prob": (lambda v: 0 <= v <= 1, "in [0, 1]"),
         "hflip": (lambda v: 0 <= v <= 1, "in [0, 1]"), "color_jitter": (lambda v: v >= 0, ">= 0 (or null)"),
         "scale": (lambda v: len(v) == 2 and 0 < v[0] <= v[1] <= 1, "(min, max) with 0 < min <= max <= 1"),

@@ -13,6 +13,7 @@ release in ms (total and largest). Runs on any machine (Linux for the page hand-
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -40,11 +41,11 @@ def _batch(nbytes: int, items: list) -> imagenet_gpu.EncodedBatch:
 
 def stalls_per_release(mb: float, batches: int, workers: int, give_back: bool) -> tuple[float, float, int]:
     """``(stall ms per release, largest stall ms, batches released)`` of :func:`main`'s measurement."""
-    import functools
-
     loader = torch.utils.data.DataLoader(_Items(batches), batch_size=1, num_workers=workers,
                                          collate_fn=functools.partial(_batch, int(mb * 1e6)))
     received = list(loader)
+    for batch in received:  # pages_held: release leaves the pages to the last reference, as without the hand-back
+        batch.pages_held = not give_back
     gaps: list[float] = []
     stop = threading.Event()
 
@@ -60,15 +61,11 @@ def stalls_per_release(mb: float, batches: int, workers: int, give_back: bool) -
     thread.start()
     time.sleep(0.1)
     start = len(gaps)
-    real = imagenet_gpu._give_back_pages
-    if not give_back:
-        imagenet_gpu._give_back_pages = lambda storage: False
     try:
         for batch in received:
             batch.release()
             time.sleep(0.005)
     finally:
-        imagenet_gpu._give_back_pages = real
         stop.set()
         thread.join()
     stalls = gaps[start:]
