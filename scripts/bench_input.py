@@ -31,7 +31,8 @@ device stage's time goes (phases, top kernels); ``--profile-end-to-end N`` profi
 and reports each CUDA stream's busy time and how much of the stage's work ran concurrently with the model's
 (is the stage's device time hidden, or added to the step?). ``--decoders torchvision nvimgcodec`` adds the JPEG
 decode alone of one training batch with each accelerator decoder (``jpeg_decoder``), with its difference to PIL's
-images; ``--jpeg-decoder`` picks the decoder of the loader rows.
+images, and ``--decode-under-load`` the same decode while the model trains in another thread (what a fit's decode
+costs, and what it costs the model's step); ``--jpeg-decoder`` picks the decoder of the loader rows.
 
 ``--cli-steps N`` adds the issue's measure: ``python -m mixlab fit --config configs/vit/goat_imagenet.yaml``
 (``--cli-config``) for ``N`` steps on the same shards (every ``--decode`` mode and ``--cpu-decode-fraction``), next
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import io
 import itertools
@@ -81,6 +83,12 @@ from mixlab.eval.common import OneLineParser
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def sync_stream(device: torch.device) -> None:
+    """Wait for the calling thread's current stream only (CUDA; other threads' work goes on)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def to_device(dm, batch, device: torch.device):
@@ -193,6 +201,65 @@ def time_decoders(dm, device: torch.device, decoders: list[str], reps: int, comp
                 f"({len(d)} images)" + ("" if device.type == "cuda" else "; CPU device: torchvision's libjpeg-turbo"))
         t = statistics.median(total)
         out.append((name, len(imgs) / t, 1000 * t, note))
+    return out
+
+
+def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps: int, step, batch: int,
+                             image_size: int, num_classes: int, step_ms_alone: float
+                             ) -> list[tuple[str, float, float, str]]:
+    """The JPEG decode of :func:`time_decoders` while the model trains in another thread, as in a fit: ``step`` on
+    random tensors in a loop, on a CUDA stream of priority -1 (the datamodule's ``priority_training``), waiting for
+    each step's end as Lightning's loop does (its logged loss). Returns, per decoder, ``(decoder, images/s, median
+    ms per batch, note)``; the note gives the mean and the model's step time meanwhile against ``step_ms_alone``
+    (the model row), i.e. how much each slows the other. On a CPU device both share the host's cores."""
+    import threading
+
+    import numpy as np
+
+    from mixlab.datamodules.imagenet_gpu import decode_jpegs
+
+    b = held_batch(dm, "train", device)
+    data, off, keys = b.data, b.offsets, b.keys[b.num_decoded:]
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+    out = []
+    for name in decoders:
+        decode_jpegs(data, off, device, keys, name)
+        stop, steps, failed = threading.Event(), [0], []
+        stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+
+        def train() -> None:
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    while not stop.is_set():
+                        step(x, y)
+                        if stream is not None:
+                            stream.synchronize()
+                        steps[0] += 1
+            except BaseException as exc:  # re-raised below
+                failed.append(exc)
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        while steps[0] < 2 and thread.is_alive():  # past the first steps
+            time.sleep(0.01)
+        times, t0, s0 = [], time.perf_counter(), steps[0]
+        while thread.is_alive() and (len(times) < reps or steps[0] - s0 < 10):  # at least 10 steps alongside
+            t = time.perf_counter()
+            decode_jpegs(data, off, device, keys, name)
+            sync_stream(device)
+            times.append(1000 * (time.perf_counter() - t))
+        elapsed, n_steps = time.perf_counter() - t0, steps[0] - s0
+        stop.set()
+        thread.join()
+        if failed:
+            raise failed[0]
+        sync(device)
+        step_ms = 1000 * elapsed / n_steps
+        note = (f"mean {np.mean(times):.1f} ms; model step meanwhile {step_ms:.1f} ms against {step_ms_alone:.1f} "
+                f"alone ({step_ms_alone / step_ms:.2f}x its speed; {n_steps} steps)")
+        out.append((name, (len(b) - b.num_decoded) / (statistics.median(times) / 1000), statistics.median(times),
+                    note))
     return out
 
 
@@ -870,6 +937,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--decoders", nargs="+", default=[], choices=["torchvision", "nvimgcodec"],
                    help="decode gpu: also time the JPEG decode alone of one training batch with each decoder, and its "
                         "difference to PIL's images (the decode cpu path's decoder)")
+    p.add_argument("--decode-under-load", action="store_true",
+                   help="with --decoders: also time each decoder's batch decode while the model trains in another "
+                        "thread (priority -1 stream, one sync per step), and the model's step time meanwhile")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-loader", action="store_true",
@@ -968,6 +1038,9 @@ def main(argv: list[str] | None = None) -> str:
         p.error(f"--profile must be >= 0 calls; got {a.profile}")
     if a.no_loader and (a.profile or a.profile_end_to_end):
         p.error("--no-loader skips the device stage that --profile / --profile-end-to-end look at; drop one of them")
+    if a.decode_under_load and (not a.decoders or a.no_train):
+        p.error("--decode-under-load times the decoders of --decoders next to the training model: give --decoders "
+                "and drop --no-train")
     if a.profile_end_to_end < 0:
         p.error(f"--profile-end-to-end must be >= 0 steps; got {a.profile_end_to_end}")
     if a.quick:
@@ -1109,6 +1182,12 @@ def main(argv: list[str] | None = None) -> str:
                 if split == "train" and not fraction:
                     for name, ips, ms, note in time_decoders(dm, device, a.decoders, max(3, a.batches // 3)):
                         row(split, f"{mode}, {name}", "JPEG decode alone (one batched call)", ips, f"{ms:.1f}", note)
+                    if a.decode_under_load:
+                        for name, ips, ms, note in time_decoders_under_load(
+                                dm, device, a.decoders, max(3, a.batches // 3), step, a.batch_size, a.image_size,
+                                num_classes, 1000 * a.batch_size / model_ips):
+                            row(split, f"{mode}, {name}", "JPEG decode next to training steps (another thread)", ips,
+                                f"{ms:.1f}", note)
                 if a.profile:
                     profiles += [""] + profile_stage(dm, split, device, a.profile)
             if split == "train" and not a.no_end_to_end:

@@ -17,7 +17,7 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
 
     out = tmp_path / "bench.md"
     text = bench_input.main(["--quick", "--out", str(out), "--workdir", str(tmp_path / "data"), "--profile", "1",
-                             "--profile-end-to-end", "2", "--decoders", "torchvision"])
+                             "--profile-end-to-end", "2", "--decoders", "torchvision", "--decode-under-load"])
     assert out.read_text() == text
     lines = text.splitlines()
     assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
@@ -45,11 +45,16 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
             ("train", "gpu", "end to end (loader + device stage + model step)")} <= measured
     assert ("train", "gpu", "end to end, device stage prefetched (2 ahead)") in measured
     assert rows[1][:2] == ("model", "-") and rows[1][3].startswith("tiny evaluation forward")
-    assert len(rows) == 16 and "PIL `draft`" in text
+    assert len(rows) == 17 and "PIL `draft`" in text
     decode_row = next(line for line in lines if "JPEG decode alone" in line)  # libjpeg-turbo equals PIL to 1-2 levels
     assert "| train | gpu, torchvision |" in decode_row and "host " in decode_row
     mx, mean = re.search(r"vs PIL: max (\d+), mean ([\d.e-]+) levels \(8 images\)", decode_row).groups()
     assert int(mx) <= 4 and float(mean) < 1 and "CPU device: torchvision's libjpeg-turbo" in decode_row
+    loaded = next(line for line in lines if "JPEG decode next to training steps" in line)  # --decode-under-load
+    step_ms, alone, speed = re.search(r"model step meanwhile ([\d.]+) ms against ([\d.]+) alone \(([\d.]+)x",
+                                      loaded).groups()
+    assert "| train | gpu, torchvision |" in loaded and float(step_ms) > 0 and float(alone) > 0
+    assert abs(float(speed) - float(alone) / float(step_ms)) < 0.01
     # --profile: each split's device stage by phase (host time measured on the CPU; no kernels without a GPU)
     for split in ("train", "val"):
         at = lines.index(f"### Device stage profile, {split}, 1 calls on one held batch of 8")
@@ -283,7 +288,8 @@ def test_bench_input_refuses_bad_options_in_one_line(monkeypatch, capsys):
              ("--cpu-decode-fraction", "0", "2"): "--cpu-decode-fraction values must be in [0, 1]; got [0.0, 2.0]",
              ("--cli-steps", "-1"): "--cli-steps must be >= 0 and --cli-repeats >= 1; got -1, 1",
              ("--cli-steps", "4", "--cli-config", "/nonexist.yaml"): "--cli-config '/nonexist.yaml': no such file",
-             ("--no-loader", "--profile", "3"): "--no-loader skips the device stage that --profile"}
+             ("--no-loader", "--profile", "3"): "--no-loader skips the device stage that --profile",
+             ("--decode-under-load",): "--decode-under-load times the decoders of --decoders next to the training"}
     if not torch.cuda.is_available():
         cases[("--device", "cuda")] = "--device cuda: no CUDA device is available here"
     for argv, message in cases.items():
