@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import datetime
 import io
 import itertools
@@ -214,8 +213,6 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
     (the model row), i.e. how much each slows the other. On a CPU device both share the host's cores."""
     import threading
 
-    import numpy as np
-
     from mixlab.datamodules.imagenet_gpu import decode_jpegs
 
     b = held_batch(dm, "train", device)
@@ -230,11 +227,10 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
 
         def train() -> None:
             try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                with torch.cuda.stream(stream):  # None: no-op
                     while not stop.is_set():
                         step(x, y)
-                        if stream is not None:
-                            stream.synchronize()
+                        sync_stream(device)
                         steps[0] += 1
             except BaseException as exc:  # re-raised below
                 failed.append(exc)
@@ -255,11 +251,10 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
         if failed:
             raise failed[0]
         sync(device)
-        step_ms = 1000 * elapsed / n_steps
-        note = (f"mean {np.mean(times):.1f} ms; model step meanwhile {step_ms:.1f} ms against {step_ms_alone:.1f} "
-                f"alone ({step_ms_alone / step_ms:.2f}x its speed; {n_steps} steps)")
-        out.append((name, (len(b) - b.num_decoded) / (statistics.median(times) / 1000), statistics.median(times),
-                    note))
+        step_ms, ms = 1000 * elapsed / n_steps, statistics.median(times)
+        note = (f"mean {statistics.mean(times):.1f} ms; model step meanwhile {step_ms:.1f} ms against "
+                f"{step_ms_alone:.1f} alone ({step_ms_alone / step_ms:.2f}x its speed; {n_steps} steps)")
+        out.append((name, len(keys) / (ms / 1000), ms, note))
     return out
 
 
