@@ -734,6 +734,24 @@ def time_model(step, batch: int, image_size: int, num_classes: int, device: torc
     return batch * iters / (time.perf_counter() - t0)
 
 
+def launch_ms(step, batch: int, image_size: int, num_classes: int, device: torch.device, reps: int = 3) -> float:
+    """Median host milliseconds until ``step`` returns when the device has nothing queued (a sync before each):
+    the host's launch time of one step (forward, autograd's backward thread, optimizer), none of it spent
+    waiting for the device unless the step synchronises. Next to the step's wall time on random tensors it says
+    whether the step is host-bound: a host that needs most of the step to launch it has no slack for the input
+    pipeline's threads (the GIL, CPU caches) before the device waits."""
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    y = torch.randint(0, num_classes, (batch,), device=device)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        step(x, y)
+        times.append(time.perf_counter() - t0)
+    sync(device)
+    return 1000 * statistics.median(times)
+
+
 def make_eval_step(model, device: torch.device):
     """The model's evaluation forward (no grad, bf16 autocast on CUDA) as a ``step(x, y)`` for :func:`time_model`."""
     def step(x, y):
@@ -1138,8 +1156,13 @@ def main(argv: list[str] | None = None) -> str:
     if not a.no_train:
         model_ips = time_model(step, a.batch_size, a.image_size, num_classes, device, max(2, a.warmup),
                                max(3, a.batches // 2))
-        row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips,
-            f"{1000 * a.batch_size / model_ips:.1f}", "bf16 autocast" if device.type == "cuda" else "fp32")
+        step_ms = 1000 * a.batch_size / model_ips
+        note = "fp32"
+        if device.type == "cuda":
+            host = launch_ms(step, a.batch_size, a.image_size, num_classes, device)
+            note = (f"bf16 autocast; the host launches one step in {host:.1f} ms with the device idle "
+                    f"({host / step_ms:.2f} of the step)")
+        row("model", "-", f"{a.model} fwd+bwd+AdamW (random tensors)", model_ips, f"{step_ms:.1f}", note)
     if not a.no_eval:
         model.eval()
         eval_ips = time_model(make_eval_step(model, device), a.batch_size, a.image_size, num_classes, device, 2,

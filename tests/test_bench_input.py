@@ -81,6 +81,27 @@ def test_end_to_end_rows_above_the_model_alone_are_flagged(monkeypatch):
     assert bench_input.of_model(157 * 15, 157).startswith("1500% of the model alone (above the model alone: not a ")
 
 
+def test_launch_ms_is_the_median_host_time_of_a_step_started_on_an_idle_device(monkeypatch):
+    """The model row's host launch time: each step timed from a device sync to its return (a fake clock: the
+    steps take 5, 9 and 7 ms), the median in milliseconds, the device synchronised before every step."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    clock, syncs, shapes = [0.0], [], []
+    costs = iter([0.005, 0.009, 0.007])
+
+    def step(x, y):
+        shapes.append((tuple(x.shape), tuple(y.shape)))
+        clock[0] += next(costs)
+
+    monkeypatch.setattr(bench_input.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(bench_input, "sync", lambda device: syncs.append(clock[0]))
+    ms = bench_input.launch_ms(step, 4, 32, 10, bench_input.torch.device("cpu"))
+    assert ms == pytest.approx(7.0)
+    assert shapes == [((4, 3, 32, 32), (4,))] * 3
+    assert syncs == pytest.approx([0.0, 0.005, 0.014, 0.021])  # before each step and after the last
+
+
 def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
     """``--profile-end-to-end``'s arithmetic: per stream the union of its kernels' intervals, over all streams
     the union, and the overlap = the per-stream sum minus that union."""
