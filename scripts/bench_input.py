@@ -209,8 +209,12 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
     """The JPEG decode of :func:`time_decoders` while the model trains in another thread, as in a fit: ``step`` on
     random tensors in a loop, on a CUDA stream of priority -1 (the datamodule's ``priority_training``), waiting for
     each step's end as Lightning's loop does (its logged loss). Returns, per decoder, ``(decoder, images/s, median
-    ms per batch, note)``; the note gives the mean and the model's step time meanwhile against ``step_ms_alone``
-    (the model row), i.e. how much each slows the other. On a CPU device both share the host's cores."""
+    ms per batch, note)``; the note gives the mean, the slow decodes (over twice the median: next to a training
+    load the median stays near the decode alone, runs of 70-129 ms decodes make the mean; BENCHMARKS.md,
+    forty-fifth session) and in how many of them and of the others the caching allocator called the device's
+    allocator (:func:`allocator_calls`: ``cudaMalloc``/``cudaFree``, which synchronise), and the model's step time
+    meanwhile against ``step_ms_alone`` (the model row), i.e. how much each slows the other. On a CPU device both
+    share the host's cores."""
     import threading
 
     from mixlab.datamodules.imagenet_gpu import decode_jpegs
@@ -239,12 +243,13 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
         thread.start()
         while steps[0] < 2 and thread.is_alive():  # past the first steps
             time.sleep(0.01)
-        times, t0, s0 = [], time.perf_counter(), steps[0]
+        times, allocs, t0, s0 = [], [], time.perf_counter(), steps[0]
         while thread.is_alive() and (len(times) < reps or steps[0] - s0 < 10):  # at least 10 steps alongside
-            t = time.perf_counter()
+            a, t = allocator_calls(device), time.perf_counter()
             decode_jpegs(data, off, device, keys, name)
             sync_stream(device)
             times.append(1000 * (time.perf_counter() - t))
+            allocs.append(allocator_calls(device) - a)
         elapsed, n_steps = time.perf_counter() - t0, steps[0] - s0
         stop.set()
         thread.join()
@@ -252,10 +257,35 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
             raise failed[0]
         sync(device)
         step_ms, ms = 1000 * elapsed / n_steps, statistics.median(times)
-        note = (f"mean {statistics.mean(times):.1f} ms; model step meanwhile {step_ms:.1f} ms against "
-                f"{step_ms_alone:.1f} alone ({step_ms_alone / step_ms:.2f}x its speed; {n_steps} steps)")
+        note = (f"mean {statistics.mean(times):.1f} ms; {slow_decodes(times, allocs)}; model step meanwhile "
+                f"{step_ms:.1f} ms against {step_ms_alone:.1f} alone ({step_ms_alone / step_ms:.2f}x its speed; "
+                f"{n_steps} steps)")
         out.append((name, len(keys) / (ms / 1000), ms, note))
     return out
+
+
+def allocator_calls(device: torch.device) -> int:
+    """How many times so far torch's CUDA caching allocator called the device's allocator (``cudaMalloc`` and
+    ``cudaFree``: ``memory_stats``' ``num_device_alloc`` + ``num_device_free``; ``cudaFree`` synchronises the
+    device), over the whole process; 0 on other devices."""
+    if device.type != "cuda":
+        return 0
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_device_alloc", 0)) + int(stats.get("num_device_free", 0))
+
+
+def slow_decodes(times: list[float], allocs: list[int]) -> str:
+    """The slow decodes of :func:`time_decoders_under_load` in words: how many of ``times`` (ms) took over twice
+    their median, the slowest, and in how many of those and of the others the allocator was called (``allocs``:
+    :func:`allocator_calls` during each decode)."""
+    med = statistics.median(times)
+    slow = [k for k, v in enumerate(times) if v > 2 * med]
+    fast = [k for k in range(len(times)) if k not in slow]
+    with_alloc = lambda ks: sum(1 for k in ks if allocs[k])  # noqa: E731
+    if not slow:
+        return f"no decode over twice the median (cudaMalloc/cudaFree during {with_alloc(fast)} of {len(fast)})"
+    return (f"{len(slow)} of {len(times)} decodes over twice the median (max {max(times):.1f} ms; cudaMalloc/cudaFree "
+            f"during {with_alloc(slow)} of them and {with_alloc(fast)} of the other {len(fast)})")
 
 
 def profile_stage(dm, split: str, device: torch.device, reps: int, top: int = 30) -> list[str]:

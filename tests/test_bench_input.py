@@ -55,6 +55,7 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
                                       loaded).groups()
     step_ms, alone, speed = float(step_ms), float(alone), float(speed)
     assert "| train | gpu, torchvision |" in loaded and step_ms > 0 and alone > 0
+    assert re.search(r"(no decode|\d+ of \d+ decodes) over twice the median", loaded), loaded
     rounding = 0.005 + alone / step_ms * (0.05 / alone + 0.05 / step_ms)  # the printed 1- and 2-decimal values
     assert abs(speed - alone / step_ms) <= rounding + 1e-9
     # --profile: each split's device stage by phase (host time measured on the CPU; no kernels without a GPU)
@@ -100,6 +101,22 @@ def test_launch_ms_is_the_median_host_time_of_a_step_started_on_an_idle_device(m
     assert ms == pytest.approx(7.0)
     assert shapes == [((4, 3, 32, 32), (4,))] * 3
     assert syncs == pytest.approx([0.0, 0.005, 0.014, 0.021])  # before each step and after the last
+
+
+def test_slow_decodes_counts_decodes_over_twice_the_median_and_the_allocator_calls_in_them(monkeypatch):
+    """``--decode-under-load``'s slow decodes: over twice the median, with the decodes during which the caching
+    allocator called cudaMalloc/cudaFree counted among them and among the others; no allocator off CUDA."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    times = [20.0, 21.0, 19.0, 80.0, 125.0, 20.5, 41.0]  # median 21: 80, 125 are slow, 41 is not (< 42)
+    allocs = [0, 2, 0, 1, 0, 0, 0]
+    assert bench_input.slow_decodes(times, allocs) == (
+        "2 of 7 decodes over twice the median (max 125.0 ms; cudaMalloc/cudaFree during 1 of them and 1 of the "
+        "other 5)")
+    assert bench_input.slow_decodes([10.0, 11.0, 12.0], [0, 0, 3]) == (
+        "no decode over twice the median (cudaMalloc/cudaFree during 1 of 3)")
+    assert bench_input.allocator_calls(bench_input.torch.device("cpu")) == 0
 
 
 def test_kernel_overlap_counts_concurrent_stream_time(monkeypatch):
