@@ -207,8 +207,9 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
                              image_size: int, num_classes: int, step_ms_alone: float
                              ) -> list[tuple[str, float, float, str]]:
     """The JPEG decode of :func:`time_decoders` while the model trains in another thread, as in a fit: ``step`` on
-    random tensors in a loop, on a CUDA stream of priority -1 (the datamodule's ``priority_training``), waiting for
-    each step's end as Lightning's loop does (its logged loss). Returns, per decoder, ``(decoder, images/s, median
+    random tensors in a loop, on a CUDA stream of priority -1 (the datamodule's ``priority_training``), the host
+    running ahead of the device as in a fit (no wait for a step's end; the steps are counted by CUDA events as the
+    device finishes them). Returns, per decoder, ``(decoder, images/s, median
     ms per batch, note)``; the note gives the mean, the slow decodes (over twice the median: next to a training
     load the median stays near the decode alone, runs of 70-129 ms decodes make the mean; BENCHMARKS.md,
     forty-fifth session) and in how many of them and of the others the caching allocator called the device's
@@ -226,31 +227,37 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
     out = []
     for name in decoders:
         decode_jpegs(data, off, device, keys, name)
-        stop, steps, failed = threading.Event(), [0], []
-        stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        stop, ends, failed = threading.Event(), [], []
+        cuda = device.type == "cuda"
+        stream = torch.cuda.Stream(device, priority=-1) if cuda else None
 
         def train() -> None:
             try:
                 with torch.cuda.stream(stream):  # None: no-op
                     while not stop.is_set():
                         step(x, y)
-                        sync_stream(device)
-                        steps[0] += 1
+                        end = torch.cuda.Event() if cuda else None
+                        if end is not None:
+                            end.record()
+                        ends.append(end)
             except BaseException as exc:  # re-raised below
                 failed.append(exc)
 
+        def done() -> int:  # the steps the device has finished
+            return sum(1 for e in list(ends) if e is None or e.query())
+
         thread = threading.Thread(target=train, daemon=True)
         thread.start()
-        while steps[0] < 2 and thread.is_alive():  # past the first steps
+        while done() < 2 and thread.is_alive():  # past the first steps
             time.sleep(0.01)
-        times, allocs, t0, s0 = [], [], time.perf_counter(), steps[0]
-        while thread.is_alive() and (len(times) < reps or steps[0] - s0 < 10):  # at least 10 steps alongside
+        times, allocs, t0, s0 = [], [], time.perf_counter(), done()
+        while thread.is_alive() and (len(times) < reps or done() - s0 < 10):  # at least 10 steps alongside
             a, t = allocator_calls(device), time.perf_counter()
             decode_jpegs(data, off, device, keys, name)
             sync_stream(device)
             times.append(1000 * (time.perf_counter() - t))
             allocs.append(allocator_calls(device) - a)
-        elapsed, n_steps = time.perf_counter() - t0, steps[0] - s0
+        elapsed, n_steps = time.perf_counter() - t0, done() - s0
         stop.set()
         thread.join()
         if failed:
