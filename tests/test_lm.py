@@ -13,7 +13,7 @@ from mixlab.backbone import Backbone, BackboneConfig, parse_pattern
 from mixlab.cli import main
 from mixlab.datamodules.genome import GenomeDataModule
 from mixlab.heads.lm import CausalLM
-from mixlab.optim import OptimConfig, param_groups, warmup_cosine
+from mixlab.optim import OptimConfig, build_optimizer, param_groups, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,6 +117,28 @@ def test_param_groups_exclude_norms_biases_embeddings_and_priors():
     assert all(("pos." not in n) and ("norm" not in n) for n in decay_names)
     assert any(n.endswith("qkv.weight") for n in decay_names) and any("mlp.fc2.weight" in n for n in decay_names)
     assert len(decay_names) + len(no_decay_names) == len(list(model.parameters()))
+
+
+def test_fused_adamw_takes_the_same_steps_as_torchs_default():
+    """optim.fused true: torch's fused AdamW (one kernel per group; CPU here) takes the same three steps as the
+    default path to float rounding; a value that is not a bool is a one-line error naming the field."""
+    steps = {}
+    for fused in (None, True):
+        torch.manual_seed(0)
+        model = _tiny_model()
+        cfg = OptimConfig(lr=1e-2, weight_decay=0.1, warmup_steps=1, fused=fused)
+        opt = build_optimizer(model, cfg, total_steps=10)["optimizer"]
+        assert opt.defaults["fused"] is fused
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        steps[fused] = [p.detach().clone() for p in model.parameters()]
+    moved = max((a - b).abs().max().item() for a, b in zip(steps[None], steps[True], strict=True))
+    assert moved < 1e-6
+    with pytest.raises(ValueError, match=r"optim.fused must be true, false or null; got 'yes'"):
+        OptimConfig(fused="yes")
 
 
 def test_lr_scales_give_marked_parameters_their_own_learning_rate():

@@ -29,11 +29,14 @@ class OptimConfig:
             that must reach logits of order 10 (a previous-token head) moves only ~lr per Adam
             step, so at ``lr=5e-4`` it needs tens of thousands of steps; a multiplier lets the
             prior keep pace with the content weights, whose logits grow multiplicatively.
+        fused: ``torch.optim.AdamW``'s ``fused``: true updates all parameters of a group in one fused kernel
+            (less host work per step than the multi-tensor ``foreach`` path that torch picks on CUDA by default;
+            the same update up to float rounding); null leaves torch's choice.
 
     Raises:
         ValueError: a value AdamW or the schedule cannot use, naming the field (``optim.lr`` ...): ``lr`` or
             ``eps`` <= 0, a beta outside [0, 1), ``weight_decay`` or ``warmup_steps`` < 0, ``min_lr_ratio``
-            outside [0, 1], ``total_steps`` < 1.
+            outside [0, 1], ``total_steps`` < 1, ``fused`` not true, false or null.
     """
 
     lr: float = 3e-4
@@ -44,13 +47,15 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     total_steps: int | None = None
     lr_scales: dict[str, float] = field(default_factory=dict)
+    fused: bool | None = None
 
     def __post_init__(self) -> None:
         checks = [("lr", self.lr > 0, "> 0"), ("eps", self.eps > 0, "> 0"),
                   ("betas", len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "two values in [0, 1)"),
                   ("weight_decay", self.weight_decay >= 0, ">= 0"), ("warmup_steps", self.warmup_steps >= 0, ">= 0"),
                   ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
-                  ("total_steps", self.total_steps is None or self.total_steps >= 1, ">= 1 (or null)")]
+                  ("total_steps", self.total_steps is None or self.total_steps >= 1, ">= 1 (or null)"),
+                  ("fused", self.fused is None or isinstance(self.fused, bool), "true, false or null")]
         for name, ok, want in checks:
             if not ok:
                 raise ValueError(f"optim.{name} must be {want}; got {getattr(self, name)!r}")
@@ -102,7 +107,7 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 def build_optimizer(model: nn.Module, cfg: OptimConfig, total_steps: int) -> dict:
     """Lightning ``configure_optimizers`` dict: AdamW + per-step LambdaLR."""
     groups = param_groups(model, cfg.weight_decay, cfg.lr, cfg.lr_scales)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=cfg.fused)
     total = cfg.total_steps or total_steps
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: warmup_cosine(s, cfg.warmup_steps, total, cfg.min_lr_ratio))
