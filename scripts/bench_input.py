@@ -209,13 +209,13 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
     """The JPEG decode of :func:`time_decoders` while the model trains in another thread, as in a fit: ``step`` on
     random tensors in a loop, on a CUDA stream of priority -1 (the datamodule's ``priority_training``), the host
     running ahead of the device as in a fit (no wait for a step's end; the steps are counted by CUDA events as the
-    device finishes them). Returns, per decoder, ``(decoder, images/s, median
-    ms per batch, note)``; the note gives the mean, the slow decodes (over twice the median: next to a training
-    load the median stays near the decode alone, runs of 70-129 ms decodes make the mean; BENCHMARKS.md,
-    forty-fifth session) and in how many of them and of the others the caching allocator called the device's
-    allocator (:func:`allocator_calls`: ``cudaMalloc``/``cudaFree``, which synchronise), and the model's step time
-    meanwhile against ``step_ms_alone`` (the model row), i.e. how much each slows the other. On a CPU device both
-    share the host's cores."""
+    device finishes them). Returns, per decoder, ``(decoder, images/s, median ms per batch, note)``; the note
+    gives the mean, the slow decodes (over twice the median: next to a training load the median stays near the
+    decode alone, runs of 70-129 ms decodes make the mean; BENCHMARKS.md, forty-fifth session) and in how many of
+    them and of the others the caching allocator called the device's allocator (:func:`allocator_calls`:
+    ``cudaMalloc``/``cudaFree``, which synchronise), and the model's step time meanwhile against
+    ``step_ms_alone`` (the model row), i.e. how much each slows the other. On a CPU device both share the host's
+    cores."""
     import threading
 
     from mixlab.datamodules.imagenet_gpu import decode_jpegs
