@@ -1,13 +1,16 @@
 """Write WebDataset shards (timm convention: ``__key__``, ``jpg``, ``cls``) from an ImageFolder tree.
 
-    python scripts/make_wds_shards.py /data/imagenet/train /data/wds/imagenet1k-train-%04d.tar --maxcount 1250
-    python scripts/make_wds_shards.py /data/imagenet/val   /data/wds/imagenet1k-validation-%04d.tar --maxcount 1000
+    python scripts/make_wds_shards.py /data/imagenet/train /data/imagenet/wds/imagenet1k-train-%04d.tar --maxcount 1252
+    python scripts/make_wds_shards.py /data/imagenet/val   /data/imagenet/wds/imagenet1k-validation-%04d.tar --maxcount 782 \
+        --classes-from /data/imagenet/train
+
+(1,281,167 and 50,000 images: 1,024 and 64 shards, the patterns ``configs/vit/goat_imagenet.yaml`` reads.)
 
 Classes are the sorted sub-folder names (torchvision ImageFolder's mapping; ``classes.txt`` is written
 next to the shards). JPEG files are copied byte for byte, other formats re-encoded as JPEG. Samples are
 shuffled (``--seed``) so every shard holds a class mix. Write at least ``n_gpus x num_workers`` shards
 per split. Read them back with ``mixlab.datamodules.imagenet.ImageNetDataModule(format="wds",
-train_path="/data/wds/imagenet1k-train-{0000..1024}.tar", ...)``. Use the train folder's classes for
+train_path="/data/imagenet/wds/imagenet1k-train-{0000..1023}.tar", ...)``. Use the train folder's classes for
 validation (``--classes-from``) so both splits share one label mapping. Shards of the pattern that exist
 already are refused (a glob would read old and new together); ``--overwrite`` removes them first.
 """

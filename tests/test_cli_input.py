@@ -1023,3 +1023,27 @@ def test_an_unquoted_brace_pattern_in_a_config_file_gets_a_quoting_hint(capsys, 
     (line,) = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--config", str(mapping))
     assert line == (f"error: {mapping}: data.init_args.fasta: expected a string or null; got a YAML mapping "
                     f"{{'x/a.fa': None, 'x/b.fa': None}}; {hint}\"{{x/a.fa,x/b.fa}}\"")
+
+
+def test_null_one_level_inside_an_init_args_field_unsets_it(capsys, monkeypatch):
+    """``--model.init_args.optim.total_steps null`` was refused (``expected an int or null; got None``, a user
+    test: jsonargparse re-reads the value from text, where null became ``None``). It now unsets the value and keeps
+    the field's other values; ``--key=~`` too. An option that takes no null still says so."""
+    head = ["fit", "--config", str(GENOME)]
+    rest = ["--model.init_args.backbone.d_model", "null", "--trainer.max_steps", "null"]  # an int; not nested
+    words = head + ["--model.init_args.optim.total_steps", "null", "--model.init_args.optim.fused=~"] + rest
+    assert cli.nested_nulls(words) == head + ["--model.init_args.optim", '{"total_steps": null}',
+                                              "--model.init_args.optim", '{"fused": null}'] + rest
+    monkeypatch.setattr(sys, "argv", ["mixlab"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--config", str(GENOME), "--model.init_args.optim.total_steps", "9",
+                  "--model.init_args.optim.fused", "true", "--model.init_args.optim.total_steps", "null",
+                  "--model.init_args.optim.fused=~", "--print_config"])
+    assert info.value.code in (0, None)
+    optim = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["optim"]
+    assert optim["total_steps"] is None and optim["fused"] is None
+    assert (optim["lr"], optim["weight_decay"], optim["warmup_steps"]) == (2e-3, 0.1, 60)  # the config's, kept
+    err = _main(capsys, monkeypatch, "fit", "--config", str(GENOME), "--model.init_args.backbone.d_model", "null")
+    assert err[-1] == ("error: --model.init_args.backbone.d_model: null is not a value this option takes; give one, "
+                       "or leave the key out for its default")

@@ -2007,6 +2007,41 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+_NESTED_FIELD = re.compile(r"--((?:\w+\.)*init_args\.\w+)\.(\w+)")
+"""An option one level inside a field of a class's ``init_args`` (``--model.init_args.optim.total_steps``)."""
+
+
+def nested_nulls(words: list[str]) -> list[str]:
+    """The command line ``words`` with each YAML null (``null``, ``Null``, ``NULL``, ``~``) given to an option one
+    level inside a field of ``init_args`` (:data:`_NESTED_FIELD`: ``--model.init_args.optim.total_steps null``, also
+    ``--key=null``) whose annotation admits None (:func:`_option_annotation`) written as a mapping on that field
+    (``--model.init_args.optim {"total_steps": null}``), which jsonargparse merges into the field's other values.
+    jsonargparse 4.53 re-reads such an option's value from its text form, where null has become the string
+    ``None``, and refuses it (``expected an int or null; got None``). Options at other depths, options that do not
+    take null (their parse error says so) and other values pass unchanged."""
+    last = _latest_leaves(words)
+    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+
+    def takes_null(key: str) -> bool:
+        annotation = _option_annotation(_plain(key), class_paths)
+        return annotation is not _UNKNOWN and type(None) in typing.get_args(annotation)
+
+    out, i = [], 0
+    while i < len(words):
+        key, eq, value = words[i].partition("=")
+        field = _NESTED_FIELD.fullmatch(key)
+        if field and not eq and i + 1 < len(words):
+            value = words[i + 1]
+        if field and (eq or i + 1 < len(words)) and value.strip() in ("null", "Null", "NULL", "~") \
+                and takes_null(key[2:]):
+            out += [f"--{field.group(1)}", f'{{"{field.group(2)}": null}}']
+            i += 1 if eq else 2
+            continue
+        out.append(words[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
     words = list(sys.argv[1:] if argv is None else argv)
@@ -2057,7 +2092,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"options belong to: put --config first (options apply in the order given)", file=sys.stderr)
                 raise SystemExit(2)
             with sigterm_handler(SigtermTwice()):  # SIGTERM while the config is read and the classes are built
-                MixlabCLI(args=argv)  # None: LightningCLI reads sys.argv itself
+                nulls = nested_nulls(words)
+                with warnings.catch_warnings():  # Lightning's note on args given next to sys.argv: they are sys.argv's
+                    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+                    MixlabCLI(args=nulls if nulls != words else argv)  # None: LightningCLI reads sys.argv itself
     except InterruptedMidStep:
         raise SystemExit(128 + signal.SIGINT) from None
     except KeyboardInterrupt:  # outside Lightning's loops (which end a Ctrl-C themselves): reading the config, set-up
