@@ -1,8 +1,8 @@
 """Write WebDataset shards (timm convention: ``__key__``, ``jpg``, ``cls``) from an ImageFolder tree.
 
     python scripts/make_wds_shards.py /data/imagenet/train /data/imagenet/wds/imagenet1k-train-%04d.tar --maxcount 1252
-    python scripts/make_wds_shards.py /data/imagenet/val   /data/imagenet/wds/imagenet1k-validation-%04d.tar --maxcount 782 \
-        --classes-from /data/imagenet/train
+    python scripts/make_wds_shards.py /data/imagenet/val   /data/imagenet/wds/imagenet1k-validation-%04d.tar \
+        --maxcount 782 --classes-from /data/imagenet/train
 
 (1,281,167 and 50,000 images: 1,024 and 64 shards, the patterns ``configs/vit/goat_imagenet.yaml`` reads.)
 
