@@ -1132,7 +1132,7 @@ def main(argv: list[str] | None = None) -> str:
         files = sorted(Path(wdir).rglob("folder/**/*.jpg"))
         kb = sum(f.stat().st_size for f in files) / len(files) / 1000
         what = f"synthetic: {a.images} JPEGs {w}x{h}, {kb:.0f} kB mean, {a.classes} classes " \
-               f"(written in {time.perf_counter() - t0:.0f} s)"
+               f"(written in {time.perf_counter() - t0:.0f} s" + (f"; shards {train_pattern})" if a.workdir else ")")
     val_pattern = a.val_shards or train_pattern
 
     num_classes = a.classes if a.shards is None else 1000
@@ -1158,7 +1158,8 @@ def main(argv: list[str] | None = None) -> str:
         """The report's header and table of the rows measured so far."""
         return [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
                 f"- device: {device_name(device)}; torch {torch.__version__}",
-                f"- data: {what if a.shards is None else train_pattern}",
+                f"- data: {what if a.shards is None else train_pattern}"
+                + (f"; evaluation: {a.val_shards}" if a.val_shards else ""),
                 f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"
                 + (f"; training augmentation (decode gpu) {graphs_mode}, JPEGs decoded by {a.jpeg_decoder}"
                    if "gpu" in a.decode else

@@ -22,6 +22,10 @@ def test_bench_input_quick_writes_a_well_formed_table(tmp_path, monkeypatch):
     lines = text.splitlines()
     assert lines[0].startswith("## Input pipeline vs model (20") and "- device: CPU only" in text
     assert "- command: `python scripts/bench_input.py --quick --out " in text and "synthetic: 48 JPEGs 64x48" in text
+    pattern = re.search(r"; shards (\S+)\)", text).group(1)  # --workdir: where the shards are, to reuse them
+    from mixlab.datamodules.imagenet import expand_shards
+
+    assert pattern.startswith(str(tmp_path / "data")) and expand_shards(pattern), pattern
     head = lines.index("| pipeline | decode | workers | measured | img/s | ms/batch | note |")
     assert lines[head + 1] == "|---|---|---|---|---:|---:|---|"
     rows = []
