@@ -998,7 +998,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         the loaders it iterates itself, but it sees the device stage's :class:`DevicePrefetcher`, not the
         DataLoader inside, so the workers lived until the process exited, where torch (2.11) waits 5 s for each
         before killing it: 75 s after the last step of a 15-worker fit on the GPU (BENCHMARKS.md). Python's thread
-        switch interval set for the device stage (``switch_interval_ms``) is restored."""
+        switch interval set for the device stage (``switch_interval_ms``) is restored. Where images were skipped as
+        corrupt, one log line gives their total so far (:attr:`corrupt_skipped`), after the warnings that named
+        each."""
         super().teardown(stage)
         if self._switch_interval_before is not None:
             sys.setswitchinterval(self._switch_interval_before)
@@ -1007,6 +1009,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
             _shutdown_workers_and_reset_iterator(self._train_prefetcher.loader)  # what Lightning does to its own
+        if self.corrupt_skipped:
+            log.warning("ImageNetDataModule: %d corrupt image(s) skipped so far (after %s), each named in a warning "
+                        "above", self.corrupt_skipped, getattr(stage, "value", stage))  # TrainerFn -> "fit"
 
     def input_timings(self) -> dict[str, float]:
         """Where the training input's host time went so far, from the device stage's prefetcher

@@ -568,9 +568,9 @@ def test_empty_text_file_is_reported_as_empty(capsys, monkeypatch, tmp_path):
     assert not (tmp_path / "runs" / "text").exists()
 
 
-def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeypatch, tmp_path):
+def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeypatch, tmp_path, caplog):
     """The ImageFolder path skips a truncated JPEG like the WebDataset path (the run trains and writes
-    its checkpoint; the warning names the file and the count)."""
+    its checkpoint; the warning names the file and the count; the fit's end gives the total in one line)."""
     from PIL import Image
 
     from mixlab.datamodules.digits import load_uci_digits
@@ -600,6 +600,8 @@ def test_truncated_jpeg_in_an_image_folder_is_skipped_counted_and_warned(monkeyp
                   "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false",
                   "--run_root", str(tmp_path / "runs")])
     assert SKIPPED["corrupt"] - before == 2  # once in training, once in validation
+    assert "ImageNetDataModule: 2 corrupt image(s) skipped so far (after fit), each named in a warning above" \
+        in [r.getMessage() for r in caplog.records if r.name == "mixlab.imagenet"]
     ckpt = torch.load(tmp_path / "runs/imagenet/goat2d/version_0/checkpoints/last.ckpt", weights_only=False)
     assert ckpt["global_step"] == 3  # 12 images, batches of 4: none lost
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import random
 import tarfile
@@ -284,7 +285,7 @@ def _decode_reporting_nice(sample, num_classes, transform=None):
 
 
 @pytest.mark.parametrize("context", [None, "spawn"])
-def test_corrupt_images_are_counted_over_all_loader_processes(folder, tmp_path, monkeypatch, context):
+def test_corrupt_images_are_counted_over_all_loader_processes(folder, tmp_path, monkeypatch, context, caplog):
     """Two corrupt images in shards read by different DataLoader workers: the datamodule's count (and the
     warnings') is the run's, 2, each worker counting in its own slot; before, each worker said "1 so far"."""
     import webdataset as wds
@@ -305,6 +306,10 @@ def test_corrupt_images_are_counted_over_all_loader_processes(folder, tmp_path, 
     assert n == 10 and dm.corrupt_skipped == 2
     counts = dm.corrupt.counts.tolist()
     assert counts[0] == 0 and sorted(counts)[-2:] == [1, 1], counts  # two val-worker slots, one each
+    with caplog.at_level(logging.WARNING, logger="mixlab.imagenet"):
+        dm.teardown("validate")  # the run's total at its end, after the warnings that named each
+    assert [r.getMessage() for r in caplog.records] == [
+        "ImageNetDataModule: 2 corrupt image(s) skipped so far (after validate), each named in a warning above"]
 
 
 def test_eval_transform_resizes_by_256_over_224_then_center_crops():
