@@ -222,8 +222,7 @@ def time_decoders_under_load(dm, device: torch.device, decoders: list[str], reps
 
     b = held_batch(dm, "train", device)
     data, off, keys = b.data, b.offsets, b.keys[b.num_decoded:]
-    x = torch.randn(batch, 3, image_size, image_size, device=device)
-    y = torch.randint(0, num_classes, (batch,), device=device)
+    x, y = random_batch(batch, image_size, num_classes, device)
     out = []
     for name in decoders:
         decode_jpegs(data, off, device, keys, name)
@@ -757,10 +756,17 @@ def make_step(model, device: torch.device, num_classes: int):
     return step
 
 
+def random_batch(batch: int, image_size: int, num_classes: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random training inputs: float32 images ``[batch, 3, image_size, image_size]`` (standard normal) and int64
+    labels ``[batch]`` in ``[0, num_classes)``, on ``device``."""
+    return (torch.randn(batch, 3, image_size, image_size, device=device),
+            torch.randint(0, num_classes, (batch,), device=device))
+
+
 def time_model(step, batch: int, image_size: int, num_classes: int, device: torch.device, warmup: int,
                iters: int) -> float:
-    x = torch.randn(batch, 3, image_size, image_size, device=device)
-    y = torch.randint(0, num_classes, (batch,), device=device)
+    x, y = random_batch(batch, image_size, num_classes, device)
     for _ in range(warmup):
         step(x, y)
     sync(device)
@@ -777,8 +783,7 @@ def launch_ms(step, batch: int, image_size: int, num_classes: int, device: torch
     waiting for the device unless the step synchronises. Next to the step's wall time on random tensors it says
     whether the step is host-bound: a host that needs most of the step to launch it has no slack for the input
     pipeline's threads (the GIL, CPU caches) before the device waits."""
-    x = torch.randn(batch, 3, image_size, image_size, device=device)
-    y = torch.randint(0, num_classes, (batch,), device=device)
+    x, y = random_batch(batch, image_size, num_classes, device)
     times = []
     for _ in range(reps):
         sync(device)
@@ -989,7 +994,8 @@ def main(argv: list[str] | None = None) -> str:
                         "difference to PIL's images (the decode cpu path's decoder)")
     p.add_argument("--decode-under-load", action="store_true",
                    help="with --decoders: also time each decoder's batch decode while the model trains in another "
-                        "thread (priority -1 stream, one sync per step), and the model's step time meanwhile")
+                        "thread (priority -1 stream, running ahead of the device as in a fit), and the model's step "
+                        "time meanwhile")
     p.add_argument("--no-end-to-end", action="store_true", help="skip loader + model runs")
     p.add_argument("--no-eval", action="store_true", help="skip the evaluation pipeline")
     p.add_argument("--no-loader", action="store_true",

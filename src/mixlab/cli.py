@@ -1566,11 +1566,17 @@ def _is_null(value: Any, from_file: bool) -> bool:
     return value is None if from_file else str(value).strip().lower() in ("null", "none", "~")
 
 
+def _class_paths(last: dict[str, tuple[str | None, str, Any]]) -> dict[str, Any]:
+    """``{"model": class path, "data": class path}``, those of the two the settings ``last`` (:func:`_latest_leaves`)
+    give."""
+    return {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+
+
 def _null_settings(words: list[str]) -> list[tuple[str, Any]]:
     """``(place, annotation)`` of each option whose value in effect on the command line ``words`` is null: where it
     was set (``<file>: <key>`` / ``--<key>``) and its annotation (:func:`_option_annotation`)."""
     last = _latest_leaves(words)
-    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+    class_paths = _class_paths(last)
     return [(f"{source}: {written}" if source else f"--{written}", _option_annotation(key, class_paths))
             for key, (source, written, value) in last.items() if _is_null(value, source is not None)]
 
@@ -2020,7 +2026,7 @@ def nested_nulls(words: list[str]) -> list[str]:
     ``None``, and refuses it (``expected an int or null; got None``). Options at other depths, options that do not
     take null (their parse error says so) and other values pass unchanged."""
     last = _latest_leaves(words)
-    class_paths = {k.split(".")[0]: v for k, (_, _, v) in last.items() if k in ("model.class_path", "data.class_path")}
+    class_paths = _class_paths(last)
 
     def takes_null(key: str) -> bool:
         annotation = _option_annotation(_plain(key), class_paths)
