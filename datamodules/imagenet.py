@@ -947,6 +947,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         jpeg = (f"decoding ({self.jpeg_decoder})" if device.type == "cuda" else
                 "decoding" + (f" (jpeg_decoder {self.jpeg_decoder} has no effect on a CPU device: torchvision)"
                               if self.jpeg_decoder == "nvimgcodec" else ""))
+        queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        if device.type == "cuda":
+            priority += f"; {queues or 8} hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)"
         return (f"decode gpu: {jpeg} and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
                 f"{self._worker_share_summary()}" + (f"; DataLoader workers{at_nice}" if at_nice else no_nice))
 

@@ -71,11 +71,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from mixlab.cli import CUDA_QUEUES
 from mixlab.eval.common import OneLineParser
 
 
@@ -647,8 +648,22 @@ def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
     return (lines[-1] if lines else f"exit status {done.returncode}"), {}
 
 
+_ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+
+
+def split_env(words: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """A ``--cli-variants`` string's words as a shell reads them: the leading ``NAME=value`` words are environment
+    variables of the fit's process (e.g. ``CUDA_DEVICE_MAX_CONNECTIONS=8``), the rest its CLI arguments."""
+    words = list(words)
+    k = 0
+    while k < len(words) and _ENV_WORD.match(words[k]):
+        k += 1
+    return dict(w.split("=", 1) for w in words[:k]), words[k:]
+
+
 def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tuple[Path, float] | None = None,
-                     gil_hold_ms: float = 0.0, gil_profile: tuple[Path, float, float] | None = None) -> CliFit:
+                     gil_hold_ms: float = 0.0, gil_profile: tuple[Path, float, float] | None = None,
+                     env: dict[str, str] | None = None) -> CliFit:
     """``perf/images_per_s`` (median, min, max) from step ``from_step`` on of one ``python -m mixlab fit ARGS`` run
     logging under ``run_root`` (a subprocess: its own workers, CUDA context and compile caches), with its wall-time
     split (:func:`fit_timeline`). ``stacks = (file, seconds)``: the run's threads' stacks are written to ``file``
@@ -656,7 +671,7 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
     run holds the GIL that many ms of every 50 ms (:data:`_GIL_MAIN`; not with ``stacks``). ``gil_profile = (file,
     start, seconds)``: py-spy samples which of the run's threads hold the GIL for ``seconds`` from ``start`` seconds
     after its launch (:data:`GIL_PROFILE_RATE` a second, raw output in ``file``; :func:`gil_summary` is added to the
-    result's line).
+    result's line). ``env``: environment variables set for the run's process (on top of this one's).
 
     Raises:
         RuntimeError: the run failed (its command and the end of its stderr) or logged no ``perf/images_per_s``.
@@ -671,19 +686,21 @@ def cli_images_per_s(args: list[str], run_root: Path, from_step: int, stacks: tu
         cmd = [sys.executable, "-c", _STACK_MAIN, str(stacks[0]), str(stacks[1]), "fit", *args, "--run_root",
                str(run_root)]
     started, gil = time.time(), ""
+    environ = {**os.environ, **(env or {})}
     if gil_profile is None:
-        done = subprocess.run(cmd, capture_output=True, text=True)
+        done = subprocess.run(cmd, capture_output=True, text=True, env=environ)
         returncode, stderr = done.returncode, done.stderr
     else:
         with tempfile.TemporaryFile("w+") as err, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                                                                   text=True) as proc:
+                                                                   text=True, env=environ) as proc:
             gil = gil_profile_run(proc, *gil_profile)
             returncode = proc.wait()
             err.seek(0)
             stderr = err.read()
     ended = time.time()
     if returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} exited with {returncode}:\n{stderr[-3000:]}")
+        raise RuntimeError(f"{shlex.join([*(f'{k}={v}' for k, v in (env or {}).items()), *cmd])} exited with "
+                           f"{returncode}:\n{stderr[-3000:]}")
     scalars = load_scalars(run_root)
     values = [v for _, step, v in scalars.get("perf/images_per_s", []) if step >= from_step]
     if not values:
@@ -872,11 +889,13 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
             for k, (mode, frac, label, variant) in enumerate(kinds if r % 2 == 0 else kinds[::-1]):
                 if mode.startswith("random"):
                     args = ["--config", a.cli_config, "--config", str(RANDOM_IMAGES), *common]
+                    env = {}
                 else:
+                    env, extra = split_env(shlex.split(variant))
                     args = ["--config", a.cli_config, *common, "--data.init_args.train_path", train_pattern,
                             "--data.init_args.val_path", val_pattern, "--data.init_args.num_workers", str(a.workers),
                             "--data.init_args.train_samples", str(2 * n * b), "--data.init_args.decode", mode,
-                            "--data.init_args.cpu_decode_fraction", str(frac), *shlex.split(variant)]
+                            "--data.init_args.cpu_decode_fraction", str(frac), *extra]
                 what = "random tensors" if mode == "random" else label
                 gil = float(variant) if mode == "random-gil" else 0.0
                 stacks = profile = None
@@ -889,7 +908,7 @@ def cli_rows(a, train_pattern: str, val_pattern: str, model_ips: float,
                     gil_dir.mkdir(parents=True, exist_ok=True)
                     profile = (gil_dir / fit_file, *a.cli_gil_profile)
                 got = cli_images_per_s(args, Path(tmp) / f"r{r}k{k}", min(40, n // 2), stacks=stacks,
-                                       gil_hold_ms=gil, gil_profile=profile)
+                                       gil_hold_ms=gil, gil_profile=profile, env=env)
                 runs[mode, frac, label, variant].append(got)
                 timeline = getattr(got, "timeline", "")
                 progress(f"CLI fit on {what}, run {r + 1}/{a.cli_repeats}: "
@@ -936,10 +955,11 @@ def check_cli_fits(p: OneLineParser, a: argparse.Namespace, variants: list[tuple
     ``shards`` of the fewest-shard pattern (each worker reads whole shards)."""
     config = a.cli_config
     for variant in variants:
-        args = [*shlex.split(a.cli_args), "--data.init_args.num_workers", str(a.workers), *variant]
+        _, words = split_env(variant)
+        args = [*shlex.split(a.cli_args), "--data.init_args.num_workers", str(a.workers), *words]
         bad, built = cli_args_check(args, config)
         if bad and "num_workers" in bad and "unknown option" in bad:
-            bad, built = cli_args_check([*shlex.split(a.cli_args), *variant], config)
+            bad, built = cli_args_check([*shlex.split(a.cli_args), *words], config)
         if bad:
             p.error(f"--cli-args/--cli-variants {shlex.join(variant)!r}: `python -m mixlab fit` refuses them: {bad}")
         if (built.get("model"), built.get("data")) != ("ImageClassifier", "ImageNetDataModule"):
@@ -953,6 +973,7 @@ def check_cli_fits(p: OneLineParser, a: argparse.Namespace, variants: list[tuple
 
 
 def main(argv: list[str] | None = None) -> str:
+    os.environ.setdefault(*CUDA_QUEUES)  # this process's device stage as in a fit (python -m mixlab sets it)
     p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shards", default=None, help="training shard pattern (default: write synthetic shards)")
     p.add_argument("--val-shards", default=None, help="evaluation shard pattern (default: --shards)")
@@ -1011,7 +1032,9 @@ def main(argv: list[str] | None = None) -> str:
     p.add_argument("--cli-args", default="", help="more CLI arguments for every --cli-steps run (one string)")
     p.add_argument("--cli-variants", nargs="+", default=[""], metavar="ARGS",
                    help="--cli-steps fits on the shards once per string of extra CLI arguments, e.g. '' "
-                        "'--data.init_args.worker_nice 10' '--data.init_args.decode_thread true' ('': as configured)")
+                        "'--data.init_args.worker_nice 10' '--data.init_args.decode_thread true' ('': as "
+                        "configured); leading NAME=value words set the fit's environment, as in a shell: "
+                        "'CUDA_DEVICE_MAX_CONNECTIONS=8'")
     p.add_argument("--cli-stacks", type=float, default=0, metavar="SECONDS",
                    help="write every --cli-steps fit's thread stacks every SECONDS next to --out "
                         "(X.md -> X.stacks/; without --out: ./bench_input.stacks/), and report the main thread's "
@@ -1163,7 +1186,9 @@ def main(argv: list[str] | None = None) -> str:
     def render() -> list[str]:
         """The report's header and table of the rows measured so far."""
         return [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
-                f"- device: {device_name(device)}; torch {torch.__version__}",
+                f"- device: {device_name(device)}; torch {torch.__version__}; CUDA_DEVICE_MAX_CONNECTIONS="
+                f"{os.environ[CUDA_QUEUES[0]]} (as `python -m mixlab` sets it unless exported; a --cli-variants string "
+                "can set another)",
                 f"- data: {what if a.shards is None else train_pattern}"
                 + (f"; evaluation: {a.val_shards}" if a.val_shards else ""),
                 f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"

@@ -186,7 +186,7 @@ def test_bench_input_out_keeps_what_a_run_cut_short_measured(tmp_path, monkeypat
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None, env=None):
         calls.append(args)
         if len(calls) > 1:
             raise KeyboardInterrupt
@@ -217,7 +217,7 @@ def test_bench_input_cli_gil_hold_adds_random_tensor_fits_with_a_gil_holding_thr
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None, env=None):
         calls.append(gil_hold_ms)
         return (2000.0 if gil_hold_ms else 4000.0), 1000.0, 5000.0
 
@@ -259,7 +259,7 @@ def test_bench_input_cli_gil_profile_reads_py_spy_and_needs_it(tmp_path, monkeyp
     monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/py-spy" if name == "py-spy" else None)
     seen = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None, env=None):
         seen.append(gil_profile)
         return bench_input.CliFit(4000.0, 3000.0, 5000.0, "GIL held, % of 3 s: MainThread 20.0%")
 
@@ -512,8 +512,11 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
 
     calls = []
 
-    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None):
+    envs = []
+
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None, env=None):
         calls.append(args)
+        envs.append(env)
         return bench_input.CliFit(1000.0 + 10 * len(calls), 900.0, 1100.0, "wall 1.0 s")
 
     monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
@@ -523,6 +526,7 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cli-steps", "4", "--cli-variants", "",
                              "--data.init_args.worker_nice 10 --data.init_args.decode_thread true"])
+    assert envs == [{}, {}, {}]
     assert len(calls) == 3 and not any("worker_nice" in a for a in calls[0] + calls[1])
     assert calls[2][-4:] == ["--data.init_args.worker_nice", "10", "--data.init_args.decode_thread", "true"]
     rows = [line for line in text.splitlines() if "through the CLI, shards" in line]
@@ -532,6 +536,49 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     workers = ["--data.init_args.num_workers", "2"]  # --quick's, before the variant as in the fits
     assert checked == [workers, [*workers, "--data.init_args.worker_nice", "10", "--data.init_args.decode_thread",
                                  "true"]]
+
+
+def test_bench_input_cli_variants_leading_assignments_set_the_fits_environment(tmp_path, monkeypatch):
+    """A ``--cli-variants`` string's leading ``NAME=value`` words are the fit's environment (as in a shell), the rest
+    its CLI arguments; the CLI check sees only the arguments; the row is labelled with the whole string. The fit's
+    process gets the variables on top of this one's environment."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import bench_input
+
+    assert bench_input.split_env(["A=1", "B_2=x=y", "--data.x", "C=3"]) == ({"A": "1", "B_2": "x=y"},
+                                                                           ["--data.x", "C=3"])
+    assert bench_input.split_env([]) == ({}, [])
+    run_fit = bench_input.cli_images_per_s
+    seen = []
+
+    def fake_fit(args, run_root, from_step, stacks=None, gil_hold_ms=0.0, gil_profile=None, env=None):
+        seen.append((args[-2:], env))
+        return bench_input.CliFit(1000.0, 900.0, 1100.0, "wall 1.0 s")
+
+    monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
+    checked = []
+    built = {"model": "ImageClassifier", "data": "ImageNetDataModule", "num_workers": 2}
+    monkeypatch.setattr(bench_input, "cli_args_check", lambda args, config: (checked.append(args) or "", built))
+    text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
+                             "--no-loader", "--cli-steps", "4", "--cli-variants",
+                             "CUDA_DEVICE_MAX_CONNECTIONS=8 --data.init_args.worker_nice 3"])
+    assert seen[1] == (["--data.init_args.worker_nice", "3"], {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    assert seen[0][1] == {}  # the random-tensor anchor
+    assert checked == [["--data.init_args.num_workers", "2", "--data.init_args.worker_nice", "3"]]
+    assert "| gpu, CUDA_DEVICE_MAX_CONNECTIONS=8 --data.init_args.worker_nice 3 |" in text
+
+    # the real runner passes the variables to the fit's process, on top of this one's environment
+    monkeypatch.setenv("MIXLAB_BENCH_OUTER", "kept")
+    got = {}
+
+    def fake_run(cmd, capture_output, text, env):
+        got.update(env)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(bench_input.subprocess, "run", fake_run)
+    with pytest.raises(SystemExit):
+        run_fit(["--config", "x.yaml"], tmp_path / "run", 0, env={"A_B": "1"})
+    assert got["A_B"] == "1" and got["MIXLAB_BENCH_OUTER"] == "kept"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -14,6 +14,7 @@ In-process calls of :func:`mixlab.cli.main`, as ``tests/test_cli_errors.py`` and
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -471,3 +472,22 @@ def test_accelerator_gpu_without_a_gpu_says_what_to_use(capsys, monkeypatch, tmp
                 "--trainer.accelerator", "gpu")
     assert err[-2] == ("error: --trainer.accelerator: No supported gpu backend found! (this machine has no CUDA or "
                        "MPS device: use --trainer.accelerator cpu, or auto)"), err
+
+
+def test_main_gives_cuda_32_work_queues_unless_the_environment_sets_them(monkeypatch, tmp_path, capsys):
+    """``python -m mixlab`` sets ``CUDA_DEVICE_MAX_CONNECTIONS=32`` before anything asks CUDA (the ImageNet GPU
+    stage's streams then do not share hardware queues with the training step's); a value the user exported is kept.
+    Set even when the command then fails on bad input."""
+    var, value = cli.CUDA_QUEUES
+    assert (var, value) == ("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    monkeypatch.setenv(var, "restored at teardown")
+    monkeypatch.delenv(var)
+    missing = str(tmp_path / "missing.yaml")
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", missing])
+    assert os.environ[var] == "32"
+    monkeypatch.setenv(var, "1")
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--config", missing])
+    assert os.environ[var] == "1"
+    assert "missing.yaml" in capsys.readouterr().err

@@ -278,6 +278,19 @@ def test_worker_nice_summary_says_when_linux_caps_it(monkeypatch):
            "lowest priority)" in summary
 
 
+def test_gpu_pipeline_summary_names_cudas_work_queues(monkeypatch):
+    """On a CUDA device the training pipeline's summary says how many hardware work queues CUDA gives the process
+    (``CUDA_DEVICE_MAX_CONNECTIONS``; 8 when unset, CUDA's default)."""
+    dm = ImageNetDataModule(train_path="x.tar", decode="gpu")
+    monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert "; 32 hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)" in dm.pipeline_summary()
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert "; 8 hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)" in dm.pipeline_summary()
+    monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cpu"))
+    assert "hardware work queues" not in dm.pipeline_summary()
+
+
 def _decode_reporting_nice(sample, num_classes, transform=None):
     """``decode_sample`` whose label is the decoding process's nice value (module level: spawn pickles it)."""
     x, _ = decode_sample(sample, num_classes, transform)

@@ -17,6 +17,10 @@ Defaults added to every run:
   ``checkpoint.mode`` change it, e.g. ``val/acc`` / ``max``); LearningRateMonitor,
   :class:`~mixlab.callbacks.ThroughputMemory`, the progress bar;
 * ``precision: bf16-mixed`` when CUDA is available, else ``32-true``;
+* ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (:data:`CUDA_QUEUES`) unless the environment sets it: 32 hardware work queues per
+  GPU instead of CUDA's 8, so that streams do not share a queue (work in one queue runs in launch order). The
+  ImageNet GPU stage runs on more than 8 streams (nvJPEG's 14 for torchvision's decode, the stage's, the training
+  step's); with 8 queues an image's decode could wait behind the training step's queued kernels;
 * ``--ckpt_path last`` means the newest ``last.ckpt`` of this task and run name (``best``: the
   checkpoint the ``checkpoint`` group kept in that run), and a
   run resumed, validated or tested from its own checkpoint logs into the same
@@ -2048,8 +2052,14 @@ def nested_nulls(words: list[str]) -> list[str]:
     return out
 
 
+CUDA_QUEUES = ("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+"""The CUDA setting :func:`main` makes unless the environment has one: hardware work queues per GPU (1-32, CUDA's
+default 8), read when the process's CUDA context is created (the module docstring says why)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: an extra subcommand from :data:`COMMANDS`, else LightningCLI."""
+    os.environ.setdefault(*CUDA_QUEUES)  # before anything asks CUDA (the user's own value is kept)
     words = list(sys.argv[1:] if argv is None else argv)
     _CTRL_C_STOP.clear()
     _RUN_STARTED.clear()
