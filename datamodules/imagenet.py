@@ -622,8 +622,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             ``"nvimgcodec"`` without the package raises ImportError when the loaders are built for a CUDA device.
         decode_thread: with the device stage prefetched, decode the next batch's JPEGs in a second background
             thread while the stage thread crops and augments the current one (torchvision's ``decode_jpeg`` on CUDA
-            returns only after nvJPEG's device work, which waits behind the training step's kernels), instead of
-            one thread doing both in turn
+            returns only after nvJPEG's device work, which waits behind the training step's kernels where streams share
+            CUDA's hardware work queues: ``CUDA_DEVICE_MAX_CONNECTIONS`` below the 32 ``python -m mixlab`` sets),
+            instead of one thread doing both in turn
             (:class:`~mixlab.datamodules.imagenet_gpu.DevicePrefetcher`'s ``decode_thread``). The same batches.
         worker_nice: added to each DataLoader worker's Linux nice value (``os.nice``, at the worker's start): with
             ``n > 0`` the training process's threads (the training step's launches, the device stage, the pin-memory
