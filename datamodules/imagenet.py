@@ -716,6 +716,7 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             warnings.warn(f"ImageNetDataModule: batch_size={batch_size} is odd; timm Mixup needs even batches")
         self.format = format
         self.paths = {"train": train_path, "val": val_path, "test": test_path or val_path}
+        self._test_is_val = test_path is None and val_path is not None
         self.num_classes = num_classes
         self.image_size = image_size
         self.eval_size = image_size if eval_size is None else eval_size
@@ -732,6 +733,9 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         p = self.paths[split]
         if not p:
             raise ValueError(f"ImageNetDataModule: {split}_path is not set (needed for the {split} dataloader)")
+        if split == "test" and self._test_is_val:
+            log.info("imagenet: test_path is not set: testing on val_path %s", p)
+            self._test_is_val = False  # said once
         return p
 
     @property

@@ -594,11 +594,16 @@ def stack_summary(text: str) -> list[str]:
 # one line `MIXLAB_CHECK {json}` names the classes built and the datamodule's num_workers
 _CHECK_MAIN = """import json, sys
 from mixlab.cli import MixlabCLI, one_line_errors
+from mixlab.registry import load_plugins
+try:
+    load_plugins()  # as python -m mixlab does ($MIXLAB_IMPORT, entry points)
+except ImportError as err:
+    sys.exit(f"error: {err}")
 class Check(MixlabCLI):
     def _run_subcommand(self, subcommand):
         print("MIXLAB_CHECK " + json.dumps({"model": type(self.model).__name__, "data": type(self.datamodule).__name__,
                                             "num_workers": getattr(self.datamodule, "num_workers", None)}))
-with one_line_errors():
+with one_line_errors(sys.argv[1:]):
     Check(args=sys.argv[1:])
 """
 
@@ -632,15 +637,15 @@ def gil_summary(text: str, rate: float, seconds: float, top: int = 3) -> str:
     return f"GIL held, % of {seconds:g} s: " + "; ".join(parts)
 
 
-def cli_args_check(args: list[str], config: str) -> tuple[str, dict[str, Any]]:
+def cli_args_check(args: list[str], config: str, env: dict[str, str] | None = None) -> tuple[str, dict[str, Any]]:
     """``(error, built)`` of ``python -m mixlab fit --config CONFIG ARGS`` with the classes built and the subcommand
-    not run (its run root a temporary folder), before any fit runs: ``error`` is the last line of the error output
-    when the CLI refuses ``args`` (an unknown option, a value of the wrong type, a value the datamodule or model
-    refuses), else ``""``; ``built`` names the model and datamodule classes and the datamodule's ``num_workers``
-    (``{}`` on an error)."""
+    not run (its run root a temporary folder; ``env``: variables set for its process as for the fit's), before any
+    fit runs: ``error`` is the last line of the error output when the CLI refuses ``args`` (an unknown option, a
+    value of the wrong type, a value the datamodule or model refuses), else ``""``; ``built`` names the model and
+    datamodule classes and the datamodule's ``num_workers`` (``{}`` on an error)."""
     with tempfile.TemporaryDirectory(prefix="bench_input_check_") as tmp:
         done = subprocess.run([sys.executable, "-c", _CHECK_MAIN, "fit", "--config", config, *args, "--run_root", tmp],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, env={**os.environ, **(env or {})})
     if done.returncode == 0:
         found = [ln for ln in done.stdout.splitlines() if ln.startswith("MIXLAB_CHECK ")]
         return "", json.loads(found[-1].split(" ", 1)[1]) if found else {}
@@ -955,12 +960,21 @@ def check_cli_fits(p: OneLineParser, a: argparse.Namespace, variants: list[tuple
     ``shards`` of the fewest-shard pattern (each worker reads whole shards)."""
     config = a.cli_config
     for variant in variants:
-        _, words = split_env(variant)
+        env, words = split_env(variant)
+        for k, w in enumerate(words):  # NAME=value where an option belongs: a misplaced or misspelt variable
+            if re.match(r"\w+=", w) and (k == 0 or not words[k - 1].startswith("-") or "=" in words[k - 1]):
+                p.error(f"--cli-variants {shlex.join(variant)!r}: {w!r} is not an option; environment variables go "
+                        "first, as NAME=value with NAME of letters, digits and _ not starting with a digit")
+        queues = env.get(CUDA_QUEUES[0])
+        if queues is not None and not (queues.isdigit() and 1 <= int(queues) <= 32):
+            p.error(f"--cli-variants {shlex.join(variant)!r}: {CUDA_QUEUES[0]} must be an int in [1, 32]; "
+                    f"got {queues!r}")
         args = [*shlex.split(a.cli_args), "--data.init_args.num_workers", str(a.workers), *words]
-        bad, built = cli_args_check(args, config)
+        bad, built = cli_args_check(args, config, env)
         if bad and "num_workers" in bad and "unknown option" in bad:
-            bad, built = cli_args_check([*shlex.split(a.cli_args), *words], config)
+            bad, built = cli_args_check([*shlex.split(a.cli_args), *words], config, env)
         if bad:
+            bad = re.sub(r"\s*\(?python -m mixlab fit --help lists the options\)?", "", bad)  # p.error says it
             p.error(f"--cli-args/--cli-variants {shlex.join(variant)!r}: `python -m mixlab fit` refuses them: {bad}")
         if (built.get("model"), built.get("data")) != ("ImageClassifier", "ImageNetDataModule"):
             p.error(f"--cli-config {config!r} trains {built.get('model')} on {built.get('data')}; the --cli-steps "
@@ -1186,9 +1200,10 @@ def main(argv: list[str] | None = None) -> str:
     def render() -> list[str]:
         """The report's header and table of the rows measured so far."""
         return [f"## Input pipeline vs model ({datetime.date.today().isoformat()})", "",
-                f"- device: {device_name(device)}; torch {torch.__version__}; CUDA_DEVICE_MAX_CONNECTIONS="
-                f"{os.environ[CUDA_QUEUES[0]]} (as `python -m mixlab` sets it unless exported; a --cli-variants string "
-                "can set another)",
+                f"- device: {device_name(device)}; torch {torch.__version__}"
+                + (f"; {CUDA_QUEUES[0]}={os.environ[CUDA_QUEUES[0]]} (as `python -m mixlab` sets it unless exported"
+                   + ("; a --cli-variants string can set another)" if a.cli_steps else ")")
+                   if device.type == "cuda" else ""),
                 f"- data: {what if a.shards is None else train_pattern}"
                 + (f"; evaluation: {a.val_shards}" if a.val_shards else ""),
                 f"- batch {a.batch_size}, {a.image_size} px, warm-up {a.warmup} batches, {a.batches} timed"

@@ -522,7 +522,8 @@ def test_bench_input_cli_variants_add_one_shards_fit_each(tmp_path, monkeypatch)
     monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
     checked = []
     built = {"model": "ImageClassifier", "data": "ImageNetDataModule", "num_workers": 2}
-    monkeypatch.setattr(bench_input, "cli_args_check", lambda args, config: (checked.append(args) or "", built))
+    monkeypatch.setattr(bench_input, "cli_args_check",
+                        lambda args, config, env=None: (checked.append(args) or "", built))
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cli-steps", "4", "--cli-variants", "",
                              "--data.init_args.worker_nice 10 --data.init_args.decode_thread true"])
@@ -558,13 +559,21 @@ def test_bench_input_cli_variants_leading_assignments_set_the_fits_environment(t
     monkeypatch.setattr(bench_input, "cli_images_per_s", fake_fit)
     checked = []
     built = {"model": "ImageClassifier", "data": "ImageNetDataModule", "num_workers": 2}
-    monkeypatch.setattr(bench_input, "cli_args_check", lambda args, config: (checked.append(args) or "", built))
+    checks_env = []
+
+    def fake_check(args, config, env=None):
+        checked.append(args)
+        checks_env.append(env)
+        return "", built
+
+    monkeypatch.setattr(bench_input, "cli_args_check", fake_check)
     text = bench_input.main(["--quick", "--workdir", str(tmp_path / "data"), "--decode", "gpu", "--no-eval",
                              "--no-loader", "--cli-steps", "4", "--cli-variants",
                              "CUDA_DEVICE_MAX_CONNECTIONS=8 --data.init_args.worker_nice 3"])
     assert seen[1] == (["--data.init_args.worker_nice", "3"], {"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
     assert seen[0][1] == {}  # the random-tensor anchor
     assert checked == [["--data.init_args.num_workers", "2", "--data.init_args.worker_nice", "3"]]
+    assert checks_env == [{"CUDA_DEVICE_MAX_CONNECTIONS": "8"}]  # the check runs as the fit will
     assert "| gpu, CUDA_DEVICE_MAX_CONNECTIONS=8 --data.init_args.worker_nice 3 |" in text
 
     # the real runner passes the variables to the fit's process, on top of this one's environment
@@ -592,8 +601,16 @@ def test_bench_input_cli_variants_leading_assignments_set_the_fits_environment(t
     (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.bogus 3"],
      "'--data.init_args.bogus 3': `python -m mixlab fit` refuses them: error: unknown option --data.init_args.bogus"),
     (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.worker_nice 25"],
-     "'--data.init_args.worker_nice 25': `python -m mixlab fit` refuses them: error: data: ImageNetDataModule: "
-     "worker_nice must be in [0, 19]"),
+     "'--data.init_args.worker_nice 25': `python -m mixlab fit` refuses them: error: --data.init_args.worker_nice: "
+     "ImageNetDataModule: worker_nice must be in [0, 19]"),
+    # environment words (user test): misplaced, misnamed, a queue count CUDA cannot take, a plugin that is missing
+    (["--cli-steps", "4", "--cli-variants", "--data.init_args.worker_nice 5 CUDA_DEVICE_MAX_CONNECTIONS=8"],
+     "'CUDA_DEVICE_MAX_CONNECTIONS=8' is not an option; environment variables go first, as NAME=value"),
+    (["--cli-steps", "4", "--cli-variants", "1FOO=3"], "'1FOO=3' is not an option; environment variables go first"),
+    (["--cli-steps", "4", "--cli-variants", "CUDA_DEVICE_MAX_CONNECTIONS=abc"],
+     "CUDA_DEVICE_MAX_CONNECTIONS must be an int in [1, 32]; got 'abc'"),
+    (["--cli-steps", "4", "--cli-variants", "MIXLAB_IMPORT=no_such_module_xyz"],
+     "'MIXLAB_IMPORT=no_such_module_xyz': `python -m mixlab fit` refuses them"),
     # --quick writes 48 images, 6 per shard: 8 shards
     (["--cli-steps", "4", "--cli-variants", "", "--data.init_args.num_workers 50"],
      "--cli-variants '--data.init_args.num_workers 50': num_workers 50 for 8 shards; every DataLoader worker needs "

@@ -713,3 +713,21 @@ def test_vit_resume_on_the_gpu_stage_has_the_uninterrupted_losses(tmp_path, devi
     first = fit(tmp_path / "run", 5)
     rest = fit(tmp_path / "run", 10, str(tmp_path / "run" / "last.ckpt"))
     assert len(full) == 10 and first + rest == full
+
+
+def test_test_split_without_test_path_says_it_tests_on_val(folder, caplog):
+    """Without ``test_path`` the test loader reads ``val_path`` (documented); the log says so once (a user test:
+    ``test`` silently scored the val images)."""
+    dm = ImageNetDataModule(format="folder", val_path=str(folder), num_classes=N_CLASSES, image_size=32,
+                            batch_size=4, num_workers=0)
+    with caplog.at_level(logging.INFO, logger="mixlab.imagenet"):
+        dm.test_dataloader()
+        dm.test_dataloader()
+    said = [r.getMessage() for r in caplog.records if "test_path is not set" in r.getMessage()]
+    assert said == [f"imagenet: test_path is not set: testing on val_path {folder}"]
+    caplog.clear()
+    own = ImageNetDataModule(format="folder", val_path=str(folder), test_path=str(folder), num_classes=N_CLASSES,
+                             image_size=32, batch_size=4, num_workers=0)
+    with caplog.at_level(logging.INFO, logger="mixlab.imagenet"):
+        own.test_dataloader()
+    assert "test_path is not set" not in caplog.text
