@@ -499,6 +499,21 @@ def _nice_then(nice: int, init: Callable[[int], Any], worker_id: int) -> None:
     init(worker_id)
 
 
+def cuda_work_queues() -> tuple[str, str]:
+    """``(count, shortfall)``: this process's CUDA hardware work queues per GPU (``CUDA_DEVICE_MAX_CONNECTIONS``,
+    ``"8"`` when unset: CUDA's default), and, when fewer than 32, what that costs the ``decode: gpu`` path and how to
+    get 32 (``""`` otherwise). ``python -m mixlab`` sets 32 unless the environment sets it; a script that builds the
+    datamodule itself must export it before CUDA starts. With fewer queues than the path's streams (nvJPEG's 14 and
+    the stage's), streams share a queue and run in order: a batch's decode waited behind the training step's queued
+    kernels (46 instead of 16 ms per batch on an H100; the fit 0.88-0.89x instead of 0.94-0.95x the model,
+    BENCHMARKS.md, forty-sixth session)."""
+    queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") or "8"
+    if queues.isdigit() and int(queues) >= 32:
+        return queues, ""
+    return queues, ("fewer than the streams of decode gpu, so the decode can wait behind the training step; export "
+                    "CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts (python -m mixlab sets it)")
+
+
 def _check_ranges(**values: Any) -> None:
     """Refuse out-of-range ImageNetDataModule arguments before anything is built.
 
@@ -903,6 +918,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             loader = torch.utils.data.DataLoader(ds, batch_size=bs, **kw)
         if train:
             log.info("imagenet: %s", self.pipeline_summary())
+            short = cuda_work_queues()[1]
+            if short and self.decode_mode() == "gpu" and getattr(self._root_device(), "type", None) == "cuda":
+                warnings.warn(f"ImageNetDataModule: {cuda_work_queues()[0]} CUDA hardware work queues per GPU are "
+                              f"{short}", stacklevel=2)
         return self.prefetched(loader, train)
 
     def pipeline_summary(self) -> str:
@@ -952,9 +971,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
         jpeg = (f"decoding ({self.jpeg_decoder})" if device.type == "cuda" else
                 "decoding" + (f" (jpeg_decoder {self.jpeg_decoder} has no effect on a CPU device: torchvision)"
                               if self.jpeg_decoder == "nvimgcodec" else ""))
-        queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
         if device.type == "cuda":
-            priority += f"; {queues or 8} hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)"
+            queues, short = cuda_work_queues()
+            priority += f"; {queues} hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)" + (
+                f": {short}" if short else "")
         return (f"decode gpu: {jpeg} and augmentation on {device}, {where}; RandAugment {graphs}{priority}"
                 f"{self._worker_share_summary()}" + (f"; DataLoader workers{at_nice}" if at_nice else no_nice))
 

@@ -20,6 +20,7 @@ from mixlab.datamodules.digits import load_uci_digits
 from mixlab.datamodules.imagenet import (
     SKIPPED,
     ImageNetDataModule,
+    cuda_work_queues,
     decode_sample,
     eval_transform,
     expand_shards,
@@ -280,13 +281,21 @@ def test_worker_nice_summary_says_when_linux_caps_it(monkeypatch):
 
 def test_gpu_pipeline_summary_names_cudas_work_queues(monkeypatch):
     """On a CUDA device the training pipeline's summary says how many hardware work queues CUDA gives the process
-    (``CUDA_DEVICE_MAX_CONNECTIONS``; 8 when unset, CUDA's default)."""
+    (``CUDA_DEVICE_MAX_CONNECTIONS``; 8 when unset, CUDA's default), and how to get 32 when it has fewer (a script
+    that uses the datamodule without ``python -m mixlab``)."""
     dm = ImageNetDataModule(train_path="x.tar", decode="gpu")
     monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cuda", 0))
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     assert "; 32 hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)" in dm.pipeline_summary()
+    assert "fewer than" not in dm.pipeline_summary()
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    assert "; 8 hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS)" in dm.pipeline_summary()
+    assert ("; 8 hardware work queues per GPU (CUDA_DEVICE_MAX_CONNECTIONS): fewer than the streams of decode gpu, "
+            "so the decode can wait behind the training step; export CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts "
+            "(python -m mixlab sets it)" in dm.pipeline_summary())
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16")
+    assert cuda_work_queues() == ("16", cuda_work_queues()[1]) and cuda_work_queues()[1].startswith("fewer than")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "abc")
+    assert cuda_work_queues()[1].startswith("fewer than")
     monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cpu"))
     assert "hardware work queues" not in dm.pipeline_summary()
 
@@ -731,3 +740,21 @@ def test_test_split_without_test_path_says_it_tests_on_val(folder, caplog):
     with caplog.at_level(logging.INFO, logger="mixlab.imagenet"):
         own.test_dataloader()
     assert "test_path is not set" not in caplog.text
+
+
+def test_decode_gpu_on_cuda_warns_when_cuda_has_fewer_than_32_work_queues(shards, monkeypatch):
+    """A script that builds the datamodule itself (no ``python -m mixlab``, which sets 32) and trains with the GPU
+    stage on CUDA gets one warning saying how to get 32 queues; with 32 there is none."""
+    out, _ = shards
+    dm = ImageNetDataModule(format="wds", train_path=str(out / "train-{0000..0003}.tar"), num_classes=N_CLASSES,
+                            image_size=32, batch_size=2, num_workers=1, decode="gpu", train_samples=8)
+    monkeypatch.setattr(dm, "_root_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(dm, "prefetched", lambda loader, train: loader)  # no CUDA here
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    with pytest.warns(UserWarning, match=r"ImageNetDataModule: 8 CUDA hardware work queues per GPU are fewer than the "
+                                         r"streams of decode gpu, .* export CUDA_DEVICE_MAX_CONNECTIONS=32"):
+        dm.train_dataloader()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dm.train_dataloader()
