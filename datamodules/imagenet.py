@@ -918,10 +918,10 @@ class ImageNetDataModule(SplitLoaders, ResumableDataModule):
             loader = torch.utils.data.DataLoader(ds, batch_size=bs, **kw)
         if train:
             log.info("imagenet: %s", self.pipeline_summary())
-            short = cuda_work_queues()[1]
+            queues, short = cuda_work_queues()
             if short and self.decode_mode() == "gpu" and getattr(self._root_device(), "type", None) == "cuda":
-                warnings.warn(f"ImageNetDataModule: {cuda_work_queues()[0]} CUDA hardware work queues per GPU are "
-                              f"{short}", stacklevel=2)
+                warnings.warn(f"ImageNetDataModule: {queues} CUDA hardware work queues per GPU are {short}",
+                              stacklevel=2)
         return self.prefetched(loader, train)
 
     def pipeline_summary(self) -> str:
